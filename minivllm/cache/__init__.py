@@ -1,0 +1,1 @@
+"""KV storage for requests. The contiguous cache is the reference; paged comes next."""

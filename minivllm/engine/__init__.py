@@ -1,0 +1,1 @@
+"""Request state, sampling and the generation loop."""

@@ -1,0 +1,62 @@
+"""Turn one row of logits into one token, following a request's `SamplingParams`.
+
+Order of operations (same as vLLM/llama.cpp): penalties on raw logits, then
+temperature, then the top-k / top-p / min-p filters, then a draw from the request's
+own generator. A per-request generator is what makes a seed reproduce the same
+tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.engine.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], p: SamplingParams) -> torch.Tensor:
+    if p.repetition_penalty != 1.0 and context_ids:
+        window = context_ids[-p.repetition_window:] if p.repetition_window else context_ids
+        ids = torch.tensor(sorted(set(window)), device=logits.device)
+        seen = logits[ids]
+        # Divide positive logits, multiply negative ones: both make the token less likely.
+        logits[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from (float32, sums to 1)."""
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
+        # *before* it is still below top_p.
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def make_generator(p: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if p.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+    return g
+
+
+def sample(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], p: SamplingParams,
+           generator: torch.Generator | None) -> int:
+    logits = apply_penalties(logits.clone(), context_ids, output_ids, p)
+    if p.greedy:
+        return int(torch.argmax(logits).item())
+    probs = filtered_probs(logits, p)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,59 @@
+"""Per-request sampling settings, validated once when the request is made.
+
+Shaped like vLLM's `SamplingParams` so code moves between the two. Every invalid
+value raises `ConfigError` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = 0  # 0: whole context (prompt + output)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self._check("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)")
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0 (0 or -1 disables it)")
+        self._check("top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        self._check("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]")
+        self._check("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 disables it)")
+        self._check("repetition_window", isinstance(self.repetition_window, int) and self.repetition_window >= 0,
+                    "must be an integer >= 0 (0 = whole context)")
+        self._check("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]")
+        self._check("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]")
+        self._check("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1")
+        self._check("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be None or an integer >= 0")
+        self._check("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings")
+        self._check("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                    "must be non-negative token ids")
+
+    def _check(self, name: str, ok: bool, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(name, getattr(self, name), allowed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

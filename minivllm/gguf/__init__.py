@@ -1,0 +1,1 @@
+"""GGUF file access: reading, type tables and dequantization."""

@@ -1,0 +1,27 @@
+"""Linear layers over weights dequantized once at load time.
+
+This is the reference path: weights live in the activation dtype on the model's
+device and every matmul goes to torch (cuBLAS on CUDA, the CPU BLAS otherwise).
+The kernels issue replaces it with quantized GEMV/GEMM dispatch behind the same
+`__call__`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight  # (out_features, in_features), activation dtype
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(self.weight.dtype) @ self.weight.T
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y

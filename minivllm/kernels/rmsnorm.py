@@ -1,0 +1,16 @@
+"""RMSNorm with its statistics in float32 whatever the activation dtype.
+
+f16 activations overflow in the sum of squares on wide models (Qwen2.5-7B prints
+"!!!!" otherwise), so the input is upcast before the reduction, and the result is
+returned in float32: the caller decides when to drop to the matmul dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    variance = x32.pow(2).mean(dim=-1, keepdim=True)
+    return x32 * torch.rsqrt(variance + eps) * weight.float()

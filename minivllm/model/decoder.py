@@ -1,0 +1,81 @@
+"""The decoder shared by Llama and Qwen2: RMSNorm → attention → RMSNorm → SwiGLU MLP.
+
+Numerics contract (DESIGN.md): the residual stream, RMSNorm statistics, RoPE angles
+and softmax are float32; only matmul inputs/weights use the activation dtype. This is
+what keeps f16 usable on T4-class GPUs.
+
+The model does not own a KV cache. `forward` receives a cache object with
+`append(layer, start, k, v) -> (keys, values)`, so the engine can swap contiguous
+storage for paged storage without touching the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.kernels.attention import causal_attention
+from minivllm.kernels.linear import DenseLinear
+from minivllm.kernels.rmsnorm import rms_norm
+from minivllm.kernels.rope import RotaryEmbedding
+from minivllm.model.config import ModelConfig
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: torch.Tensor
+    q: DenseLinear
+    k: DenseLinear
+    v: DenseLinear
+    o: DenseLinear
+    ffn_norm: torch.Tensor
+    gate: DenseLinear
+    up: DenseLinear
+    down: DenseLinear
+
+
+class DecoderModel:
+    def __init__(self, config: ModelConfig, embedding: torch.Tensor, layers: list[DecoderLayer],
+                 output_norm: torch.Tensor, output: DenseLinear, rope: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.embedding = embedding  # (vocab, d_model) in the activation dtype
+        self.layers = layers
+        self.output_norm = output_norm
+        self.output = output
+        self.rope = rope
+        self.dtype = dtype
+        self.device = device
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, start_pos: int, cache, *, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions start_pos.. through the model, storing their K/V in `cache`.
+
+        Returns float32 logits for the last token (shape (vocab,)) or, with
+        `all_logits`, for every token (shape (T, vocab)).
+        """
+        cfg = self.config
+        t = token_ids.shape[0]
+        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        cos, sin = self.rope.cos_sin(positions)
+        h = self.embedding[token_ids].float()  # residual stream: float32
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.attn_norm, cfg.rms_eps).to(self.dtype)
+            q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
+            k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+            v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+            q = self.rope.apply(q, cos, sin)
+            k = self.rope.apply(k, cos, sin)
+            keys, values = cache.append(i, start_pos, k, v)
+            attn = causal_attention(q, keys, values, start_pos).reshape(t, cfg.n_heads * cfg.head_dim)
+            h = h + layer.o(attn).float()
+
+            x = rms_norm(h, layer.ffn_norm, cfg.rms_eps).to(self.dtype)
+            gated = torch.nn.functional.silu(layer.gate(x)) * layer.up(x)
+            h = h + layer.down(gated).float()
+        if not all_logits:
+            h = h[-1:]
+        x = rms_norm(h, self.output_norm, cfg.rms_eps).to(self.dtype)
+        logits = self.output(x).float()
+        return logits if all_logits else logits[0]
