@@ -36,6 +36,7 @@ case, the file's SHA-256 and a SHA-256 of its `tokenizer.*` metadata.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import sys
@@ -79,6 +80,21 @@ def vocab_facts(llm: llama_cpp.Llama) -> dict:
     }
 
 
+def detokenize(vocab, ids: list[int]) -> str:
+    """llama.cpp's own detokenizer (special tokens rendered, its space clean-up applied).
+
+    `Llama.detokenize` is not used: it goes through a 32-byte piece buffer per token.
+    """
+    arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
+    size = 64 + 16 * len(ids)
+    while True:
+        buf = (ctypes.c_char * size)()
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, False, True)
+        if n >= 0:
+            return bytes(buf[:n]).decode("utf-8", errors="replace")
+        size = -n
+
+
 def record(model_path: Path) -> tuple[dict, list[dict]]:
     llm = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
     corpus = load_corpus()
@@ -88,7 +104,7 @@ def record(model_path: Path) -> tuple[dict, list[dict]]:
     cases = []
     for text, add_bos, special in runs:
         ids = llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
-        detok = llm.detokenize(ids, special=True).decode("utf-8", errors="replace")
+        detok = detokenize(llama_cpp.llama_model_get_vocab(llm.model), ids)
         cases.append({"text": text, "add_bos": add_bos, "special": special, "ids": ids, "detokenized": detok})
     return vocab_facts(llm), cases
 
@@ -128,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         vocab, cases = record(target)
 
     # One case per line keeps the file reviewable and its diffs small.
-    head = json.dumps(header | {"vocab": vocab}, ensure_ascii=False, indent=1)[:-2]
+    head = json.dumps(header, ensure_ascii=False, indent=1)[:-2]
+    facts = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in vocab.items())
     body = ",\n".join("  " + json.dumps(c, ensure_ascii=False) for c in cases)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(f'{head},\n "cases": [\n{body}\n ]\n}}\n', encoding="utf-8")
+    args.out.write_text(
+        f'{head},\n "vocab": {{\n{facts}\n }},\n "cases": [\n{body}\n ]\n}}\n', encoding="utf-8"
+    )
     print(f"{args.out}: {len(cases)} cases, llama.cpp {header['llama_cpp_commit'][:7]}")
     return 0
 

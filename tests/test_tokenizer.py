@@ -53,19 +53,36 @@ def smollm2_gguf(smollm2_path) -> GGUFFile:
 
 
 @pytest.fixture(scope="module", params=SUBJECTS)
-def subject(request, tmp_path_factory):
+def subject(request):
     """(tokenizer, GGUF metadata, llama.cpp reference) for each recorded vocabulary."""
-    name = request.param
+    return request.getfixturevalue("subject_by_name")(request.param)
+
+
+def _load_subject(request, name: str) -> tuple:
     if name in REAL:
         gguf = GGUFFile(request.getfixturevalue(REAL[name]))
         ref_path = REFERENCE_DIR / f"{name}.llamacpp.json"
     else:
         pre = name.removesuffix("-synthetic")
         source = request.getfixturevalue("smollm2_gguf").metadata
-        gguf = GGUFFile(write_synthetic_vocab_gguf(tmp_path_factory.mktemp("vocab") / f"{pre}.gguf", pre, source))
+        tmp = request.getfixturevalue("tmp_path_factory").mktemp("vocab")
+        gguf = GGUFFile(write_synthetic_vocab_gguf(tmp / f"{pre}.gguf", pre, source))
         ref_path = REFERENCE_DIR / synthetic_reference_name(pre)
     ref = json.loads(ref_path.read_text(encoding="utf-8"))
     return Tokenizer.from_gguf(gguf), gguf.metadata, ref
+
+
+@pytest.fixture(scope="module")
+def subject_by_name(request):
+    """Reuse a `subject` tokenizer outside the parametrized tests (loading Qwen takes ~1 s)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            cache[name] = _load_subject(request, name)
+        return cache[name]
+
+    return get
 
 
 def _ours(tok: Tokenizer, case: dict) -> list[int]:
@@ -132,14 +149,17 @@ def test_decode_roundtrips_corpus(subject):
             assert tok.decode(tok.encode(text, add_bos=False, parse_special=parse_special)) == text
 
 
-def test_decode_matches_llamacpp_detokenize_where_it_roundtrips(subject):
+def test_decode_matches_llamacpp_detokenize(subject):
     tok, _, ref = subject
-    # llama.cpp's detokenize also "cleans up" spaces for some pre-tokenizers; compare
-    # wherever it reproduces the text (the BOS it adds is dropped on both sides).
     for case in ref["cases"]:
-        ids = [i for i in case["ids"] if i != tok.bos_id or not case["add_bos"] or not tok.add_bos]
-        if case["detokenized"].removeprefix(tok.id_to_token(tok.bos_id) if ids != case["ids"] else "") == case["text"]:
-            assert tok.decode(ids) == case["text"]
+        ours = tok.decode(case["ids"])
+        if ours == case["detokenized"]:
+            continue
+        # The one intended difference: for gpt-2/llama-bpe/default vocabularies llama.cpp
+        # "cleans up" spaces (" ." -> ".", " 's" -> "'s"), which loses text. Ours stays exact.
+        assert tok.rule.group in ("GPT2", "DEFAULT", "LLAMA3"), case["text"]
+        n_bos = 1 if case["add_bos"] and tok.add_bos else 0
+        assert ours == tok.decode(case["ids"][:n_bos]) + case["text"]
 
 
 def test_skip_special_tokens(subject):
@@ -221,8 +241,8 @@ def test_chat_template_smollm2(smollm2_gguf):
     )
 
 
-def test_chat_template_qwen(qwen05_path):
-    tok = Tokenizer.from_gguf(qwen05_path)
+def test_chat_template_qwen(subject_by_name):
+    tok = subject_by_name("qwen2.5-coder-0.5b")[0]
     # Qwen2.5's published template: ChatML with Qwen's default system prompt.
     expected = (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"

@@ -20,6 +20,7 @@ detokenizer share one id -> bytes function and cannot disagree.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Any, Iterable
@@ -92,15 +93,15 @@ _BYTE_TO_CHAR.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256
 # anything above U+00FF is left alone and makes the latin-1 encode fail (slow path).
 _TO_LATIN1 = {cp: chr(cp).encode("utf-8").decode("latin-1") for cp in range(256)}
 _TO_LATIN1.update({ord(c): chr(b) for b, c in _BYTE_TO_CHAR.items()})
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
 def _byte_level_bytes(text: str) -> bytes:
     try:
         return text.translate(_TO_LATIN1).encode("latin-1")
     except UnicodeEncodeError:
-        # Not a byte-level string (llama.cpp would print [UNK_BYTE_...]); keep the text.
-        char_to_byte = {c: b for b, c in _BYTE_TO_CHAR.items()}
-        return b"".join(bytes([char_to_byte[c]]) if c in char_to_byte else c.encode("utf-8") for c in text)
+        # Not a byte-level string (llama.cpp would print [UNK_BYTE_...]); keep such characters as text.
+        return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8") for c in text)
 
 
 def _metadata_id(gguf: GGUFFile, key: str, n_tokens: int, default: int | None = None) -> int | None:
@@ -123,6 +124,7 @@ class Tokenizer:
         *,
         hf_tokenizer: HFTokenizer,
         tokens: list[str],
+        vocab: dict[str, int],
         attrs: dict[int, int],
         rule: PreTokenizerRule,
         pre: str | None,
@@ -134,6 +136,7 @@ class Tokenizer:
     ):
         self._hf = hf_tokenizer
         self._tokens = tokens
+        self._vocab = vocab
         self._attrs = attrs  # id -> token type, for every non-NORMAL token
         self.rule = rule
         self.pre = pre
@@ -142,7 +145,6 @@ class Tokenizer:
         self.eos_ids = eos_ids
         self.add_bos = add_bos
         self.chat_template = chat_template
-        self._vocab: dict[str, int] | None = None
         self._special = frozenset(i for i, a in attrs.items() if a in (CONTROL, UNKNOWN))
         self._pieces: dict[int, bytes] = {}
         self._template: ChatTemplate | None = None
@@ -156,6 +158,18 @@ class Tokenizer:
     def from_gguf(cls, gguf: GGUFFile | str | os.PathLike) -> "Tokenizer":
         if not isinstance(gguf, GGUFFile):
             gguf = GGUFFile(gguf)
+        # Building 150k-entry containers of fresh objects triggers repeated full garbage
+        # collections that find nothing (about a third of the load time); pause them.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._from_gguf(gguf)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    @classmethod
+    def _from_gguf(cls, gguf: GGUFFile) -> "Tokenizer":
         model = gguf.require("tokenizer.ggml.model")
         if model != "gpt2":
             raise TokenizerError(
@@ -220,13 +234,11 @@ class Tokenizer:
             raise TokenizerError(f"{gguf.path}: the model asks for a BOS token but defines none")
 
         hf = _build_hf(tokens, vocab, merges, attrs, rule, str(gguf.path))
-        tok = cls(
-            hf_tokenizer=hf, tokens=tokens, attrs=attrs, rule=rule, pre=pre, bos_id=bos_id,
+        return cls(
+            hf_tokenizer=hf, tokens=tokens, vocab=vocab, attrs=attrs, rule=rule, pre=pre, bos_id=bos_id,
             eos_id=eos_id, eos_ids=frozenset(eog), add_bos=add_bos,
             chat_template=gguf.get("tokenizer.chat_template"),
         )
-        tok._vocab = vocab
-        return tok
 
     # -- encoding --------------------------------------------------------------------
 
@@ -296,7 +308,6 @@ class Tokenizer:
         return self._tokens[token_id]
 
     def token_to_id(self, token: str) -> int | None:
-        assert self._vocab is not None
         return self._vocab.get(token)
 
     def is_special(self, token_id: int) -> bool:

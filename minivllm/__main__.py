@@ -1,0 +1,5 @@
+import sys
+
+from minivllm.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark drivers. Each writes JSON + Markdown with provenance to benchmarks/results/."""

@@ -1,0 +1,57 @@
+"""`minivllm generate`: stream a completion (or a chat reply) to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minivllm.devices import DTYPE_CHOICES
+from minivllm.models import DEFAULT_MODEL
+
+
+def add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="stream a completion from a model")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name or .gguf path (default {DEFAULT_MODEL})")
+    p.add_argument("--inference-device", default="cpu", help="cpu, gpu (freest CUDA device) or cuda:N")
+    p.add_argument("--activation-dtype", default="f32", choices=DTYPE_CHOICES)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quiet", action="store_true", help="no load progress bars or stats")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from minivllm import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+    )
+    llm = LLM(args.model, device=args.inference_device, dtype=args.activation_dtype,
+              max_model_len=args.max_model_len, progress=not args.quiet)
+    prompt = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        prompt = llm.chat_prompt(messages)
+    else:
+        sys.stdout.write(prompt)
+    last = None
+    for event in llm.stream(prompt, params):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        last = event
+    sys.stdout.write("\n")
+    if not args.quiet and last is not None:
+        info = llm.info()
+        print(f"[{info['device']}, {info['activation_dtype']}] finish={last.finish_reason}", file=sys.stderr)
+    return 0
