@@ -21,9 +21,10 @@ How the committed files in data/tokenizer_reference/ were recorded:
 
 (the two model files are the ones `minivllm` resolves as `smollm2-135m` and
 `qwen2.5-coder-0.5b`). With `--synthetic-pre PRE`, MODEL.gguf is only the source of
-the vocabulary: the script writes a vocab-only GGUF with that vocabulary and
-`tokenizer.ggml.pre = PRE` using `tests/tokenizer_fixtures.write_synthetic_vocab_gguf`,
-the same function the tests use, and records that file.
+the vocabulary: the script writes a vocab-only GGUF with that vocabulary (plus
+2- and 3-digit tokens that tell the digit rules apart) and `tokenizer.ggml.pre = PRE`
+using `tests/tokenizer_fixtures.write_synthetic_vocab_gguf`, the same function the
+tests use (bytes are identical for the same gguf version), and records that file.
 
 Every corpus text (data/tokenizer_corpus.json) is tokenized with add_bos=True and
 special=True (llama.cpp's add_special / parse_special: BOS is added only if the model

@@ -15,9 +15,10 @@ scripts/record_llamacpp_token_ids.py with llama-cpp-python 0.3.36 (llama.cpp com
 
 Each corpus text (data/tokenizer_corpus.json) was tokenized with llama.cpp's
 add_special=True, parse_special=True, and some also with either turned off. The
-synthetic files reuse the SmolLM2 vocabulary under another `tokenizer.ggml.pre` and are
-rebuilt here by the same helper (tests/tokenizer_fixtures.py); a SHA-256 of the
-`tokenizer.*` metadata proves the vocabulary under test is the one recorded.
+synthetic files reuse the SmolLM2 vocabulary (plus digit tokens) under another
+`tokenizer.ggml.pre` and are rebuilt here by the same helper
+(tests/tokenizer_fixtures.py); a SHA-256 of the `tokenizer.*` metadata proves the
+vocabulary under test is the one recorded.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared by tests/test_tokenizer.py and scripts/record_llamacpp_token_ids.py.
+r"""Shared by tests/test_tokenizer.py and scripts/record_llamacpp_token_ids.py.
 
 Kept free of torch and minivllm imports: the recording script runs it under the
 scratch llama-cpp-python virtualenv, which has only numpy and gguf.
@@ -10,6 +10,14 @@ scratch llama-cpp-python virtualenv, which has only numpy and gguf.
   vocabulary but names another pre-tokenizer. No small real model ships `llama-bpe`,
   `gpt-2` or `default`, and llama.cpp needs only the metadata to tokenize
   (`vocab_only=True` never touches tensors).
+
+The SmolLM2 and Qwen2 vocabularies have no multi-digit tokens (both split digits
+before BPE), so on them the pre-tokenizers' different digit rules (`\p{N}` vs
+`\p{N}{1,3}` vs `\p{N}+` then `[0-9]{3}`) would give identical ids. The synthetic
+vocabulary therefore appends every 2-digit token with a merge ("1 2") and every
+3-digit token *without* a merge: "123" then comes out as one token only through
+llama.cpp's `ignore_merges` (Llama 3), as "12" + "3" through merges, and digit runs
+group differently under each regex.
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ def tokenizer_metadata_sha256(metadata: Mapping[str, Any]) -> str:
 
 
 def write_synthetic_vocab_gguf(path: str | Path, pre: str, source: Mapping[str, Any]) -> Path:
-    """Write a vocab-only GGUF: `source`'s tokens, types, merges and BOS/EOS, with `pre`.
+    """Write a vocab-only GGUF: `source`'s tokens, types, merges and BOS/EOS (plus the
+    digit tokens described above), with `tokenizer.ggml.pre = pre`.
 
     `source` is a metadata mapping (tokens as list[str], token types as ints). The file
     deliberately has no `tokenizer.ggml.add_bos_token`, so llama.cpp's per-pre default
@@ -67,6 +76,13 @@ def write_synthetic_vocab_gguf(path: str | Path, pre: str, source: Mapping[str, 
 
     path = Path(path)
     tokens = list(source["tokenizer.ggml.tokens"])
+    types = [int(t) for t in _plain(source["tokenizer.ggml.token_type"])]
+    merges = list(source["tokenizer.ggml.merges"])
+    two = [f"{i:02d}" for i in range(100)]
+    three = [f"{i:03d}" for i in range(1000)]
+    tokens += two + three
+    types += [1] * (len(two) + len(three))  # NORMAL
+    merges += [f"{d[0]} {d[1]}" for d in two]
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_name(f"synthetic {pre} vocabulary")
     # Dummy hyperparameters: llama.cpp's vocab-only load skips them today, but older
@@ -83,8 +99,8 @@ def write_synthetic_vocab_gguf(path: str | Path, pre: str, source: Mapping[str, 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([int(t) for t in _plain(source["tokenizer.ggml.token_type"])])
-    writer.add_token_merges(list(source["tokenizer.ggml.merges"]))
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(int(source["tokenizer.ggml.bos_token_id"]))
     writer.add_eos_token_id(int(source["tokenizer.ggml.eos_token_id"]))
     writer.write_header_to_file()

@@ -40,8 +40,11 @@ class RotaryEmbedding:
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         return angles.cos(), angles.sin()
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (T, heads, head_dim); computed in float32, returned in x's dtype."""
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rotate x of shape (T, heads, head_dim); computed in float32, returned in
+        `out_dtype` (default: x's dtype)."""
+        out_dtype = out_dtype or x.dtype
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.style == "adjacent":
@@ -51,5 +54,5 @@ class RotaryEmbedding:
             half = self.rope_dim // 2
             a, b = rot[..., :half], rot[..., half:]
             out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-        out = out.to(x.dtype)
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        out = out.to(out_dtype)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest.to(out_dtype)), dim=-1)

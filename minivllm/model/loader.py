@@ -69,8 +69,16 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
             up=linear(f"{p}.ffn_up", cfg.d_ff, cfg.d_model),
             down=linear(f"{p}.ffn_down", cfg.d_model, cfg.d_ff),
         ))
-    embedding = ld.get("token_embd.weight", dtype, (cfg.vocab_size, cfg.d_model))
-    output = DenseLinear(embedding) if cfg.tied_embeddings else linear("output", cfg.vocab_size, cfg.d_model)
+    # The LM head runs in float32 whatever the activation dtype: logits decide which
+    # token is sampled, and bf16 logits (8-bit mantissa, ±0.06 at a logit of 15) flip
+    # near-ties often enough to drop greedy agreement with f32 below 99%. The
+    # embedding table shares that f32 matrix when tied (the lookup is f32 anyway).
+    if cfg.tied_embeddings:
+        embedding = ld.get("token_embd.weight", f32, (cfg.vocab_size, cfg.d_model))
+        output = DenseLinear(embedding)
+    else:
+        embedding = ld.get("token_embd.weight", dtype, (cfg.vocab_size, cfg.d_model))
+        output = DenseLinear(ld.get("output.weight", f32, (cfg.vocab_size, cfg.d_model)))
     freq_factors = ld.get("rope_freqs.weight", f32) if cfg.has_rope_freqs else None
     rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_base, cfg.rope_style, freq_factors=freq_factors,
                            linear_factor=cfg.rope_linear_factor, device=device)
