@@ -104,18 +104,24 @@ class _Cursor:
         if etype in _SCALAR:
             dtype = np.dtype(_SCALAR[etype][1]).newbyteorder("<")
             nbytes = count * dtype.itemsize
+            if self.pos + nbytes > len(self.buf):
+                raise GGUFFormatError(f"{self.path}: truncated array of {count} values at byte {self.pos}")
             arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
             self.pos += nbytes
             return arr
         if etype == _STRING:
             # The hot loop of the whole reader (vocabularies, merges): keep it tight.
             buf, pos, out = self.buf, self.pos, []
+            if pos + 8 * count > len(buf):  # each string needs at least its u64 length
+                raise GGUFFormatError(f"{self.path}: truncated array of {count} strings at byte {pos}")
             append, from_bytes = out.append, int.from_bytes
             for _ in range(count):
                 n = from_bytes(buf[pos : pos + 8], "little")
                 pos += 8
                 append(buf[pos : pos + n].decode("utf-8", errors="replace"))
                 pos += n
+            if pos > len(buf):  # a short slice above: the array runs past the end of the file
+                raise GGUFFormatError(f"{self.path}: truncated array of {count} strings at byte {self.pos}")
             self.pos = pos
             return out
         return [self.value(etype) for _ in range(count)]
@@ -174,6 +180,8 @@ class GGUFFile:
             infos.append((name, tuple(reversed(dims)), gtype, offset))
 
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFFormatError(f"{self.path}: general.alignment={alignment} is not a power of two")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
         self.data_offset = data_start
         from gguf import GGML_QUANT_SIZES
