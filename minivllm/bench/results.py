@@ -68,8 +68,8 @@ def summarize(samples: list[float]) -> dict:
 def write_results(name: str, meta: dict, rows: list[dict], columns: list[str], notes: str = "") -> tuple[Path, Path]:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    base = RESULTS_DIR / f"{name}-{stamp}"
-    json_path, md_path = base.with_suffix(".json"), base.with_suffix(".md")
+    # Not Path.with_suffix: model names such as "qwen2.5-coder-0.5b" contain dots.
+    json_path, md_path = RESULTS_DIR / f"{name}-{stamp}.json", RESULTS_DIR / f"{name}-{stamp}.md"
     json_path.write_text(json.dumps({"benchmark": name, "provenance": meta, "rows": rows}, indent=2))
     lines = [f"# {name}", "", notes, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
