@@ -373,10 +373,10 @@ def transformers_model(path: str | Path, rope_parameters: Mapping[str, Any] | No
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     if rope_parameters is not None:
         config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **rope_parameters}
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config, local_files_only=True,
                                                  dtype=torch.float32)
     return model.eval()
 

@@ -22,7 +22,7 @@ PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 def _transformers_model(path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
 
 
 def _max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

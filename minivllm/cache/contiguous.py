@@ -1,6 +1,7 @@
 """One request's keys and values in one preallocated tensor per layer.
 
-The simplest correct cache and the reference the paged cache is tested against.
+The simplest correct cache, used by `DecoderModel.forward` for a single sequence and
+as the reference the engine's page pool is tested against.
 Preallocating to `max_len` avoids a concatenation per step (which made the
 original engine's decode quadratic in copies).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.errors import ConfigError
+from minivllm.kernels.attention import causal_attention
 
 
 class ContiguousKVCache:
@@ -33,5 +35,19 @@ class ContiguousKVCache:
         self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end]
 
+    def view(self, start: int, n: int) -> "_SequenceView":
+        """The `attend` interface the model calls, for tokens start..start+n-1."""
+        return _SequenceView(self, start)
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+class _SequenceView:
+    def __init__(self, cache: ContiguousKVCache, start: int):
+        self.cache = cache
+        self.start = start
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.append(layer, self.start, k, v)
+        return causal_attention(q, keys, values, self.start)

@@ -8,15 +8,15 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from minivllm.devices import check_dtype_supported, describe_device, dtype_name, resolve_device, resolve_dtype
+from minivllm.engine.engine import LLMEngine
+from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.outputs import RequestOutput, TokenEvent
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.serial_generator import SerialGenerator
 from minivllm.errors import ConfigError
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
@@ -29,7 +29,10 @@ Messages = list[dict]
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32", *,
-                 max_model_len: int | None = None, progress: bool = True):
+                 max_model_len: int | None = None, progress: bool = True, **engine_options):
+        """`engine_options` are `EngineConfig` fields: kv_mode, page_size, kv_memory_bytes,
+        kv_memory_fraction, max_batched_tokens, max_active_requests, policy."""
+        engine_config = EngineConfig(max_model_len=max_model_len, **engine_options)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         check_dtype_supported(self.device, self.dtype)
@@ -38,13 +41,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.model = load_model(self.gguf, self.device, self.dtype, progress=progress)
         self.config = self.model.config
-        limit = self.config.context_length
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise ConfigError("max_model_len", max_model_len, f"must be in [2, {limit}] (the model's context length)")
-        # A modest default keeps per-request KV allocation small on CPUs and T4s.
-        self.max_model_len = max_model_len or min(limit, 4096)
-        self._runner = SerialGenerator(self.model, self.tokenizer, self.max_model_len)
-        self._ids = itertools.count()
+        self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+        self.max_model_len = self.engine.max_model_len
 
     # -- prompts ---------------------------------------------------------------------
 
@@ -62,27 +60,45 @@ class LLM:
     # -- generation --------------------------------------------------------------------
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[TokenEvent]:
-        """Yield token events as they are produced (the CLI prints these)."""
+        """Yield this request's token events as they are produced (the CLI prints these).
+
+        Other requests already in the engine keep running in the same steps.
+        """
         text, ids = self._prompt_ids(prompt)
-        out = RequestOutput(f"req-{next(self._ids)}", text, ids)
-        yield from self._runner.stream(out.request_id, ids, params or SamplingParams(), out)
+        rid = self.engine.add_request(ids, params or SamplingParams(), prompt=text)
+        try:
+            while True:
+                for event in self.engine.step():
+                    if event.request_id == rid:
+                        yield event
+                        if event.finished:
+                            return
+        finally:
+            self.engine.abort(rid)  # a consumer that stops early cancels the request
+            self.engine.requests.pop(rid, None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
+        """Run all prompts together through the continuous-batching engine; outputs in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError("params", f"<{len(params)} items>", f"give one SamplingParams or one per prompt ({len(prompts)})")
-        outputs = []
-        for prompt, p in zip(prompts, params):
-            text, ids = self._prompt_ids(prompt)
-            out = RequestOutput(f"req-{next(self._ids)}", text, ids)
-            for _ in self._runner.stream(out.request_id, ids, p, out):
-                pass
-            outputs.append(out)
-        return outputs
+        encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before submitting anything
+        rids = []
+        try:
+            for (text, ids), p in zip(encoded, params):
+                rids.append(self.engine.add_request(ids, p, prompt=text))
+            while any(self.engine.requests[r].finish_reason is None for r in rids):
+                self.engine.step()
+        except BaseException:
+            for r in rids:
+                self.engine.abort(r)
+                self.engine.requests.pop(r, None)
+            raise
+        return [self.engine.pop_output(r) for r in rids]
 
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None):
         """Generate a reply to one conversation (returns one output) or several (a list)."""
@@ -93,6 +109,9 @@ class LLM:
 
     # -- inspection ----------------------------------------------------------------------
 
+    def snapshot(self) -> dict:
+        return self.engine.snapshot()
+
     def info(self) -> dict:
         """A JSON-friendly summary for the notebook and the CLI."""
         return {
@@ -100,6 +119,8 @@ class LLM:
             "device": describe_device(self.device),
             "activation_dtype": dtype_name(self.dtype),
             "max_model_len": self.max_model_len,
+            "kv_mode": self.engine.config.kv_mode,
+            "kv_pages": self.engine.pool.num_pages,
             "config": self.config.describe(),
             "torch": torch.__version__,
         }

@@ -60,3 +60,15 @@ def sample(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], 
         return int(torch.argmax(logits).item())
     probs = filtered_probs(logits, p)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """Log-probabilities of the model's own distribution (before penalties and filters):
+    the `n` most likely tokens plus the sampled one."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = {}
+    if n:
+        values, ids = torch.topk(logp, n)
+        out = {int(i): float(v) for i, v in zip(ids.tolist(), values.tolist())}
+    out[token] = float(logp[token])
+    return out

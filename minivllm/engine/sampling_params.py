@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # top-n log-probabilities per generated token (0..20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +47,8 @@ class SamplingParams:
         self._check("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]")
         self._check("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1")
         self._check("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be None or an integer >= 0")
+        self._check("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                    "must be None or an integer in [0, 20]")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings")
         self._check("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                     "must be non-negative token ids")

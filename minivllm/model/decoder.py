@@ -4,9 +4,10 @@ Numerics contract (DESIGN.md): the residual stream, RMSNorm statistics, RoPE ang
 and softmax are float32; only matmul inputs/weights use the activation dtype. This is
 what keeps f16 usable on T4-class GPUs.
 
-The model does not own a KV cache. `forward` receives a cache object with
-`append(layer, start, k, v) -> (keys, values)`, so the engine can swap contiguous
-storage for paged storage without touching the model.
+The model does not own a KV cache. Each forward receives a `kv` object whose
+`attend(layer, q, k, v)` stores the new keys/values wherever the cache keeps them
+(one contiguous tensor, or pages of a shared pool) and returns the attention output,
+so the cache layout can change without touching the model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.kernels.attention import causal_attention
 from minivllm.kernels.linear import DenseLinear
 from minivllm.kernels.rmsnorm import rms_norm
 from minivllm.kernels.rope import RotaryEmbedding
@@ -49,15 +49,16 @@ class DecoderModel:
         self.device = device
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, start_pos: int, cache, *, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions start_pos.. through the model, storing their K/V in `cache`.
+    def forward_batch(self, token_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over a flattened batch of rows from any number of requests.
 
-        Returns float32 logits for the last token (shape (vocab,)) or, with
-        `all_logits`, for every token (shape (T, vocab)).
+        `token_ids` and `positions` have shape (T,). `kv.attend(layer, q, k, v)` stores the
+        rows' keys/values and returns their attention output (see cache/batch_kv.py).
+        Logits (float32) are computed only for `logits_rows` (all rows when None): a
+        prefill chunk that is not the prompt's end needs none.
         """
         cfg = self.config
         t = token_ids.shape[0]
-        positions = torch.arange(start_pos, start_pos + t, device=self.device)
         cos, sin = self.rope.cos_sin(positions)
         h = self.embedding[token_ids].float()  # residual stream: float32
         for i, layer in enumerate(self.layers):
@@ -69,8 +70,7 @@ class DecoderModel:
             # rounded once, to the cache dtype, when they are stored.
             q = self.rope.apply(q, cos, sin, out_dtype=torch.float32)
             k = self.rope.apply(k, cos, sin)
-            keys, values = cache.append(i, start_pos, k, v)
-            attn = causal_attention(q, keys, values, start_pos).reshape(t, cfg.n_heads * cfg.head_dim)
+            attn = kv.attend(i, q, k, v).reshape(t, cfg.n_heads * cfg.head_dim)
             h = h + layer.o(attn).float()
 
             x = rms_norm(h, layer.ffn_norm, cfg.rms_eps).to(self.dtype)
@@ -78,7 +78,18 @@ class DecoderModel:
             # most (top-1 agreement with f32 went from 97% to >99% on SmolLM2).
             gated = torch.nn.functional.silu(layer.gate(x).float()) * layer.up(x).float()
             h = h + layer.down(gated.to(self.dtype)).float()
-        if not all_logits:
-            h = h[-1:]
-        logits = self.output(rms_norm(h, self.output_norm, cfg.rms_eps))  # float32 LM head
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.output(rms_norm(h, self.output_norm, cfg.rms_eps))  # float32 LM head
+
+    def forward(self, token_ids: torch.Tensor, start_pos: int, cache, *, all_logits: bool = False) -> torch.Tensor:
+        """One sequence at positions start_pos.. through a `ContiguousKVCache`.
+
+        Returns float32 logits for the last token (shape (vocab,)) or, with
+        `all_logits`, for every token (shape (T, vocab)).
+        """
+        t = token_ids.shape[0]
+        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        rows = None if all_logits else torch.tensor([t - 1], device=self.device)
+        logits = self.forward_batch(token_ids, positions, cache.view(start_pos, t), rows)
         return logits if all_logits else logits[0]

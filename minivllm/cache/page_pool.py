@@ -1,0 +1,90 @@
+"""A fixed pool of KV pages shared by every request of one engine.
+
+Storage is one tensor per K and V of shape (layers, pages, page_size, kv_heads, head_dim),
+allocated once from a memory budget, so the engine never allocates KV memory per step.
+Pages are reference-counted: a page is owned by one request today; the prefix cache
+will let several requests share one (refcount > 1) and keep unreferenced pages cached
+for reuse, which is why the state array below already distinguishes those cases.
+
+The `contiguous` KV mode is this same pool with `page_size == max_model_len`: every
+request then holds exactly one page, and attention reads it as a plain slice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from minivllm.errors import ConfigError, MinivllmError
+
+
+class OutOfPagesError(MinivllmError):
+    """Raised by `allocate` when the pool cannot satisfy a request; the scheduler
+    checks `num_free` first, so seeing this means a scheduler bug, not user error."""
+
+
+# Per-page states reported in snapshots.
+FREE, OWNED, CACHED_IDLE, SHARED = "free", "owned", "cached-idle", "shared"
+
+
+class PagePool:
+    def __init__(self, *, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if num_pages < 1:
+            raise ConfigError("kv_num_pages", num_pages, "the KV memory budget must hold at least one page; "
+                              "raise kv_memory_bytes / kv_memory_fraction or lower max_model_len / page_size")
+        shape = (n_layers, num_pages, page_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.refcount = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    @staticmethod
+    def page_bytes(*, n_layers: int, page_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layers * page_size * n_kv_heads * head_dim * elem
+
+    # -- allocation ------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"KV page {p} released more often than it was taken")
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    # -- inspection ------------------------------------------------------------------
+
+    def page_states(self) -> list[str]:
+        return [FREE if r == 0 else OWNED if r == 1 else SHARED for r in self.refcount]
+
+    def snapshot(self) -> dict:
+        states = self.page_states()
+        return {
+            "page_size": self.page_size,
+            "total_pages": self.num_pages,
+            "free_pages": self.num_free,
+            "used_pages": self.num_pages - self.num_free,
+            "page_states": states,
+            "ref_counts": list(self.refcount),
+            "bytes": self.k.numel() * self.k.element_size() * 2,
+        }

@@ -1,0 +1,244 @@
+"""`LLMEngine`: one device's scheduler, KV page pool and model, advanced one step at a time.
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(...))
+    rid = engine.add_request(prompt_ids, SamplingParams(...))
+    while engine.has_unfinished():
+        for event in engine.step(): ...
+    output = engine.pop_output(rid)
+
+Single-threaded by design: the async wrapper (`async_engine.py`) drives `step()` from one
+thread and serialises submissions and cancellations with it.
+
+Robustness contract: invalid requests are refused in `add_request` with a `ConfigError`
+naming the field; a failure inside a step finishes only the affected requests with
+finish_reason "error" and frees their pages; nothing a request does can leak a page.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from minivllm.cache.batch_kv import PagedBatchKV, Segment
+from minivllm.cache.page_pool import PagePool
+from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.outputs import RequestOutput, TokenEvent
+from minivllm.engine.request import Request, Status
+from minivllm.engine.sampler import sample, top_logprobs
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.scheduler import ScheduledStep, Scheduler
+from minivllm.engine.snapshot import build_snapshot
+from minivllm.errors import ConfigError
+from minivllm.model.decoder import DecoderModel
+
+_CPU_KV_CAP = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        cfg = model.config
+        limit = cfg.context_length
+        if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
+            raise ConfigError("max_model_len", config.max_model_len, f"must be in [2, {limit}] (the model's context length)")
+        # A modest default keeps the KV pool small on CPUs and T4s.
+        self.max_model_len = config.max_model_len or min(limit, 4096)
+        page_size = self.max_model_len if config.kv_mode == "contiguous" else config.page_size
+        page_bytes = PagePool.page_bytes(n_layers=cfg.n_layers, page_size=page_size, n_kv_heads=cfg.n_kv_heads,
+                                         head_dim=cfg.head_dim, dtype=model.dtype)
+        num_pages = self._kv_budget_bytes(page_bytes, page_size) // page_bytes
+        self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
+                             n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
+        self.scheduler = Scheduler(config, self.pool)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
+                         "requests_submitted": 0, "requests_finished": 0, "finished_stop": 0,
+                         "finished_length": 0, "finished_abort": 0, "finished_error": 0, "rejected": 0}
+        self.last_step: dict = {}
+
+    def _kv_budget_bytes(self, page_bytes: int, page_size: int) -> int:
+        c = self.config
+        if c.kv_memory_bytes is not None:
+            return c.kv_memory_bytes
+        device = self.model.device
+        if c.kv_memory_fraction is not None:
+            if device.type != "cuda":
+                raise ConfigError("kv_memory_fraction", c.kv_memory_fraction,
+                                  "is a fraction of free GPU memory; on a CPU give kv_memory_bytes")
+            return int(torch.cuda.mem_get_info(device)[0] * c.kv_memory_fraction)
+        pages_per_seq = -(-self.max_model_len // page_size)
+        wanted = c.max_active_requests * pages_per_seq * page_bytes
+        cap = int(torch.cuda.mem_get_info(device)[0] * 0.5) if device.type == "cuda" else _CPU_KV_CAP
+        return max(page_bytes * pages_per_seq, min(wanted, cap))
+
+    # -- submission ----------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+                    prompt: str | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        try:
+            self._validate(prompt_ids, params, request_id)
+        except ConfigError:
+            self.counters["rejected"] += 1
+            raise
+        index = next(self._arrivals)
+        rid = request_id or f"req-{index}"
+        req = Request(rid, prompt, prompt_ids, params, self.tokenizer, self.model.device, index)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        self.counters["requests_submitted"] += 1
+        return rid
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
+        if request_id is not None and request_id in self.requests:
+            raise ConfigError("request_id", request_id, "is already in use; give a unique id or none")
+        if not prompt_ids:
+            raise ConfigError("prompt", "", "must contain at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>",
+                              f"the prompt must be shorter than max_model_len={self.max_model_len}; "
+                              f"shorten it or raise max_model_len")
+        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        if self.pool.pages_for(longest) > self.pool.num_pages:
+            raise ConfigError("max_tokens", params.max_tokens,
+                              f"prompt + max_tokens needs {self.pool.pages_for(longest)} KV pages but the pool only has "
+                              f"{self.pool.num_pages}; lower max_tokens or raise kv_memory_bytes")
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        """Cancel a request at any moment; its pages are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None or req.status == Status.FINISHED:
+            return None
+        return self._finish(req, "abort", token=-1, text=req.stops.flush())
+
+    # -- the step ------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.counters["preemptions"] += len(plan.preempted)
+        events: list[TokenEvent] = []
+        if not plan.rows:
+            self.last_step = self._describe_step(plan, t0, logits_rows=0)
+            return events
+        self.counters["steps"] += 1
+        ids, positions, segments, logit_rows = [], [], [], []
+        for row in plan.rows:
+            req = row.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
+                req.metrics.queue_time_s = req.first_scheduled_time - req.arrival_time
+            start = req.num_computed
+            ids += req.all_ids[start:start + row.n_tokens]
+            positions += range(start, start + row.n_tokens)
+            segments.append(Segment(list(req.block_table), start, row.n_tokens))
+            if row.needs_logits:
+                logit_rows.append(len(ids) - 1)
+        self.counters["prefill_tokens"] += plan.prefill_tokens
+        self.counters["decode_tokens"] += plan.decode_rows
+        described = self._describe_step(plan, t0, logits_rows=len(logit_rows))
+        device = self.model.device
+        try:
+            logits = self.model.forward_batch(
+                torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                PagedBatchKV(self.pool, segments), torch.tensor(logit_rows, device=device))
+        except Exception as exc:  # noqa: BLE001 — a failed forward fails its requests, not the engine
+            for row in plan.rows:
+                events.append(self._finish(row.request, "error", token=-1, text="", error=f"forward failed: {exc}"))
+            self.last_step = described
+            return events
+
+        li = 0
+        for row in plan.rows:
+            req = row.request
+            req.num_computed += row.n_tokens
+            if not row.needs_logits:
+                continue
+            row_logits = logits[li]
+            li += 1
+            try:
+                token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
+                logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
+            except Exception as exc:  # noqa: BLE001
+                events.append(self._finish(req, "error", token=-1, text="", error=f"sampling failed: {exc}"))
+                continue
+            events.append(self._append_token(req, token, logprobs))
+        described["duration_s"] = time.perf_counter() - t0
+        self.last_step = described
+        return events
+
+    def _append_token(self, req: Request, token: int, logprobs: dict | None) -> TokenEvent:
+        if not req.output_ids:
+            req.metrics.time_to_first_token_s = req.since_arrival()
+        req.output_ids.append(token)
+        req.metrics.output_tokens = len(req.output_ids)
+        req.metrics.e2e_s = req.since_arrival()
+        params = req.params
+        eos = (not params.ignore_eos) and token in self.tokenizer.eos_ids
+        if eos or token in params.stop_token_ids:
+            # The stop token's own text is not part of the output.
+            text, _ = req.stops.feed(req.detok.flush())
+            return self._finish(req, "stop", token, text + req.stops.flush(), logprobs=logprobs)
+        text, hit = req.stops.feed(req.detok.push(token))
+        if hit:
+            return self._finish(req, "stop", token, text, logprobs=logprobs)
+        if len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            more, _ = req.stops.feed(req.detok.flush())
+            return self._finish(req, "length", token, text + more + req.stops.flush(), logprobs=logprobs)
+        req.text += text
+        return TokenEvent(req.id, token, text, logprobs=logprobs)
+
+    def _finish(self, req: Request, reason: str, token: int, text: str, *, logprobs: dict | None = None,
+                error: str | None = None) -> TokenEvent:
+        req.text += text
+        req.finish_reason = reason
+        req.error = error
+        req.status = Status.FINISHED
+        req.metrics.e2e_s = req.since_arrival()
+        self.scheduler.remove(req)
+        self.counters["requests_finished"] += 1
+        self.counters[f"finished_{reason}"] += 1
+        return TokenEvent(req.id, token, text, finished=True, finish_reason=reason, logprobs=logprobs, error=error)
+
+    # -- results and inspection ---------------------------------------------------------------
+
+    def output(self, request_id: str) -> RequestOutput:
+        req = self.requests[request_id]
+        return RequestOutput(req.id, req.prompt, list(req.prompt_ids), list(req.output_ids), req.text,
+                             req.finish_reason, req.metrics)
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        out = self.output(request_id)
+        if self.requests[request_id].status == Status.FINISHED:
+            del self.requests[request_id]
+        return out
+
+    def _describe_step(self, plan: ScheduledStep, t0: float, logits_rows: int) -> dict:
+        return {
+            "index": self.counters["steps"],
+            "rows": [{"id": r.request.id, "phase": r.request.phase, "tokens": r.n_tokens} for r in plan.rows],
+            "prefill_tokens": plan.prefill_tokens,
+            "decode_rows": plan.decode_rows,
+            "logits_rows": logits_rows,
+            "preempted": [r.id for r in plan.preempted],
+            "matmul_path": "dense-torch",
+            "duration_s": time.perf_counter() - t0,
+        }
+
+    def snapshot(self) -> dict:
+        return build_snapshot(self)

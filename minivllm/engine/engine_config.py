@@ -1,0 +1,43 @@
+"""Engine settings, validated once at construction with errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.errors import ConfigError
+
+KV_MODES = ("paged", "contiguous")
+POLICIES = ("fcfs", "shortest-prefill-first", "round-robin")
+
+
+@dataclass
+class EngineConfig:
+    kv_mode: str = "paged"
+    page_size: int = 16
+    # KV pool budget: bytes, or a fraction of free GPU memory. Neither: enough for
+    # max_active_requests full-length sequences, capped at 1 GiB on CPU and at half of
+    # the free memory on a GPU.
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    max_model_len: int | None = None  # default: min(model context, 4096)
+    max_batched_tokens: int = 512  # per-step token budget (decode rows + prefill chunks)
+    max_active_requests: int = 16
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.kv_mode not in KV_MODES:
+            raise ConfigError("kv_mode", self.kv_mode, f"allowed: {', '.join(KV_MODES)}")
+        if self.policy not in POLICIES:
+            raise ConfigError("policy", self.policy, f"allowed: {', '.join(POLICIES)}")
+        if not (isinstance(self.page_size, int) and self.page_size >= 1):
+            raise ConfigError("page_size", self.page_size, "must be an integer >= 1 (default 16)")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ConfigError("kv_memory_bytes", self.kv_memory_bytes, "must be > 0")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 0.95:
+            raise ConfigError("kv_memory_fraction", self.kv_memory_fraction, "must be in (0, 0.95]")
+        if self.kv_memory_bytes is not None and self.kv_memory_fraction is not None:
+            raise ConfigError("kv_memory_fraction", self.kv_memory_fraction, "give kv_memory_bytes or kv_memory_fraction, not both")
+        if not (isinstance(self.max_batched_tokens, int) and self.max_batched_tokens >= 1):
+            raise ConfigError("max_batched_tokens", self.max_batched_tokens, "must be an integer >= 1")
+        if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
+            raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")

@@ -1,0 +1,87 @@
+"""One request's state inside the engine.
+
+The token sequence is `prompt_ids + output_ids`; `num_computed` of them have K/V in the
+request's pages. The next forward computes `all_ids[num_computed:]` — the whole rest of
+the prompt (possibly in chunks) while prefilling, exactly one token while decoding, and
+everything again after a preemption, which drops the pages and sets `num_computed` to 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from minivllm.engine.outputs import RequestMetrics
+from minivllm.engine.sampler import make_generator
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.stop_strings import StopStringMatcher
+from minivllm.gguf.detokenizer import StreamingDetokenizer
+
+
+class Status(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer, device: torch.device, arrival_index: int):
+        self.id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.arrival_index = arrival_index  # submission order: fcfs and "newest" for preemption
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.generator = make_generator(params, device)
+        self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop)
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def phase(self) -> str:
+        if self.status == Status.FINISHED:
+            return "finished"
+        return "decode" if self.output_ids and self.remaining == 1 else "prefill"
+
+    def since_arrival(self) -> float:
+        return time.perf_counter() - self.arrival_time
+
+    def describe(self) -> dict:
+        """This request's row in engine snapshots."""
+        return {
+            "id": self.id,
+            "status": self.status.value,
+            "phase": self.phase,
+            "prompt_tokens": len(self.prompt_ids),
+            "computed_tokens": self.num_computed,
+            "output_tokens": len(self.output_ids),
+            "max_tokens": self.params.max_tokens,
+            "pages": len(self.block_table),
+            "block_table": list(self.block_table),
+            "preemptions": self.metrics.preemptions,
+        }
