@@ -1,6 +1,6 @@
 """Single-request prefill and decode speed per device and activation dtype.
 
-One request at a time through the serial generator (the foundation's loop), greedy,
+One request at a time through the engine (so no batching effects), greedy,
 `ignore_eos` so every run decodes exactly `max_tokens` tokens. Reported per run:
 prefill tokens/s (prompt tokens / time to first token) and decode tokens/s.
 """

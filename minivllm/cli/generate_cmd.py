@@ -25,6 +25,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-mode", default="paged", choices=("paged", "contiguous"))
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--trace-directory", default=None,
+                   help="write a Chrome trace (Perfetto) of every step to DIR/minivllm-trace-<pid>.json")
     p.add_argument("--quiet", action="store_true", help="no load progress bars or stats")
     p.set_defaults(func=run_generate)
 
@@ -36,8 +40,13 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
     )
+    if args.trace_directory:
+        from minivllm.obs.trace import enable_tracing
+
+        enable_tracing(args.trace_directory)
     llm = LLM(args.model, device=args.inference_device, dtype=args.activation_dtype,
-              max_model_len=args.max_model_len, progress=not args.quiet)
+              max_model_len=args.max_model_len, progress=not args.quiet,
+              kv_mode=args.kv_mode, page_size=args.page_size)
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

@@ -32,6 +32,7 @@ from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.snapshot import build_snapshot
 from minivllm.errors import ConfigError
 from minivllm.model.decoder import DecoderModel
+from minivllm.obs.trace import trace_scope
 
 _CPU_KV_CAP = 1 << 30
 
@@ -59,7 +60,8 @@ class LLMEngine:
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
                          "requests_submitted": 0, "requests_finished": 0, "finished_stop": 0,
                          "finished_length": 0, "finished_abort": 0, "finished_error": 0, "rejected": 0}
-        self.last_step: dict = {}
+        # The snapshot schema promises every key, also before the first step.
+        self.last_step: dict = self._describe_step(ScheduledStep(), time.perf_counter(), logits_rows=0)
 
     def _kv_budget_bytes(self, page_bytes: int, page_size: int) -> int:
         c = self.config
@@ -127,8 +129,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
+        """Schedule, run one forward over every scheduled row, sample; return token events."""
+        with trace_scope("step", self.counters["steps"]):
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[TokenEvent]:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
@@ -154,9 +161,11 @@ class LLMEngine:
         described = self._describe_step(plan, t0, logits_rows=len(logit_rows))
         device = self.model.device
         try:
-            logits = self.model.forward_batch(
-                torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                PagedBatchKV(self.pool, segments), torch.tensor(logit_rows, device=device))
+            with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
+                             "decode" if plan.decode_rows else "prefill"):
+                logits = self.model.forward_batch(
+                    torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                    PagedBatchKV(self.pool, segments), torch.tensor(logit_rows, dtype=torch.long, device=device))
         except Exception as exc:  # noqa: BLE001 — a failed forward fails its requests, not the engine
             for row in plan.rows:
                 events.append(self._finish(row.request, "error", token=-1, text="", error=f"forward failed: {exc}"))
@@ -172,7 +181,8 @@ class LLMEngine:
             row_logits = logits[li]
             li += 1
             try:
-                token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
+                with trace_scope("sample", req.id):
+                    token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
                 logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
             except Exception as exc:  # noqa: BLE001
                 events.append(self._finish(req, "error", token=-1, text="", error=f"sampling failed: {exc}"))

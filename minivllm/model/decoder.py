@@ -20,6 +20,7 @@ from minivllm.kernels.linear import DenseLinear
 from minivllm.kernels.rmsnorm import rms_norm
 from minivllm.kernels.rope import RotaryEmbedding
 from minivllm.model.config import ModelConfig
+from minivllm.obs.trace import trace_scope
 
 
 @dataclass
@@ -62,22 +63,24 @@ class DecoderModel:
         cos, sin = self.rope.cos_sin(positions)
         h = self.embedding[token_ids].float()  # residual stream: float32
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_eps).to(self.dtype)
-            q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
-            k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
-            v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
-            # Queries stay float32 after RoPE (attention upcasts anyway); keys are
-            # rounded once, to the cache dtype, when they are stored.
-            q = self.rope.apply(q, cos, sin, out_dtype=torch.float32)
-            k = self.rope.apply(k, cos, sin)
-            attn = kv.attend(i, q, k, v).reshape(t, cfg.n_heads * cfg.head_dim)
-            h = h + layer.o(attn).float()
-
-            x = rms_norm(h, layer.ffn_norm, cfg.rms_eps).to(self.dtype)
-            # SwiGLU in float32: the product of two rounded values is where bf16 loses
-            # most (top-1 agreement with f32 went from 97% to >99% on SmolLM2).
-            gated = torch.nn.functional.silu(layer.gate(x).float()) * layer.up(x).float()
-            h = h + layer.down(gated.to(self.dtype)).float()
+            with trace_scope("layer", i):
+                with trace_scope("attn"):
+                    x = rms_norm(h, layer.attn_norm, cfg.rms_eps).to(self.dtype)
+                    q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
+                    k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+                    v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+                    # Queries stay float32 after RoPE (attention upcasts anyway); keys are
+                    # rounded once, to the cache dtype, when they are stored.
+                    q = self.rope.apply(q, cos, sin, out_dtype=torch.float32)
+                    k = self.rope.apply(k, cos, sin)
+                    attn = kv.attend(i, q, k, v).reshape(t, cfg.n_heads * cfg.head_dim)
+                    h = h + layer.o(attn).float()
+                with trace_scope("mlp"):
+                    x = rms_norm(h, layer.ffn_norm, cfg.rms_eps).to(self.dtype)
+                    # SwiGLU in float32: the product of two rounded values is where bf16
+                    # loses most (top-1 agreement with f32 went from 97% to >99% on SmolLM2).
+                    gated = torch.nn.functional.silu(layer.gate(x).float()) * layer.up(x).float()
+                    h = h + layer.down(gated.to(self.dtype)).float()
         if logits_rows is not None:
             h = h[logits_rows]
         return self.output(rms_norm(h, self.output_norm, cfg.rms_eps))  # float32 LM head

@@ -53,7 +53,7 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
     def linear(prefix: str, out_f: int, in_f: int) -> DenseLinear:
         w = ld.get(f"{prefix}.weight", dtype, (out_f, in_f))
         b = ld.maybe(f"{prefix}.bias", f32)
-        return DenseLinear(w, b)
+        return DenseLinear(w, b, name=prefix.rsplit(".", 1)[-1])
 
     layers = []
     for i in range(cfg.n_layers):
@@ -75,10 +75,10 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
     # embedding table shares that f32 matrix when tied (the lookup is f32 anyway).
     if cfg.tied_embeddings:
         embedding = ld.get("token_embd.weight", f32, (cfg.vocab_size, cfg.d_model))
-        output = DenseLinear(embedding)
+        output = DenseLinear(embedding, name="output")
     else:
         embedding = ld.get("token_embd.weight", dtype, (cfg.vocab_size, cfg.d_model))
-        output = DenseLinear(ld.get("output.weight", f32, (cfg.vocab_size, cfg.d_model)))
+        output = DenseLinear(ld.get("output.weight", f32, (cfg.vocab_size, cfg.d_model)), name="output")
     freq_factors = ld.get("rope_freqs.weight", f32) if cfg.has_rope_freqs else None
     rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_base, cfg.rope_style, freq_factors=freq_factors,
                            linear_factor=cfg.rope_linear_factor, device=device)

@@ -1,0 +1,98 @@
+"""`AsyncEngine`: the step loop on a background thread, token events as async iterators.
+
+    engine = AsyncEngine(LLMEngine(model, tokenizer, config))
+    async for event in engine.generate(prompt_ids, SamplingParams(max_tokens=64)):
+        print(event.text, end="")
+
+One thread owns the `LLMEngine` and calls `step()` while any request is unfinished;
+submissions and cancellations take the same lock, so they land between steps. Events
+cross to each caller's event loop with `call_soon_threadsafe`. Leaving the `async for`
+early (break, exception, task cancellation) aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from minivllm.engine.engine import LLMEngine
+from minivllm.engine.outputs import RequestOutput, TokenEvent
+from minivllm.engine.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+                       prompt: str | None = None, request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        with self._work:
+            rid = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=request_id)
+            self._subscribers[rid] = (loop, queue)
+            self._work.notify()
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            with self._work:
+                self._subscribers.pop(rid, None)
+                if not finished:
+                    self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+
+    async def complete(self, prompt_ids: list[int], params: SamplingParams | None = None, **kw) -> RequestOutput:
+        """Run one request to the end and return its output."""
+        rid, out = None, None
+        async for event in self.generate(prompt_ids, params, **kw):
+            rid = event.request_id
+            if event.finished:
+                with self._lock:
+                    out = self.engine.output(rid)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        with self._work:
+            event = self.engine.abort(request_id)
+            if event is not None:
+                self._deliver([event])
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self.engine.snapshot()
+
+    def shutdown(self) -> None:
+        with self._work:
+            self._stopped = True
+            self._work.notify()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not self._stopped and not self.engine.has_unfinished():
+                    self._work.wait()
+                if self._stopped:
+                    return
+                events = self.engine.step()
+                self._deliver(events)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            sub = self._subscribers.get(event.request_id)
+            if sub is not None:
+                loop, queue = sub
+                loop.call_soon_threadsafe(queue.put_nowait, event)
