@@ -4,12 +4,13 @@ A step's batch is a list of segments, one per request: a prefill chunk (n ≥ 1 
 or a decode row (n = 1), at positions start..start+n-1 of that request. All index
 tensors are built once per step and reused by every layer.
 
-Reading: a request whose block table is a single page (the `contiguous` mode, where a
-page holds a whole sequence) attends to a plain slice of that page — no copy. A request
-spread over several pages attends to one vectorised gather of its slots from the flat
-pool (a single index_select per layer, never a per-page concatenation, which is what
-made the original's paged decode 0.61× contiguous). The Triton paged-decode kernel of
-the kernels issue reads pages without that gather on CUDA.
+Reading: attention reads K/V where they lie in the pool, never concatenating a
+request's pages into a new tensor (that copy made the original's paged decode 0.61×
+contiguous on a T4). A block table is split into runs of consecutive pages — the pool
+hands out consecutive pages when it can, so a request usually has one run or a few —
+and each run is a plain slice of the flat pool. One run (always the case in
+`contiguous` mode) goes to SDPA directly; several runs go to `causal_attention_runs`,
+which joins only the scores.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.cache.page_pool import PagePool
-from minivllm.kernels.attention import causal_attention
+from minivllm.kernels.attention import causal_attention, causal_attention_runs
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,7 @@ class PagedBatchKV:
             pos = torch.arange(seg.start, end)
             table = torch.tensor(seg.block_table, dtype=torch.long)
             write.append(table[pos // ps] * ps + pos % ps)
-            if len(seg.block_table) == 1:
-                first = seg.block_table[0] * ps
-                self._reads.append(slice(first, first + end))
-            else:
-                allpos = torch.arange(end)
-                self._reads.append((table[allpos // ps] * ps + allpos % ps).to(device))
+            self._reads.append(_runs(seg.block_table, ps, end))
             self._rows.append(slice(row, row + seg.n))
             row += seg.n
         self.n_rows = row
@@ -67,6 +63,25 @@ class PagedBatchKV:
         return out
 
     def _one(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, i: int) -> torch.Tensor:
-        read = self._reads[i]
-        keys, values = (kf[read], vf[read]) if isinstance(read, slice) else (kf.index_select(0, read), vf.index_select(0, read))
-        return causal_attention(q, keys, values, self.segments[i].start)
+        runs = self._reads[i]
+        if len(runs) == 1:
+            return causal_attention(q, kf[runs[0]], vf[runs[0]], self.segments[i].start)
+        return causal_attention_runs(q, [(kf[r], vf[r]) for r in runs], self.segments[i].start)
+
+
+def _runs(block_table: list[int], page_size: int, n_tokens: int) -> list[slice]:
+    """Slices of the flat pool that hold positions 0..n_tokens-1, one per run of
+    consecutive pages."""
+    runs: list[slice] = []
+    pages = block_table[: -(-n_tokens // page_size)]
+    first = prev = pages[0]
+    for p in pages[1:] + [None]:
+        if p is not None and p == prev + 1:
+            prev = p
+            continue
+        runs.append(slice(first * page_size, (prev + 1) * page_size))
+        if p is not None:
+            first = prev = p
+    last = runs[-1]
+    runs[-1] = slice(last.start, last.stop - (len(pages) * page_size - n_tokens))
+    return runs

@@ -12,8 +12,6 @@ request then holds exactly one page, and attention reads it as a plain slice.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from minivllm.errors import ConfigError, MinivllmError
@@ -40,7 +38,7 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.refcount = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: set[int] = set(range(num_pages))
 
     @staticmethod
     def page_bytes(*, n_layers: int, page_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -56,13 +54,33 @@ class PagePool:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, *, after: int | None = None) -> list[int]:
+        """Take `n` free pages, preferring consecutive ones (right after page `after`
+        when given), so that attention can read a request's pages as a few slices of
+        the pool instead of gathering them."""
         if n > len(self._free):
             raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.popleft() for _ in range(n)]
+        start = after + 1 if after is not None and after + 1 in self._free else self._first_run(n)
+        pages = []
+        p = start
+        while len(pages) < n:
+            if p not in self._free:
+                p = min(self._free)
+            pages.append(p)
+            self._free.discard(p)
+            p += 1
         for p in pages:
             self.refcount[p] = 1
         return pages
+
+    def _first_run(self, n: int) -> int:
+        """The lowest page starting a run of n free pages, else the lowest free page."""
+        run_start, run = -1, 0
+        for p in sorted(self._free):
+            run_start, run = (run_start, run + 1) if p == run_start + run else (p, 1)
+            if run == n:
+                return run_start
+        return min(self._free)
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
@@ -70,7 +88,7 @@ class PagePool:
                 raise RuntimeError(f"KV page {p} released more often than it was taken")
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
-                self._free.append(p)
+                self._free.add(p)
 
     # -- inspection ------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ class Scheduler:
             # The row writes K/V at position num_computed: make sure a page holds it.
             while self.pool.pages_for(req.num_computed + 1) > len(req.block_table):
                 if self.pool.num_free > 0:
-                    req.block_table += self.pool.allocate(1)
+                    req.block_table += self.pool.allocate(1, after=req.block_table[-1] if req.block_table else None)
                     continue
                 victim = max((r for r in self.running if r.id not in scheduled), key=lambda r: r.arrival_index)
                 self._preempt(victim, step)
