@@ -23,6 +23,46 @@ def add_bench_parser(subparsers) -> None:
     d.add_argument("--repeats", type=int, default=3)
     d.set_defaults(func=_decode)
 
+    c = sub.add_parser("continuous-batching",
+                       help="aggregate tok/s batched vs sequential for N requests; paged vs contiguous decode")
+    _common(c)
+    c.add_argument("--concurrency", type=_ints, default=[1, 2, 3, 4, 5, 8], help="comma list of N (default 1,2,3,4,5,8)")
+    c.add_argument("--max-tokens", type=int, default=64, help="output tokens per request in the batching runs")
+    c.add_argument("--decode-lengths", type=_ints, default=None,
+                   help="comma list of output lengths for paged vs contiguous (default 512,2048; 128,512 on CPU)")
+    c.add_argument("--quick", action="store_true", help="decode lengths 128,512 (the CPU default)")
+    c.add_argument("--max-batched-tokens", type=int, default=512)
+    c.add_argument("--page-size", type=int, default=16)
+    c.set_defaults(func=_continuous_batching)
+
+    s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
+    _common(s)
+    s.add_argument("--policies", type=lambda v: v.split(","), default=None,
+                   help="comma list (default fcfs,shortest-prefill-first,round-robin)")
+    s.add_argument("--long-prompts", type=int, default=3, help="head of line: long prompts before the short one")
+    s.add_argument("--long-tokens", type=int, default=400)
+    s.add_argument("--short-tokens", type=int, default=16)
+    s.add_argument("--fair-prompts", type=int, default=4, help="fairness: long prompts submitted together")
+    s.add_argument("--fair-tokens", type=int, default=400)
+    s.add_argument("--max-batched-tokens", type=int, default=64, help="small, so prefills are chunked")
+    s.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    s.add_argument("--page-size", type=int, default=16)
+    s.set_defaults(func=_scheduling)
+
+
+def _common(p) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--inference-device", default="cpu", help="cpu, gpu, cuda:N")
+    p.add_argument("--activation-dtype", default="f32", help="f32, f16, bf16")
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def _ints(v: str) -> list[int]:
+    try:
+        return [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {v!r}") from None
+
 
 def _gguf_open(args: argparse.Namespace) -> int:
     from minivllm.bench.gguf_open import run
@@ -36,4 +76,23 @@ def _decode(args: argparse.Namespace) -> int:
 
     run(args.model, args.inference_device or ["cpu"], args.activation_dtype or ["f32"],
         max_tokens=args.max_tokens, repeats=args.repeats)
+    return 0
+
+
+def _continuous_batching(args: argparse.Namespace) -> int:
+    from minivllm.bench.continuous_batching import run
+
+    run(args.model, args.inference_device, args.activation_dtype, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, decode_lengths=args.decode_lengths, quick=args.quick, repeats=args.repeats,
+        max_batched_tokens=args.max_batched_tokens, page_size=args.page_size)
+    return 0
+
+
+def _scheduling(args: argparse.Namespace) -> int:
+    from minivllm.bench.scheduling import run
+
+    run(args.model, args.inference_device, args.activation_dtype, policies=args.policies, repeats=args.repeats,
+        long_prompts=args.long_prompts, long_tokens=args.long_tokens, short_tokens=args.short_tokens,
+        fair_prompts=args.fair_prompts, fair_tokens=args.fair_tokens, max_batched_tokens=args.max_batched_tokens,
+        max_tokens=args.max_tokens, page_size=args.page_size)
     return 0
