@@ -130,14 +130,21 @@ def check_against_reference(got: list[int], want: list[int], margins: list[float
     return None
 
 
+def fragmented(engine: LLMEngine) -> bool:
+    """Whether some running request's pages are not one consecutive run (attention then
+    reads several slices of the pool)."""
+    return any(any(b != a + 1 for a, b in zip(r.block_table, r.block_table[1:])) for r in engine.scheduler.running)
+
+
 def run_to_end(engine: LLMEngine, max_steps: int = 2000) -> list[dict]:
-    """Step until nothing is unfinished; return every step's `last_step` description."""
+    """Step until nothing is unfinished; return every step's `last_step` description, plus
+    "fragmented": whether a running request's pages were not one run after that step."""
     steps = []
     for _ in range(max_steps):
         if not engine.has_unfinished():
             return steps
         engine.step()
-        steps.append(engine.last_step)
+        steps.append({**engine.last_step, "fragmented": fragmented(engine)})
     raise AssertionError(f"the engine did not finish within {max_steps} steps: {engine.snapshot()['queues']}")
 
 
@@ -172,6 +179,7 @@ def test_concurrent_greedy_matches_each_request_alone(llm, ref, paged16):
     assert any(s["decode_rows"] and s["prefill_tokens"] for s in steps), "no step mixed decode rows and prefill"
     assert any(s["logits_rows"] < len(s["rows"]) for s in steps), "no prefill was chunked"
     assert max(len(s["rows"]) for s in steps) >= 4
+    assert any(s["fragmented"] for s in steps), "no request's pages were split over several runs"
     for out, ids, n in zip(outs, prompts, WORKLOAD_MAX_TOKENS):
         want, margins = ref.expected(ids, SamplingParams(temperature=0.0, max_tokens=n), llm.tokenizer.eos_ids)
         flipped = check_against_reference(out.token_ids, want, margins, out.request_id)
@@ -183,9 +191,11 @@ def test_concurrent_greedy_matches_each_request_alone(llm, ref, paged16):
 
 @pytest.mark.parametrize("kv_mode,page_size", [("paged", 5), ("contiguous", 16)])
 def test_kv_modes_give_the_same_tokens(llm, ref, paged16, kv_mode, page_size):
-    engine, outs, _, prompts = run_workload(llm, kv_mode=kv_mode, page_size=page_size)
+    engine, outs, steps, prompts = run_workload(llm, kv_mode=kv_mode, page_size=page_size)
     if kv_mode == "contiguous":
         assert engine.pool.page_size == MAX_MODEL_LEN
+    else:
+        assert any(s["fragmented"] for s in steps), "no request's pages were split over several runs"
     for out, base, ids, n in zip(outs, paged16[1], prompts, WORKLOAD_MAX_TOKENS):
         want, margins = ref.expected(ids, SamplingParams(temperature=0.0, max_tokens=n), llm.tokenizer.eos_ids)
         flipped = check_against_reference(out.token_ids, want, margins, f"{kv_mode}/{page_size} {out.request_id}")
@@ -222,6 +232,7 @@ def test_preemption_under_a_tiny_kv_budget(llm, ref):
     rids = [engine.add_request(ids, params) for ids in prompts]
     steps = run_to_end(engine)
     assert engine.counters["preemptions"] > 0
+    assert any(s["fragmented"] for s in steps)
     assert sum(len(s["preempted"]) for s in steps) == engine.counters["preemptions"]
     outs = [engine.pop_output(r) for r in rids]
     assert sum(o.metrics.preemptions for o in outs) == engine.counters["preemptions"]
@@ -373,9 +384,13 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
     submitted: dict[str, tuple[list[int], SamplingParams]] = {}
     aborted: set[str] = set()
 
+    seen_fragmented = False
+
     def step() -> None:
+        nonlocal seen_fragmented
         engine.step()
         check_invariants(engine)
+        seen_fragmented |= fragmented(engine)
 
     for _ in range(data.draw(st.integers(1, 24), label="operations")):
         op = data.draw(st.sampled_from(["submit", "submit", "abort", "step"]))
@@ -436,6 +451,7 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
     assert engine.counters["finished_abort"] == len(aborted)
     for name in ("preemptions", "rejected", "finished_stop", "finished_length", "finished_abort"):
         note_event(f"{name} > 0: {engine.counters[name] > 0}")  # --hypothesis-show-statistics
+    note_event(f"fragmented block table: {seen_fragmented}")
 
 
 # -- 6: seeded sampling does not depend on the batch ------------------------------------------
@@ -512,7 +528,8 @@ def test_stop_string_spanning_two_tokens(llm, ref):
 def test_abort_mid_prefill_and_mid_decode_frees_pages_at_once(llm, ref):
     tok = llm.tokenizer
     engine = make_engine(llm, page_size=4, max_batched_tokens=8)
-    decoding = engine.add_request(tok.encode(PROMPTS[9]), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    decoding = engine.add_request(tok.encode(PROMPTS[9]),
+                                  SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     prefilling = engine.add_request(tok.encode(PROMPTS[3]), SamplingParams(temperature=0.0, max_tokens=30))
     survivor_ids = tok.encode(PROMPTS[6])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -576,7 +593,7 @@ def test_async_engine(llm, ref):
         return both, rid, after_break, completed
 
     try:
-        both, rid, snap, completed = asyncio.run(main())
+        both, rid, snap, completed = asyncio.run(asyncio.wait_for(main(), timeout=300))  # fail, never hang
     finally:
         aengine.shutdown()
     for (tokens, last), ids in zip(both, prompts):
