@@ -37,6 +37,7 @@ from minivllm.models.cache import sha256_file
 PROMPTS_FILE = Path(__file__).resolve().parents[2] / "data" / "prompts.json"
 FULL_DECODE_LENGTHS = [512, 2048]
 QUICK_DECODE_LENGTHS = [128, 512]
+PARTS = ("batching", "kv")
 DECODE_PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
                  "combined movable metal type, oil-based ink and a wine press into a machine that")
 
@@ -101,34 +102,64 @@ def _loadavg() -> list[float] | None:
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         concurrency: list[int] | None = None, max_tokens: int = 64, decode_lengths: list[int] | None = None,
         quick: bool = False, repeats: int = 3, max_batched_tokens: int = 512, page_size: int = 16,
-        prompts: list[str] | None = None) -> dict[str, list[dict]]:
-    """Run both experiments; returns {"batching": rows, "kv": rows}. `prompts` overrides data/prompts.json."""
+        prompts: list[str] | None = None, parts: list[str] | None = None) -> dict[str, list[dict]]:
+    """Run the experiments in `parts` ("batching", "kv"; default both); each writes its result files as
+    soon as it finishes. Returns {"batching": rows, "kv": rows}. `prompts` overrides data/prompts.json."""
     concurrency = concurrency or [1, 2, 3, 4, 5, 8]
+    parts = parts or list(PARTS)
+    for p in parts:
+        if p not in PARTS:
+            raise ConfigError("parts", p, f"allowed: {', '.join(PARTS)}")
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64)  # engines are made below
     dev = llm.model.device
     if decode_lengths is None:
-        # The full sizes take ~20 min of decoding on a 2-core CPU; there the quick sizes are the default.
+        # The full sizes take ~40 min of decoding on a 2-core CPU; there the quick sizes are the default.
         quick = quick or dev.type == "cpu"
         decode_lengths = QUICK_DECODE_LENGTHS if quick else FULL_DECODE_LENGTHS
     elif quick:
         decode_lengths = QUICK_DECODE_LENGTHS
     sha = sha256_file(llm.model_path)
-    tok = llm.tokenizer
     texts = prompts or load_prompts(max(concurrency))
-    prompt_ids = [tok.encode(t) for t in texts]
-    load_start = _loadavg()
+    settings = {"model": model, "inference_device": device, "activation_dtype": dtype, "repeats": repeats,
+                "warmup_runs": 1, "max_batched_tokens": max_batched_tokens, "page_size": page_size,
+                "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads()}
+    out: dict[str, list[dict]] = {}
+    if "batching" in parts:
+        out["batching"] = _batching(llm, sha, model, device, dict(settings), texts, concurrency, max_tokens,
+                                    repeats, max_batched_tokens, page_size)
+    if "kv" in parts:
+        out["kv"] = _paged_vs_contiguous(llm, sha, model, device, dict(settings), decode_lengths, quick, repeats,
+                                         max_batched_tokens, page_size)
+    return out
 
-    # -- (a) batched vs sequential -------------------------------------------------------
+
+def _meta(llm: LLM, device: str, sha: str, settings: dict, load_start) -> dict:
+    dev = llm.model.device
+    meta = provenance(device if dev.type != "cuda" else str(dev), sha, settings)
+    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg(),
+                                   "note": "the benchmark's own threads add about torch_threads to the load"}
+    return meta
+
+
+def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts: list[str], concurrency: list[int],
+              max_tokens: int, repeats: int, max_batched_tokens: int, page_size: int) -> list[dict]:
+    """(a) aggregate output tok/s, N requests batched vs the same N one after another."""
+    load_start = _loadavg()
+    tok = llm.tokenizer
+    dev = llm.model.device
+    prompt_ids = [tok.encode(t) for t in texts]
     n_max = max(concurrency)
-    cfg_a = EngineConfig(kv_mode="paged", page_size=page_size, max_batched_tokens=max_batched_tokens,
-                         max_active_requests=max(n_max, 1), max_model_len=max(map(len, prompt_ids)) + max_tokens + 1)
-    engine = LLMEngine(llm.model, tok, cfg_a)
+    cfg = EngineConfig(kv_mode="paged", page_size=page_size, max_batched_tokens=max_batched_tokens,
+                       max_active_requests=max(n_max, 1), max_model_len=max(map(len, prompt_ids)) + max_tokens + 1)
+    engine = LLMEngine(llm.model, tok, cfg)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    run_batched(engine, prompt_ids[:n_max], params)  # warm-up: every batch shape once, then one request alone
-    run_sequential(engine, prompt_ids[:1], params)
-    batching_rows = []
+    # Warm-up: every batch shape once (a short run), then one request alone.
+    warm = SamplingParams(temperature=0.0, max_tokens=min(max_tokens, 16), ignore_eos=True)
+    run_batched(engine, prompt_ids[:n_max], warm)
+    run_sequential(engine, prompt_ids[:1], warm)
+    rows = []
     for n in concurrency:
         ids = prompt_ids[:n]
         total = n * max_tokens
@@ -140,19 +171,41 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
             s_tps.append(total / ws)
             ratios.append(ws / wb)
             ttft_b.append(max(o.metrics.time_to_first_token_s for o in outs))
-        row = {"concurrency": n, "output_tokens_per_request": max_tokens,
-               "prompt_tokens": [len(x) for x in ids]}
+        row = {"concurrency": n, "output_tokens_per_request": max_tokens, "prompt_tokens": [len(x) for x in ids]}
         _stat(row, "batched_tok_s", b_tps)
         _stat(row, "sequential_tok_s", s_tps)
         _stat(row, "batched/sequential", ratios)
         _stat(row, "batched_max_ttft_s", ttft_b)
         row["samples"] = {"batched_tok_s": b_tps, "sequential_tok_s": s_tps, "ratio": ratios}
-        batching_rows.append(row)
+        rows.append(row)
         print(f"N={n}: batched {row['batched_tok_s']} tok/s, sequential {row['sequential_tok_s']} tok/s, "
               f"ratio {row['batched/sequential']}", flush=True)
-    del engine
+    target = 3.0 if dev.type == "cuda" else 2.0
+    for row in rows:
+        row[f"target_met(N=4,>={target:g}x)"] = (row["batched/sequential_mean"] >= target) if row["concurrency"] == 4 else None
+    settings.update({"experiment": "batched vs sequential", "concurrency": concurrency, "max_tokens": max_tokens,
+                     "warmup": f"batched N={n_max} and one sequential request, {warm.max_tokens} tokens each",
+                     "kv_mode": "paged", "policy": "fcfs", "max_active_requests": cfg.max_active_requests,
+                     "max_model_len": cfg.max_model_len, "prompts": texts[:n_max]})
+    meta = _meta(llm, device, sha, settings, load_start)
+    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time; mean ± sample std over {repeats} runs "
+            f"after a warm-up. 'batched': all N submitted together to one LLMEngine (paged, fcfs, "
+            f"max_batched_tokens={max_batched_tokens}); 'sequential': the same N requests one after another through "
+            f"the same engine. The two alternate within each run; the ratio is per run. Target: N=4 >= {target:g}x "
+            f"on {dev.type.upper()}. Load average (1/5/15 min) at start {load_start}, end "
+            f"{meta['load_average_1_5_15']['end']} (the benchmark itself adds ~{torch.get_num_threads()}).")
+    cols = ["concurrency", "batched_tok_s", "sequential_tok_s", "batched/sequential", "batched/sequential_median",
+            "batched_max_ttft_s", f"target_met(N=4,>={target:g}x)"]
+    _, md = write_results(f"continuous-batching-{model_label(model)}", meta, rows, cols, note)
+    print(md.read_text(), flush=True)
+    return rows
 
-    # -- (b) paged vs contiguous decode --------------------------------------------------
+
+def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: dict, decode_lengths: list[int],
+                         quick: bool, repeats: int, max_batched_tokens: int, page_size: int) -> list[dict]:
+    """(b) one request's decode tok/s through a paged and a contiguous KV cache."""
+    load_start = _loadavg()
+    tok = llm.tokenizer
     dec_ids = tok.encode(DECODE_PROMPT)
     max_len = max(decode_lengths) + len(dec_ids) + 1
     engines = {mode: LLMEngine(llm.model, tok, EngineConfig(kv_mode=mode, page_size=page_size, max_model_len=max_len,
@@ -161,7 +214,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     warm = SamplingParams(temperature=0.0, max_tokens=min(32, max(decode_lengths)), ignore_eos=True)
     for e in engines.values():
         run_batched(e, [dec_ids], warm)
-    kv_rows = []
+    rows = []
     for length in decode_lengths:
         p = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
         tps = {"paged": [], "contiguous": []}
@@ -171,45 +224,27 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                 _, outs = run_batched(e, [dec_ids], p)
                 tps[mode].append(outs[0].metrics.decode_tokens_per_s)
             ratios.append(tps["paged"][-1] / tps["contiguous"][-1])
-        row = {"decode_tokens": length, "prompt_tokens": len(dec_ids), "max_model_len": max_len,
-               "page_size": page_size}
+        row = {"decode_tokens": length, "prompt_tokens": len(dec_ids), "max_model_len": max_len, "page_size": page_size}
         _stat(row, "paged_decode_tok_s", tps["paged"])
         _stat(row, "contiguous_decode_tok_s", tps["contiguous"])
         _stat(row, "paged/contiguous", ratios)
         row["target_met(>=0.95)"] = row["paged/contiguous_mean"] >= 0.95
         row["samples"] = {**tps, "ratio": ratios}
-        kv_rows.append(row)
+        rows.append(row)
         print(f"L={length}: paged {row['paged_decode_tok_s']}, contiguous {row['contiguous_decode_tok_s']}, "
               f"ratio {row['paged/contiguous']}", flush=True)
-    del engines
-
-    target = 3.0 if dev.type == "cuda" else 2.0
-    for row in batching_rows:
-        row[f"target_met(N=4,>={target:g}x)"] = (row["batched/sequential_mean"] >= target) if row["concurrency"] == 4 else None
-    settings = {"model": model, "inference_device": device, "activation_dtype": dtype, "repeats": repeats,
-                "warmup_runs": 1, "concurrency": concurrency, "max_tokens": max_tokens,
-                "decode_lengths": decode_lengths, "quick": quick, "max_batched_tokens": max_batched_tokens,
-                "page_size": page_size, "kv_mode_batching": "paged", "policy": "fcfs",
-                "max_model_len_batching": cfg_a.max_model_len, "max_model_len_decode": max_len,
-                "sampling": "greedy, ignore_eos", "prompts": texts[:n_max], "decode_prompt": DECODE_PROMPT,
-                "torch_threads": torch.get_num_threads()}
-    meta = provenance(device if dev.type != "cuda" else str(dev), sha, settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
-    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time; mean ± sample std over {repeats} runs "
-            f"after a warm-up. 'batched': all N submitted together to one LLMEngine (paged, fcfs, "
-            f"max_batched_tokens={max_batched_tokens}); 'sequential': the same N requests one after another through "
-            f"the same engine. The two alternate within each run; the ratio is per run. Target: N=4 >= {target:g}x "
-            f"on {dev.type.upper()}. Load average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']}.")
-    cols = ["concurrency", "batched_tok_s", "sequential_tok_s", "batched/sequential", "batched/sequential_median",
-            "batched_max_ttft_s", f"target_met(N=4,>={target:g}x)"]
-    _, md_a = write_results(f"continuous-batching-{model_label(model)}", meta, batching_rows, cols, note)
-    note_b = (f"One request, greedy, exactly L output tokens; decode tok/s = (L-1)/(e2e - TTFT) from RequestMetrics; "
-              f"mean ± sample std over {repeats} runs after a warm-up, paged and contiguous alternating. Paged: "
-              f"{page_size}-token pages; contiguous: one page of max_model_len={max_len} tokens. Target paged/contiguous "
-              f">= 0.95." + (" QUICK sizes (128, 512 instead of 512, 2048) to fit a CPU run." if quick else ""))
-    cols_b = ["decode_tokens", "prompt_tokens", "paged_decode_tok_s", "contiguous_decode_tok_s", "paged/contiguous",
-              "paged/contiguous_median", "target_met(>=0.95)"]
-    _, md_b = write_results(f"paged-vs-contiguous-{model_label(model)}", meta, kv_rows, cols_b, note_b)
-    print(md_a.read_text())
-    print(md_b.read_text())
-    return {"batching": batching_rows, "kv": kv_rows}
+    settings.update({"experiment": "paged vs contiguous decode", "decode_lengths": decode_lengths, "quick": quick,
+                     "max_model_len": max_len, "max_active_requests": 1, "decode_prompt": DECODE_PROMPT,
+                     "warmup": f"one {warm.max_tokens}-token request per engine"})
+    meta = _meta(llm, device, sha, settings, load_start)
+    note = (f"One request, greedy, exactly L output tokens; decode tok/s = (L-1)/(e2e - TTFT) from RequestMetrics; "
+            f"mean ± sample std over {repeats} runs after a warm-up, paged and contiguous alternating; the ratio is "
+            f"per run. Paged: {page_size}-token pages; contiguous: one page of max_model_len={max_len} tokens. Target "
+            f"paged/contiguous >= 0.95." + (" QUICK sizes (128, 512 instead of 512, 2048) to fit a CPU run." if quick else "")
+            + f" Load average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']} "
+            f"(the benchmark itself adds ~{torch.get_num_threads()}).")
+    cols = ["decode_tokens", "prompt_tokens", "paged_decode_tok_s", "contiguous_decode_tok_s", "paged/contiguous",
+            "paged/contiguous_median", "target_met(>=0.95)"]
+    _, md = write_results(f"paged-vs-contiguous-{model_label(model)}", meta, rows, cols, note)
+    print(md.read_text(), flush=True)
+    return rows

@@ -161,7 +161,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     common = (f"mean ± sample std over {repeats} runs after a warm-up; policies alternate within each run and the "
               f"*_vs_fcfs ratios are per run. max_batched_tokens={max_batched_tokens}, {max_tokens} output tokens per "
               f"request, all requests submitted at once in arrival order. Load average (1/5/15 min) at start "
-              f"{load_start}, end {meta['load_average_1_5_15']['end']}.")
+              f"{load_start}, end {meta['load_average_1_5_15']['end']} (the benchmark itself adds ~{torch.get_num_threads()}).")
     cols = ["policy", "short_ttft_s", "short_ttft_s_median", "short_ttft_vs_fcfs", "long_ttft_mean_s",
             "oldest_long_ttft_s", "long_ttft_vs_fcfs", "output_tok_s", "wall_s"]
     _, md_a = write_results(f"scheduling-head-of-line-{model_label(model)}", meta, hol_rows, cols,

@@ -33,6 +33,8 @@ def add_bench_parser(subparsers) -> None:
     c.add_argument("--quick", action="store_true", help="decode lengths 128,512 (the CPU default)")
     c.add_argument("--max-batched-tokens", type=int, default=512)
     c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--parts", type=lambda v: v.split(","), default=None,
+                   help="comma list of experiments to run: batching, kv (default both)")
     c.set_defaults(func=_continuous_batching)
 
     s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
@@ -84,7 +86,7 @@ def _continuous_batching(args: argparse.Namespace) -> int:
 
     run(args.model, args.inference_device, args.activation_dtype, concurrency=args.concurrency,
         max_tokens=args.max_tokens, decode_lengths=args.decode_lengths, quick=args.quick, repeats=args.repeats,
-        max_batched_tokens=args.max_batched_tokens, page_size=args.page_size)
+        max_batched_tokens=args.max_batched_tokens, page_size=args.page_size, parts=args.parts)
     return 0
 
 
