@@ -13,6 +13,7 @@ early (break, exception, task cancellation) aborts the request and frees its pag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 
@@ -28,6 +29,11 @@ class AsyncEngine:
         self._work = threading.Condition(self._lock)
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        # Callers announce themselves before taking the lock; the engine thread steps
+        # aside for them between steps. Without this, a busy engine thread re-takes the
+        # (unfair) lock right after each step and a cancel can wait for the whole request.
+        self._waiting_callers = 0
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -35,10 +41,9 @@ class AsyncEngine:
                        prompt: str | None = None, request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        with self._work:
+        with self._turn():
             rid = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=request_id)
             self._subscribers[rid] = (loop, queue)
-            self._work.notify()
         finished = False
         try:
             while not finished:
@@ -46,7 +51,7 @@ class AsyncEngine:
                 finished = event.finished
                 yield event
         finally:
-            with self._work:
+            with self._turn():
                 self._subscribers.pop(rid, None)
                 if not finished:
                     self.engine.abort(rid)
@@ -63,7 +68,7 @@ class AsyncEngine:
         return out
 
     def abort(self, request_id: str) -> None:
-        with self._work:
+        with self._turn():
             event = self.engine.abort(request_id)
             if event is not None:
                 self._deliver([event])
@@ -80,11 +85,22 @@ class AsyncEngine:
 
     # -- the engine thread -----------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _turn(self):
+        """The engine lock for a caller, taken between two steps."""
+        with self._count_lock:
+            self._waiting_callers += 1
+        with self._work:
+            with self._count_lock:
+                self._waiting_callers -= 1
+            yield
+            self._work.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._work:
-                while not self._stopped and not self.engine.has_unfinished():
-                    self._work.wait()
+                while not self._stopped and (self._waiting_callers or not self.engine.has_unfinished()):
+                    self._work.wait(timeout=0.05)
                 if self._stopped:
                     return
                 events = self.engine.step()
