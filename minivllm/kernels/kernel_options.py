@@ -1,0 +1,35 @@
+"""How the model's matmuls and attention pick kernels: one object shared by every layer.
+
+The engine owns it and changes it between steps (e.g. a `debug.compare` run with
+different thresholds), so layers read it at call time instead of copying values.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from minivllm.errors import ConfigError
+
+
+@dataclass
+class KernelOptions:
+    # Inputs with at most this many rows take the fused dequantize-GEMV path (one
+    # kernel per row set, weights read in block format); more rows dequantize and GEMM.
+    # 0 disables GEMV. None: the device default (see `default_gemv_max_rows`).
+    gemv_max_rows: int | None = None
+    # Keep a dequantized copy of every quantized weight for the GEMM path ("auto":
+    # when it fits in the memory budget; True/False force it).
+    dequant_cache: bool | str = "auto"
+    # Every row's arithmetic independent of the batch, chunking and gemv_max_rows.
+    batch_invariant: bool = False
+    # Per-path call counts since the last reset; shown in the engine snapshot.
+    path_counts: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        if self.gemv_max_rows is not None and not (isinstance(self.gemv_max_rows, int) and self.gemv_max_rows >= 0):
+            raise ConfigError("gemv_max_rows", self.gemv_max_rows, "must be an integer >= 0 (0 disables the GEMV path)")
+        if self.dequant_cache not in (True, False, "auto"):
+            raise ConfigError("dequant_cache", self.dequant_cache, "allowed: True, False, 'auto'")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError("batch_invariant", self.batch_invariant, "must be True or False")
