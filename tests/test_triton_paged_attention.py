@@ -1,0 +1,228 @@
+"""The Triton paged-attention kernel against float32/float64 references, on scattered pages.
+
+CPU variants run the kernel through Triton's interpreter; `cuda` variants run the
+compiled kernel. The interpreter is switched on only where there is no GPU, because
+the switch is read when the kernel module is imported: on the GPU machine the CUDA
+variants must test the compiled code, not the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from minivllm.errors import ConfigError, DeviceError  # noqa: E402
+from minivllm.kernels.attention import causal_attention  # noqa: E402
+from minivllm.kernels.triton.paged_attention import paged_attention  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1; this GPU machine tests the compiled kernel")),
+    pytest.param("cuda", marks=pytest.mark.cuda),
+]
+# (n_heads, n_kv_heads) of SmolLM2-135M and Qwen2.5-0.5B.
+GQA_SHAPES = [(9, 3), (14, 2)]
+HEAD_DIM = 64
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    name = request.param
+    if name == "cuda" and INTERPRETED:
+        pytest.fail("TRITON_INTERPRET=1 was set before the kernel was imported, so this CUDA test would run the "
+                    "interpreter instead of the compiled kernel; run this file on its own without TRITON_INTERPRET")
+    return torch.device(name)
+
+
+def _batch(*, seq_lens: list[int], page_size: int, kvh: int, dtype: torch.dtype, device, seed: int):
+    """Random K/V pages and block tables whose pages are scattered and out of order
+    (a permutation of the pool), padded to the longest table with a junk page id."""
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(n_pages) + 3  # a few pages nobody owns
+    k = torch.randn(num_pages, page_size, kvh, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(num_pages, page_size, kvh, HEAD_DIM, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for n in n_pages:
+        tables.append(order[used:used + n])
+        used += n
+    width = max(n_pages) + 1
+    padded = [t + [order[-1]] * (width - len(t)) for t in tables]
+    block_tables = torch.tensor(padded, dtype=torch.int32)
+    return k.to(device), v.to(device), block_tables.to(device), tables
+
+
+def _sequence_kv(pages: torch.Tensor, table: list[int], n: int) -> torch.Tensor:
+    """A sequence's first n keys gathered in order, through plain torch indexing."""
+    return pages[torch.tensor(table, device=pages.device)].reshape(-1, *pages.shape[2:])[:n]
+
+
+def _plain_attention(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 softmax(q kᵀ / √d) v for one query row (H, D) over all of k/v (S, KVH, D)."""
+    h, d = q_row.shape
+    g = h // k.shape[1]
+    k64 = k.double().repeat_interleave(g, dim=1).transpose(0, 1)  # (H, S, D)
+    v64 = v.double().repeat_interleave(g, dim=1).transpose(0, 1)
+    scores = torch.einsum("hd,hsd->hs", q_row.double(), k64) / d ** 0.5
+    return torch.einsum("hs,hsd->hd", torch.softmax(scores, dim=-1), v64)
+
+
+def _mixed_rows(seq_lens: list[int]) -> tuple[list[int], list[int]]:
+    """Rows of a mixed step: decode rows (last position) for sequences 0 and 2, and for
+    sequence 1 a prefill chunk of its last 6 tokens after a cached prefix; also the very
+    first position (a row that sees one key)."""
+    rows = [(0, seq_lens[0] - 1)]
+    rows += [(1, p) for p in range(seq_lens[1] - 6, seq_lens[1])]
+    rows += [(2, seq_lens[2] - 1), (2, 0)]
+    return [s for s, _ in rows], [p for _, p in rows]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("heads,kv_heads", GQA_SHAPES)
+def test_mixed_batch_matches_references(device, page_size, heads, kv_heads):
+    seq_lens = [37, 70, 16]  # 16: a sequence that exactly fills its page
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=page_size, kvh=kv_heads,
+                                       dtype=torch.float32, device=device, seed=page_size + heads)
+    row_seq, row_pos = _mixed_rows(seq_lens)
+    q = torch.randn(len(row_seq), heads, HEAD_DIM, generator=torch.Generator().manual_seed(7)).to(device)
+    out = paged_attention(q, k, v, tables, torch.tensor(row_seq, dtype=torch.int32, device=device),
+                          torch.tensor(row_pos, dtype=torch.int32, device=device))
+    assert out.shape == q.shape and out.dtype == torch.float32
+    for i, (s, p) in enumerate(zip(row_seq, row_pos)):
+        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(out[i], causal_attention(q[i:i + 1], ks, vs, p)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+    # The prefill chunk of sequence 1 as the engine's SDPA path sees it: one call, q_start = 64.
+    chunk = [i for i, s in enumerate(row_seq) if s == 1]
+    n1 = seq_lens[1]
+    ref = causal_attention(q[chunk], _sequence_kv(k, table_lists[1], n1), _sequence_kv(v, table_lists[1], n1), n1 - 6)
+    torch.testing.assert_close(out[chunk], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_rows_are_batch_invariant_bitwise(device):
+    """A row's output is the same bits alone, in the full batch, and among other rows
+    in another order: its reduction never depends on T or on its neighbours."""
+    seq_lens = [37, 70, 16]
+    k, v, tables, _ = _batch(seq_lens=seq_lens, page_size=16, kvh=3, dtype=torch.float32, device=device, seed=3)
+    row_seq, row_pos = _mixed_rows(seq_lens)
+    q = torch.randn(len(row_seq), 9, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def run(rows: list[int]) -> torch.Tensor:
+        seq = torch.tensor([row_seq[i] for i in rows], dtype=torch.int32, device=device)
+        pos = torch.tensor([row_pos[i] for i in rows], dtype=torch.int32, device=device)
+        return paged_attention(q[rows].contiguous(), k, v, tables, seq, pos)
+
+    full = run(list(range(len(row_seq))))
+    for i in (0, 4, len(row_seq) - 1):
+        assert torch.equal(run([i])[0], full[i]), f"row {i} differs when run alone"
+    shuffled = [5, 0, 8, 3, 3]
+    for j, out in enumerate(run(shuffled)):
+        assert torch.equal(out, full[shuffled[j]]), f"row {shuffled[j]} differs inside another batch"
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_half_caches_and_half_queries(device, cache_dtype):
+    if cache_dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        pytest.skip("bf16 caches are refused below sm_80 (tested in test_bf16_refused_below_sm80)")
+    seq_lens = [40, 23]
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=cache_dtype, device=device, seed=5)
+    row_seq, row_pos = [0, 1, 1], [39, 22, 10]
+    q = torch.randn(3, 14, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(device)
+    seq = torch.tensor(row_seq, dtype=torch.int32, device=device)
+    pos = torch.tensor(row_pos, dtype=torch.int32, device=device)
+    out32 = paged_attention(q, k, v, tables, seq, pos)
+    out16 = paged_attention(q.half(), k, v, tables, seq, pos)
+    assert out16.dtype == torch.float16
+    for i, (s, p) in enumerate(zip(row_seq, row_pos)):
+        ref = _plain_attention(q[i], _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1))
+        torch.testing.assert_close(out32[i].double(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out16[i].double(), _plain_attention(
+            q[i].half(), _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_preallocated_output_is_filled(device):
+    k, v, tables, table_lists = _batch(seq_lens=[20], page_size=16, kvh=3, dtype=torch.float32, device=device, seed=9)
+    q = torch.randn(2, 9, HEAD_DIM, device=device)
+    out = torch.full_like(q, float("nan"))
+    result = paged_attention(q, k, v, tables, torch.zeros(2, dtype=torch.int32, device=device),
+                             torch.tensor([19, 4], dtype=torch.int32, device=device), out=out)
+    assert result.data_ptr() == out.data_ptr()
+    ref = _plain_attention(q[1], _sequence_kv(k, table_lists[0], 5), _sequence_kv(v, table_lists[0], 5))
+    torch.testing.assert_close(out[1].double(), ref, rtol=1e-5, atol=1e-5)
+    assert not out.isnan().any()
+
+
+def test_bad_inputs_get_clear_errors(monkeypatch):
+    k = torch.zeros(4, 16, 3, HEAD_DIM)
+    q = torch.zeros(2, 9, HEAD_DIM)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    seq = torch.zeros(2, dtype=torch.int32)
+    pos = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ConfigError, match="row_pos.*int32"):
+        paged_attention(q, k, k, tables, seq, pos.long())
+    with pytest.raises(ConfigError, match="n_heads.*multiple"):
+        paged_attention(torch.zeros(2, 8, HEAD_DIM), k, k, tables, seq, pos)
+    with pytest.raises(ConfigError, match="one entry per query row"):
+        paged_attention(q, k, k, tables, seq[:1], pos[:1])
+    with pytest.raises(ConfigError, match="head_dim"):
+        paged_attention(torch.zeros(2, 9, 32), k, k, tables, seq, pos)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DeviceError, match="Triton GPU kernel.*CUDA device"):
+        paged_attention(q, k, k, tables, seq, pos)
+
+
+@pytest.mark.cuda
+def test_cpu_and_cuda_mixed_inputs_refused():
+    k = torch.zeros(4, 16, 3, HEAD_DIM, device="cuda")
+    with pytest.raises(DeviceError, match="one device"):
+        paged_attention(torch.zeros(1, 9, HEAD_DIM), k, k, torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+                        torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.cuda
+def test_bf16_refused_below_sm80():
+    if torch.cuda.get_device_capability() >= (8, 0):
+        pytest.skip("this GPU supports bf16 (sm_80+); the refusal is for T4-class GPUs")
+    k = torch.zeros(4, 16, 3, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(DeviceError, match="bfloat16.*sm_80"):
+        paged_attention(torch.zeros(1, 9, HEAD_DIM, device="cuda"), k, k, idx.view(1, 1), idx, idx)
+
+
+@pytest.mark.cuda
+def test_replays_in_a_cuda_graph_with_refilled_metadata():
+    """Captured once with static metadata buffers; refilling row_pos/row_seq/block
+    tables in place and replaying gives the new step's answer (no host syncs inside)."""
+    if INTERPRETED:
+        pytest.fail("TRITON_INTERPRET=1 is set: a CUDA graph needs the compiled kernel")
+    device = torch.device("cuda")
+    k, v, tables, table_lists = _batch(seq_lens=[60, 33], page_size=16, kvh=3, dtype=torch.float16, device=device, seed=11)
+    q = torch.randn(2, 9, HEAD_DIM, device=device)
+    seq = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    pos = torch.tensor([10, 5], dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    paged_attention(q, k, v, tables, seq, pos, out=out)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(q, k, v, tables, seq, pos, out=out)
+    for step_pos in ([59, 32], [20, 31]):
+        pos.copy_(torch.tensor(step_pos, dtype=torch.int32))
+        q.copy_(torch.randn(2, 9, HEAD_DIM))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (s, p) in enumerate(zip([0, 1], step_pos)):
+            ref = _plain_attention(q[i], _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1))
+            torch.testing.assert_close(out[i].double(), ref, rtol=1e-3, atol=1e-3)
