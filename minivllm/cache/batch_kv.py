@@ -6,11 +6,22 @@ tensors are built once per step and reused by every layer.
 
 Reading: attention reads K/V where they lie in the pool, never concatenating a
 request's pages into a new tensor (that copy made the original's paged decode 0.61×
-contiguous on a T4). A block table is split into runs of consecutive pages — the pool
-hands out consecutive pages when it can, so a request usually has one run or a few —
-and each run is a plain slice of the flat pool. One run (always the case in
-`contiguous` mode) goes to SDPA directly; several runs go to `causal_attention_runs`,
-which joins only the scores.
+contiguous on a T4).
+
+- On CUDA, decode rows (segments with n == 1) go to the Triton `paged_attention`
+  kernel, which follows each row's block table page by page. Its metadata
+  (`block_tables`, `row_seq`, `row_pos`, and `write_slots` for storing K/V) are device
+  tensors built once here, so a CUDA-graph runner can supply the same tensors from
+  static buffers and refill them in place.
+- Prefill chunks (n > 1), and everything on CPU, use SDPA: a block table is split into
+  runs of consecutive pages — the pool hands out consecutive pages when it can, so a
+  request usually has one run or a few — and each run is a plain slice of the flat
+  pool. One run (always the case in `contiguous` mode) goes to SDPA directly; several
+  runs go to `causal_attention_runs`, which joins only the scores.
+- `invariant=True` sends every row through a path whose result depends only on that
+  row's own keys, so a token's output never depends on how its prompt was chunked or
+  what else is batched with it: the Triton kernel on CUDA, and on CPU one
+  `causal_attention` call per query row over keys 0..pos (slower; for checking).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.cache.page_pool import PagePool
+from minivllm.errors import DeviceError
 from minivllm.kernels.attention import causal_attention, causal_attention_runs
 
 
@@ -31,35 +43,85 @@ class Segment:
 
 
 class PagedBatchKV:
-    def __init__(self, pool: PagePool, segments: list[Segment]):
+    def __init__(self, pool: PagePool, segments: list[Segment], *, invariant: bool = False):
         self.pool = pool
         self.segments = segments
+        self.invariant = invariant
         ps = pool.page_size
         device = pool.k.device
         write, self._reads, self._rows = [], [], []
+        row_seq, row_pos = [], []
         row = 0
-        for seg in segments:
+        for i, seg in enumerate(segments):
             end = seg.start + seg.n
             pos = torch.arange(seg.start, end)
             table = torch.tensor(seg.block_table, dtype=torch.long)
             write.append(table[pos // ps] * ps + pos % ps)
             self._reads.append(_runs(seg.block_table, ps, end))
             self._rows.append(slice(row, row + seg.n))
+            row_seq += [i] * seg.n
+            row_pos += range(seg.start, end)
             row += seg.n
         self.n_rows = row
-        self._write = torch.cat(write).to(device)
+        self.write_slots = torch.cat(write).to(device)  # flat pool slot of each row's K/V
+        # Paged-attention metadata (int32, on the pool's device): each segment's block
+        # table padded with page 0 (never read: a row reads only pages up to its
+        # position), and each row's segment and absolute position.
+        width = max((len(seg.block_table) for seg in segments), default=1)
+        self.block_tables = torch.tensor([seg.block_table + [0] * (width - len(seg.block_table)) for seg in segments],
+                                         dtype=torch.int32).to(device)
+        self.row_seq = torch.tensor(row_seq, dtype=torch.int32).to(device)
+        self.row_pos = torch.tensor(row_pos, dtype=torch.int32).to(device)
+        self._paged_attention = _triton_paged_attention(pool, invariant)
+        # Rows the kernel handles in a mixed step (decode rows), when not all rows are.
+        self._kernel_rows = None
+        self._all_rows_in_kernel = self._paged_attention is not None and (
+            invariant or all(seg.n == 1 for seg in segments))
+        if self._paged_attention is not None and not self._all_rows_in_kernel:
+            decode = [self._rows[i].start for i, seg in enumerate(segments) if seg.n == 1]
+            if decode:
+                self._kernel_rows = torch.tensor(decode, dtype=torch.long).to(device)
+                self._kernel_seq = self.row_seq[self._kernel_rows]
+                self._kernel_pos = self.row_pos[self._kernel_rows]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k/v (rows, KVH, D) in the pool and attend; returns (rows, H, D)."""
         kf = self.pool.k[layer].view(-1, *self.pool.k.shape[-2:])
         vf = self.pool.v[layer].view(-1, *self.pool.v.shape[-2:])
-        kf.index_copy_(0, self._write, k.to(kf.dtype))
-        vf.index_copy_(0, self._write, v.to(vf.dtype))
+        kf.index_copy_(0, self.write_slots, k.to(kf.dtype))
+        vf.index_copy_(0, self.write_slots, v.to(vf.dtype))
+        if self._all_rows_in_kernel:
+            return self._paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.block_tables,
+                                         self.row_seq, self.row_pos)
+        if self.invariant:  # CPU: one query row at a time over exactly its own keys
+            return self._per_row(q, kf, vf)
         if len(self.segments) == 1:
             return self._one(q, kf, vf, 0)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for i in range(len(self.segments)):
+        for i, seg in enumerate(self.segments):
+            if seg.n == 1 and self._kernel_rows is not None:
+                continue  # decode rows: filled by one kernel launch below
             out[self._rows[i]] = self._one(q[self._rows[i]], kf, vf, i)
+        if self._kernel_rows is not None:
+            out[self._kernel_rows] = self._paged_attention(
+                q[self._kernel_rows], self.pool.k[layer], self.pool.v[layer], self.block_tables,
+                self._kernel_seq, self._kernel_pos)
+        return out
+
+    def _per_row(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor) -> torch.Tensor:
+        """Each query row alone over keys 0..pos, read as slices of the pool: its result
+        depends only on its own keys, never on the chunk it came in."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ps = self.pool.page_size
+        for i, seg in enumerate(self.segments):
+            for j in range(seg.n):
+                pos = seg.start + j
+                row = self._rows[i].start + j
+                runs = _runs(seg.block_table, ps, pos + 1)
+                if len(runs) == 1:
+                    out[row] = causal_attention(q[row:row + 1], kf[runs[0]], vf[runs[0]], pos)[0]
+                else:
+                    out[row] = causal_attention_runs(q[row:row + 1], [(kf[r], vf[r]) for r in runs], pos)[0]
         return out
 
     def _one(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, i: int) -> torch.Tensor:
@@ -67,6 +129,26 @@ class PagedBatchKV:
         if len(runs) == 1:
             return causal_attention(q, kf[runs[0]], vf[runs[0]], self.segments[i].start)
         return causal_attention_runs(q, [(kf[r], vf[r]) for r in runs], self.segments[i].start)
+
+
+def _triton_paged_attention(pool: PagePool, invariant: bool):
+    """The Triton kernel when this pool's device can run it, else None (SDPA path).
+
+    Imported lazily: CPU users need not have Triton installed, and importing the kernel
+    module on CPU would fix Triton's interpreter setting before tests choose it."""
+    device = pool.k.device
+    if device.type != "cuda":
+        return None
+    if pool.k.dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0) and not invariant:
+        return None  # Triton cannot load bf16 below sm_80; the invariant path lets the kernel say so
+    try:
+        from minivllm.kernels.triton.paged_attention import paged_attention
+    except ImportError as exc:
+        if invariant:
+            raise DeviceError(f"invariant attention on {device} needs Triton ({exc}); install triton "
+                              f"(it ships with torch's CUDA wheels) or drop invariant mode") from exc
+        return None
+    return paged_attention
 
 
 def _runs(block_table: list[int], page_size: int, n_tokens: int) -> list[slice]:

@@ -34,7 +34,9 @@ from minivllm.errors import ConfigError, DeviceError
 
 # Upper bound on the (group × key block × head_dim) product each program holds at once:
 # larger blocks mean fewer loop trips, but the broadcast product lives in registers.
-_PRODUCT_ELEMENTS = 8192
+# ptxas for sm_75, G=8 (padded), D=64: 8 keys → 126 registers, 16 keys → 231, 32 keys
+# spill; 4096 keeps the common shapes near 128 registers without spilling.
+_PRODUCT_ELEMENTS = 4096
 
 
 @triton.jit
