@@ -43,6 +43,11 @@ class Segment:
 
 
 class PagedBatchKV:
+    """One step's KV bookkeeping. On CUDA, a decode-only step reads only
+    `write_slots`, `block_tables`, `row_seq` and `row_pos` in `attend`, so a CUDA-graph
+    runner may replace them with static buffers holding the same values (block tables
+    padded to any width)."""
+
     def __init__(self, pool: PagePool, segments: list[Segment], *, invariant: bool = False):
         self.pool = pool
         self.segments = segments
