@@ -23,6 +23,14 @@ def add_bench_parser(subparsers) -> None:
     d.add_argument("--repeats", type=int, default=3)
     d.set_defaults(func=_decode)
 
+    kn = sub.add_parser("kernels", help="Triton dequantize-GEMV GB/s per weight type on 7B shapes vs copy bandwidth (CUDA)")
+    kn.add_argument("--types", type=lambda v: [x.strip().upper() for x in v.split(",") if x.strip()], default=None,
+                    help="comma list of weight types (default: all with a GEMV kernel)")
+    kn.add_argument("--shapes", type=_shapes, default=None, help="comma list of NxK (default: Qwen2.5-7B's four)")
+    kn.add_argument("--inference-device", default="gpu", help="gpu or cuda:N")
+    kn.add_argument("--batch-rows", type=int, default=8, help="M of the multi-row measurement (default 8)")
+    kn.set_defaults(func=_kernels)
+
     c = sub.add_parser("continuous-batching",
                        help="aggregate tok/s batched vs sequential for N requests; paged vs contiguous decode")
     _common(c)
@@ -97,4 +105,23 @@ def _scheduling(args: argparse.Namespace) -> int:
         long_prompts=args.long_prompts, long_tokens=args.long_tokens, short_tokens=args.short_tokens,
         fair_prompts=args.fair_prompts, fair_tokens=args.fair_tokens, max_batched_tokens=args.max_batched_tokens,
         max_tokens=args.max_tokens, page_size=args.page_size)
+    return 0
+
+def _shapes(v: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(d) for d in s.lower().split("x")) for s in v.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of NxK such as 3584x3584, got {v!r}") from None
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from minivllm.bench.kernels import run
+    from minivllm.devices import resolve_device
+
+    if not torch.cuda.is_available():
+        print("minivllm bench kernels: needs a CUDA device (it times the Triton GEMV kernels); torch sees none here.")
+        return 2
+    run(args.types, args.shapes, device=str(resolve_device(args.inference_device)), batch_rows=args.batch_rows)
     return 0
