@@ -61,3 +61,108 @@ def test_scheduling_driver(results_dir, smollm2_path):
     assert [r["policy"] for r in fair["rows"]] == policies
     assert all(r["spread_s_mean"] >= 0 for r in fair["rows"])
     assert fair["provenance"]["settings"]["max_batched_tokens"] == 8
+
+
+# --- gemv-threshold and decode (issue 4) ------------------------------------------------
+
+
+def _matmuls_per_forward(path) -> int:
+    """q, k, v, o, gate, up, down per layer, plus the LM head."""
+    from minivllm.gguf.reader import GGUFFile
+
+    with GGUFFile(path) as gf:
+        return 7 * int(gf.require(f"{gf.architecture}.block_count")) + 1
+
+
+def test_gemv_threshold_driver(results_dir, smollm2_path):
+    from minivllm.bench.gemv_threshold import run
+
+    max_tokens = 2
+    rows = run(str(smollm2_path), concurrency=[1, 2], max_tokens=max_tokens, repeats=1, batch_invariant=True,
+               prompts=["Hello there, how", "The sky is blue and"])
+    data = _load(results_dir, "gemv-threshold-")
+    assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        for key in ("sequential_tok_s", "gemm_tok_s", "gemv_tok_s", "batch_invariant_tok_s"):
+            assert r[f"{key}_mean"] > 0 and r[f"{key}_median"] > 0
+        assert r["gemv/gemm_median"] == pytest.approx(r["gemv_tok_s_median"] / r["gemm_tok_s_median"])
+    # Each mode ran the kernel it is named after: every matmul of the GEMM mode took GEMM; in
+    # the GEMV mode (N=2 <= gemv_max_rows) every decode step's matmuls took GEMV, and in the
+    # prefill step (more rows than that) the layers took GEMM while the LM head, which sees
+    # only the N last rows, took GEMV; batch-invariant mode used only the invariant kernel.
+    per_forward = _matmuls_per_forward(smollm2_path)
+    paths = rows[1]["matmul_paths_per_run"]
+    assert paths["gemm"] == {"gemm": max_tokens * per_forward}
+    assert paths["gemv"] == {"gemm": per_forward - 1, "gemv": (max_tokens - 1) * per_forward + 1}
+    assert paths["batch_invariant"] == {"gemv-invariant": max_tokens * per_forward}
+    expected = max([r["concurrency"] for r in rows if r["gemv/gemm_median"] >= 1], default=0)
+    assert data["provenance"]["recommended_gemv_max_rows"] == expected
+
+
+def test_gemv_threshold_recommendation():
+    from minivllm.bench.gemv_threshold import recommend
+
+    rows = [{"concurrency": n, "gemv/gemm_median": r} for n, r in [(1, 1.3), (2, 1.1), (3, 1.0), (4, 0.9), (5, 0.8)]]
+    assert recommend(rows) == 3
+    assert recommend([{"concurrency": 1, "gemv/gemm_median": 0.7}]) == 0
+
+
+LLAMA_CPP_SITE = next(iter(sorted(__import__("glob").glob("/tmp/lcpp/lib/python3*/site-packages"))), None)
+
+
+def test_decode_driver_with_baselines(results_dir, smollm2_path):
+    from minivllm.bench.decode import run
+
+    rows = run(str(smollm2_path), ["cpu"], ["f32"], max_tokens=3, prompt_tokens=24, repeats=1, threads=2,
+               llama_cpp_path=LLAMA_CPP_SITE)
+    data = _load(results_dir, "decode-")
+    assert [r["engine"] for r in data["rows"]][::2] == ["minivllm", "transformers"]
+    ours, llama, hf = data["rows"]
+    assert data["provenance"]["settings"]["threads"] == 2 and data["provenance"]["settings"]["prompt_tokens"] == 24
+    for r in (ours, hf):
+        assert r["status"] == "ok" and r["prompt_tokens"] == 24 and r["decode_tokens"] == 3
+        assert r["prefill_tok_s_median"] > 0 and r["decode_tok_s_median"] > 0
+    # transformers runs the same file in float32: the same greedy tokens.
+    assert hf["same_tokens_as_first_row"] == 3
+    assert hf["minivllm/this_decode"] == pytest.approx(ours["decode_tok_s_median"] / hf["decode_tok_s_median"])
+    if LLAMA_CPP_SITE is None:
+        assert llama["status"].startswith("not installed")
+    else:
+        assert llama["status"] == "ok" and llama["decode_tok_s_median"] > 0
+        assert llama["minivllm/this_prefill"] == pytest.approx(ours["prefill_tok_s_median"] / llama["prefill_tok_s_median"])
+    assert len(rows) == 3
+
+
+def test_decode_prompt_is_cut_from_the_prompt_file(smollm2_path):
+    import json
+
+    from minivllm.bench.decode import PROMPTS_FILE, long_prompt_ids
+    from minivllm.gguf.reader import GGUFFile
+    from minivllm.gguf.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(GGUFFile(smollm2_path))
+    ids = long_prompt_ids(tok, 512)
+    assert len(ids) == 512
+    first = json.loads(PROMPTS_FILE.read_text())["prompts"][0]
+    assert tok.decode(ids).startswith(first)
+
+
+def test_decode_llama_cpp_missing_is_reported(monkeypatch, tmp_path):
+    import sys
+
+    from minivllm.bench.decode import LLAMA_CPP_ENV, load_llama_cpp
+
+    monkeypatch.delenv(LLAMA_CPP_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # how Python marks a module as unimportable
+    module, why = load_llama_cpp(None)
+    assert module is None and why.startswith("not installed") and LLAMA_CPP_ENV in why
+    module, why = load_llama_cpp(str(tmp_path / "nowhere"))
+    assert module is None and "nowhere" in why
+
+
+def test_decode_synthetic_model_is_refused_on_cpu(results_dir):
+    from minivllm.bench.decode import run
+    from minivllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="GPU"):
+        run(devices=["cpu"], synthetic="qwen2.5-7b-q4_k_m")

@@ -1,48 +1,276 @@
-"""Single-request prefill and decode speed per device and activation dtype.
+"""Single-request (batch-1) decode and 512-token prefill speed, against llama.cpp and transformers.
 
-One request at a time through the engine (so no batching effects), greedy,
-`ignore_eos` so every run decodes exactly `max_tokens` tokens. Reported per run:
-prefill tokens/s (prompt tokens / time to first token) and decode tokens/s.
+Every engine gets the same token ids: a `prompt_tokens`-long prompt cut from the prompts in
+data/prompts.json (joined and repeated until long enough), then exactly `decode_tokens`
+greedy tokens (EOS ignored). Measured the same way for each engine:
+
+* prefill tok/s = prompt tokens / (time from submitting the prompt to the first token
+  chosen) — one forward over the whole prompt plus one argmax;
+* decode tok/s = (decode_tokens - 1) / (time from the first token to the last).
+
+minivllm runs through its engine (`RequestMetrics`: queue time excluded, one prefill chunk
+since max_batched_tokens >= prompt tokens). On the CPU the same GGUF file also runs through
+llama-cpp-python (optional; `--llama-cpp-path` / $MINIVLLM_LLAMA_CPP_PATH adds its
+site-packages to sys.path; "not installed" otherwise) and transformers
+(`AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`, float32, its KV cache), all
+with the same thread count. All engines stay loaded and take turns inside every repeat, so
+each ours/theirs ratio compares numbers measured next to each other.
+
+`synthetic="qwen2.5-7b-q4_k_m"` measures the synthetic Qwen2.5-7B Q4_K_M file
+(minivllm/bench/synthetic_model.py), written to the model cache on first use; GPU only.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minivllm.bench.continuous_batching import PROMPTS_FILE, _loadavg, model_label
 from minivllm.bench.results import provenance, summarize, write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 
-PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
-          "combined movable metal type, oil-based ink and a wine press into a machine that")
+LLAMA_CPP_ENV = "MINIVLLM_LLAMA_CPP_PATH"
+DEFAULT_CPU_THREADS = 2
 
 
-def run(model: str, devices: list[str], dtypes: list[str], max_tokens: int = 64, repeats: int = 3) -> list[dict]:
+def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
+    """Exactly `n_tokens` ids: the prompt file's prompts joined by blank lines, repeated as needed."""
+    import json
+
+    text = "\n\n".join(json.loads(PROMPTS_FILE.read_text())["prompts"])
+    if not tokenizer.encode(text):
+        raise ConfigError("prompts", str(PROMPTS_FILE), "the prompt file encodes to no tokens")
+    copies = 1
+    while len(ids := tokenizer.encode("\n\n".join([text] * copies))) < n_tokens:
+        copies *= 2
+    return ids[:n_tokens]
+
+
+# --- engines under test ------------------------------------------------------------------
+# Each runner's `measure(ids, n)` returns (prefill seconds, decode seconds, generated ids).
+
+
+class MinivllmRunner:
+    def __init__(self, model_path: Path, device: str, dtype: str, max_len: int, prompt_tokens: int):
+        self.llm = LLM(str(model_path), device=device, dtype=dtype, progress=False, max_model_len=max_len,
+                       max_batched_tokens=max(512, prompt_tokens), max_active_requests=1)
+        self.device, self.dtype = str(resolve_device(device)), dtype
+        self.engine = "minivllm"
+
+    def measure(self, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+        out = self.llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+        m = out.metrics
+        if len(out.token_ids) != n:
+            raise RuntimeError(f"minivllm produced {len(out.token_ids)} tokens, expected {n}")
+        return m.time_to_first_token_s - m.queue_time_s, m.e2e_s - m.time_to_first_token_s, list(out.token_ids)
+
+    def kernels(self) -> object:
+        return self.llm.snapshot().get("kernels")
+
+
+class LlamaCppRunner:
+    engine = "llama.cpp"
+    dtype = "f32 activations (ggml)"
+
+    def __init__(self, module, model_path: Path, threads: int, max_len: int, prompt_tokens: int):
+        self.lib = module
+        self.llm = module.Llama(model_path=str(model_path), n_ctx=max_len, n_batch=max(512, prompt_tokens),
+                                n_ubatch=max(512, prompt_tokens), n_threads=threads, n_threads_batch=threads,
+                                n_gpu_layers=0, verbose=False)
+        self.device = "cpu"
+        self.n_vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        return int(np.argmax(logits))
+
+    def measure(self, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+        self.llm.reset()  # drop the previous repeat's tokens (and their KV cells, on the next eval)
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        out = [self._argmax()]
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        return t1 - t0, time.perf_counter() - t1, out
+
+
+class TransformersRunner:
+    engine = "transformers"
+    dtype = "f32"
+
+    def __init__(self, model_path: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                          dtype=torch.float32, local_files_only=True).eval()
+        self.device = "cpu"
+
+    @torch.inference_mode()
+    def measure(self, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+        t0 = time.perf_counter()
+        res = self.model(input_ids=torch.tensor([ids]), use_cache=True)
+        out = [int(torch.argmax(res.logits[0, -1]))]
+        t1 = time.perf_counter()
+        cache = res.past_key_values
+        for _ in range(n - 1):
+            res = self.model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            out.append(int(torch.argmax(res.logits[0, -1])))
+        return t1 - t0, time.perf_counter() - t1, out
+
+
+def load_llama_cpp(path: str | None = None):
+    """(module, None), or (None, why not) when llama-cpp-python cannot be imported."""
+    path = path or os.environ.get(LLAMA_CPP_ENV)
+    if path:
+        if not Path(path).is_dir():
+            return None, f"not installed: {path} is not a directory"
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        return importlib.import_module("llama_cpp"), None
+    except ImportError:
+        return None, f"not installed (pip install llama-cpp-python, or set {LLAMA_CPP_ENV} / --llama-cpp-path)"
+    except OSError as exc:  # the package is there but its shared library does not load
+        return None, f"not importable: {exc}"
+
+
+# --- the benchmark -----------------------------------------------------------------------
+
+
+def _stats(row: dict, key: str, samples: list[float]) -> None:
+    s = summarize(samples)
+    row[f"{key}_median"], row[f"{key}_mean"], row[f"{key}_std"] = s["median"], s["mean"], s["std"]
+    row[key] = f"{s['mean']:.4g} ± {s['std']:.2g}"  # the Markdown column
+
+
+def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: list[str] | None = None, *,
+        max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, threads: int | None = None,
+        baselines: bool = True, llama_cpp_path: str | None = None, synthetic: str | None = None,
+        synthetic_tokenizer: str | None = None) -> list[dict]:
+    """One row per (device, dtype) of minivllm, plus llama.cpp and transformers rows when a
+    device is the CPU and `baselines`. `max_tokens`: decode tokens per run."""
+    devices, dtypes = devices or ["cpu"], dtypes or ["f32"]
+    if max_tokens < 2:
+        raise ConfigError("max_tokens", max_tokens, "must be >= 2 (decode speed needs tokens after the first)")
+    if prompt_tokens < 1 or repeats < 1:
+        raise ConfigError("prompt_tokens" if prompt_tokens < 1 else "repeats", min(prompt_tokens, repeats), "must be >= 1")
+    on_cpu = any(resolve_device(d).type == "cpu" for d in devices)
+    if synthetic is not None:
+        if on_cpu:
+            raise ConfigError("inference_device", "cpu", "the synthetic 7B model is for GPU runs (its float32 weights "
+                              "would need ~30 GB of host memory); use --inference-device gpu")
+        from minivllm.bench.synthetic_model import ensure_synthetic_model
+
+        model_path = ensure_synthetic_model(synthetic, tokenizer_source=synthetic_tokenizer)
+        label = f"synthetic-{synthetic}"
+    else:
+        from minivllm.models import resolve_model
+
+        model_path, label = Path(resolve_model(model, progress=False)), model_label(model)
+    if threads is None and on_cpu:
+        threads = DEFAULT_CPU_THREADS
+    if threads is not None:
+        torch.set_num_threads(threads)
+    load_start = _loadavg()
+    max_len = prompt_tokens + max_tokens + 8
+
+    runners: list = [MinivllmRunner(model_path, d, dt, max_len, prompt_tokens) for d in devices for dt in dtypes]
+    ids = long_prompt_ids(runners[0].llm.tokenizer, prompt_tokens)
+    skipped: list[dict] = []
+    versions: dict[str, str] = {}
+    if baselines and on_cpu:
+        lib, why = load_llama_cpp(llama_cpp_path)
+        if lib is None:
+            skipped.append({"engine": "llama.cpp", "device": "cpu", "status": why})
+        else:
+            runners.append(LlamaCppRunner(lib, model_path, threads, max_len, prompt_tokens))
+            versions["llama_cpp_python"] = getattr(lib, "__version__", "?")
+        import transformers
+
+        runners.append(TransformersRunner(model_path))
+        versions["transformers"] = transformers.__version__
+
+    for r in runners:  # warm-up: kernels compiled, caches allocated, pages touched
+        r.measure(ids, min(4, max_tokens))
+    prefill: list[list[float]] = [[] for _ in runners]
+    decode: list[list[float]] = [[] for _ in runners]
+    tokens: list[list[int]] = [[] for _ in runners]
+    for _ in range(repeats):
+        for i, r in enumerate(runners):
+            tp, td, out = r.measure(ids, max_tokens)
+            _sync(r.device)
+            prefill[i].append(prompt_tokens / tp)
+            decode[i].append((max_tokens - 1) / td)
+            tokens[i] = out
+
     rows = []
-    sha = None
-    for dev in devices:
-        for dt in dtypes:
-            llm = LLM(model, device=dev, dtype=dt, progress=False)
-            sha = sha or sha256_file(llm.model_path)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-            prefill, decode = [], []
-            for _ in range(repeats):
-                m = llm.generate(PROMPT, params)[0].metrics
-                prefill.append(m.prompt_tokens / m.time_to_first_token_s)
-                decode.append(m.decode_tokens_per_s)
-            p, d = summarize(prefill), summarize(decode)
-            rows.append({"device": str(resolve_device(dev)), "dtype": dt, "prompt_tokens": m.prompt_tokens,
-                         "decode_tokens": max_tokens, "prefill_tok_s_median": p["median"], "prefill_tok_s_std": p["std"],
-                         "decode_tok_s_median": d["median"], "decode_tok_s_mean": d["mean"], "decode_tok_s_std": d["std"]})
-            del llm
-    for r in rows:  # ratios measured in the same run, against the first row
-        r["decode_vs_first_row"] = r["decode_tok_s_median"] / rows[0]["decode_tok_s_median"]
-    meta = provenance(devices[0], sha, {"model": model, "devices": devices, "dtypes": dtypes,
-                                        "max_tokens": max_tokens, "repeats": repeats, "prompt": PROMPT})
-    cols = ["device", "dtype", "prompt_tokens", "decode_tokens", "prefill_tok_s_median", "prefill_tok_s_std",
-            "decode_tok_s_median", "decode_tok_s_mean", "decode_tok_s_std", "decode_vs_first_row"]
-    _, md = write_results(f"decode-{model}", meta, rows, cols,
-                          "Serial (one request) generation speed, reference dense kernels, greedy.")
-    print(md.read_text())
+    for i, r in enumerate(runners):
+        row = {"engine": r.engine, "device": r.device, "dtype": r.dtype, "status": "ok",
+               "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens}
+        _stats(row, "prefill_tok_s", prefill[i])
+        _stats(row, "decode_tok_s", decode[i])
+        # Same greedy tokens as minivllm's first row: evidence that all engines ran the same model.
+        row["same_tokens_as_first_row"] = _common_prefix(tokens[i], tokens[0])
+        if isinstance(r, MinivllmRunner):
+            row["kernels"] = r.kernels()
+        row["samples"] = {"prefill_tok_s": prefill[i], "decode_tok_s": decode[i]}
+        rows.append(row)
+    ours_cpu = next((row for row in rows if row["engine"] == "minivllm" and row["device"] == "cpu"), None)
+    for row in rows + skipped:
+        if row["engine"] != "minivllm" and ours_cpu is not None and row["status"] == "ok":
+            row["minivllm/this_decode"] = ours_cpu["decode_tok_s_median"] / row["decode_tok_s_median"]
+            row["minivllm/this_prefill"] = ours_cpu["prefill_tok_s_median"] / row["prefill_tok_s_median"]
+    rows += skipped
+    for row in rows:
+        print(f"{row['engine']:>12} {row['device']:>7} {row['dtype']}: {row['status']}"
+              + (f"; prefill {row['prefill_tok_s']} tok/s, decode {row['decode_tok_s']} tok/s"
+                 if row["status"] == "ok" else ""), flush=True)
+
+    settings = {"model": str(model_path) if synthetic else model, "synthetic": synthetic, "devices": devices,
+                "dtypes": dtypes, "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens, "repeats": repeats,
+                "threads": threads, "torch_threads": torch.get_num_threads(), "baselines": baselines and on_cpu,
+                "sampling": "greedy (argmax), EOS ignored", "prompt_source": str(PROMPTS_FILE.name),
+                "warmup": f"one {min(4, max_tokens)}-token run per engine", **versions}
+    first_dev = str(runners[0].llm.model.device)
+    meta = provenance(first_dev, sha256_file(model_path), settings)
+    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    note = (f"Batch 1: a {prompt_tokens}-token prompt (from {PROMPTS_FILE.name}), then {max_tokens} greedy tokens. "
+            f"prefill tok/s = prompt tokens / (prompt submitted -> first token); decode tok/s = "
+            f"({max_tokens} - 1) / (first -> last token). Mean ± sample std over {repeats} runs after a warm-up; "
+            f"medians in the *_median columns; ratios are of medians. Engines take turns within each run"
+            + (f"; CPU threads: {threads}" if threads else "") + ". 'same_tokens_as_first_row': length of the greedy "
+            f"output shared with the first row (f32 engines on the same file should agree for a while). Load "
+            f"average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']}.")
+    cols = ["engine", "device", "dtype", "status", "prompt_tokens", "decode_tokens", "prefill_tok_s",
+            "prefill_tok_s_median", "decode_tok_s", "decode_tok_s_median", "minivllm/this_prefill",
+            "minivllm/this_decode", "same_tokens_as_first_row"]
+    _, md = write_results(f"decode-{label}", meta, rows, cols, note)
+    print(md.read_text(), flush=True)
     return rows
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -15,13 +15,30 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--baseline", action="store_true", help="also time gguf.GGUFReader")
     g.set_defaults(func=_gguf_open)
 
-    d = sub.add_parser("decode", help="single-request prefill/decode speed per device and dtype")
+    d = sub.add_parser("decode", help="batch-1 decode and 512-token prefill speed; on CPU also llama.cpp and transformers")
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--inference-device", action="append", default=None, help="repeatable: cpu, gpu, cuda:N")
     d.add_argument("--activation-dtype", action="append", default=None, help="repeatable: f32, f16, bf16")
-    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--max-tokens", type=int, default=64, help="decode tokens per run")
+    d.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill measurement")
     d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default 2 on CPU)")
+    d.add_argument("--llama-cpp-path", default=None,
+                   help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
+    d.add_argument("--no-baselines", action="store_true", help="skip llama.cpp and transformers on CPU")
+    d.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m"],
+                   help="measure a synthetic model with this layout (random weights; written to the cache once; GPU)")
+    d.add_argument("--synthetic-tokenizer", default=None,
+                   help="Qwen2.5 GGUF to copy the synthetic model's tokenizer from (default: qwen2.5-coder-0.5b)")
     d.set_defaults(func=_decode)
+
+    t = sub.add_parser("gemv-threshold",
+                       help="aggregate tok/s for N requests: sequential, batched GEMM, batched row-wise GEMV")
+    _common(t)
+    t.add_argument("--concurrency", type=_ints, default=list(range(1, 9)), help="comma list of N (default 1..8)")
+    t.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    t.add_argument("--batch-invariant", action="store_true", help="add a batched batch_invariant=True column")
+    t.set_defaults(func=_gemv_threshold)
 
     kn = sub.add_parser("kernels", help="Triton dequantize-GEMV GB/s per weight type on 7B shapes vs copy bandwidth (CUDA)")
     kn.add_argument("--types", type=lambda v: [x.strip().upper() for x in v.split(",") if x.strip()], default=None,
@@ -85,7 +102,17 @@ def _decode(args: argparse.Namespace) -> int:
     from minivllm.bench.decode import run
 
     run(args.model, args.inference_device or ["cpu"], args.activation_dtype or ["f32"],
-        max_tokens=args.max_tokens, repeats=args.repeats)
+        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats, threads=args.threads,
+        baselines=not args.no_baselines, llama_cpp_path=args.llama_cpp_path, synthetic=args.synthetic,
+        synthetic_tokenizer=args.synthetic_tokenizer)
+    return 0
+
+
+def _gemv_threshold(args: argparse.Namespace) -> int:
+    from minivllm.bench.gemv_threshold import run
+
+    run(args.model, args.inference_device, args.activation_dtype, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, repeats=args.repeats, batch_invariant=args.batch_invariant)
     return 0
 
 
@@ -106,6 +133,7 @@ def _scheduling(args: argparse.Namespace) -> int:
         fair_prompts=args.fair_prompts, fair_tokens=args.fair_tokens, max_batched_tokens=args.max_batched_tokens,
         max_tokens=args.max_tokens, page_size=args.page_size)
     return 0
+
 
 def _shapes(v: str) -> list[tuple[int, int]]:
     try:

@@ -1,0 +1,182 @@
+"""Where GEMV stops beating GEMM: the original's "Two rows, a different kernel" table.
+
+For N = 1..8 concurrent requests (distinct prompts from data/prompts.json, greedy, EOS
+ignored, exactly `max_tokens` outputs each), aggregate output tok/s = N * max_tokens / wall:
+
+* sequential — the N requests one after another (decode: one row per step), under the
+  device's default kernel options;
+* batched GEMM — all N submitted together with `gemv_max_rows=0`: every matmul dequantizes
+  (or reads the dequant cache) and runs one GEMM;
+* batched row-wise GEMV — all N together with `gemv_max_rows = max(concurrency)`, so every
+  decode step (N <= max rows) takes the fused dequantize-GEMV kernel; prefill steps with
+  more rows than that still use GEMM in both batched modes;
+* optionally batched with `batch_invariant=True` (every row through the same per-row
+  kernel), so the price of batch invariance is stated next to the other two.
+
+One model, one `LLMEngine` per mode (an engine applies its own kernel options to the model
+before every forward); the modes take turns inside every repeat, so each GEMV/GEMM ratio
+compares runs made next to each other. Each row also records how many matmul calls took
+each path (the engine's per-step `kernel_paths`), the evidence that a mode ran the kernel
+it is named after.
+
+Recommended default `gemv_max_rows`: the largest N whose median GEMV/GEMM ratio is >= 1
+(0 when GEMM wins already at N=1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+from minivllm.bench.continuous_batching import _loadavg, load_prompts, model_label
+from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.engine.engine import LLMEngine
+from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.llm import LLM
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.errors import ConfigError
+from minivllm.models.cache import sha256_file
+
+DEFAULT_CONCURRENCY = list(range(1, 9))
+
+
+def _stat(row: dict, key: str, samples: list[float]) -> None:
+    s = summarize(samples)
+    row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_median"] = s["mean"], s["std"], s["median"]
+    row[key] = f"{s['mean']:.4g} ± {s['std']:.2g}"  # the Markdown column
+
+
+def recommend(rows: list[dict]) -> int:
+    """The largest concurrency whose median GEMV/GEMM ratio is >= 1, else 0 (GEMV disabled)."""
+    wins = [r["concurrency"] for r in rows if r["gemv/gemm_median"] >= 1.0]
+    return max(wins, default=0)
+
+
+def _drain(engine: LLMEngine, rids: list[str], max_tokens: int, paths: Counter) -> None:
+    while engine.has_unfinished():
+        engine.step()
+        paths.update(engine.last_step["kernel_paths"])  # matmul calls per path in that step
+    for rid in rids:  # every run must produce exactly the tokens it is credited with
+        out = engine.pop_output(rid)
+        if out.finish_reason != "length" or len(out.token_ids) != max_tokens:
+            raise RuntimeError(f"request {rid} finished with {out.finish_reason!r} after {len(out.token_ids)} "
+                               f"tokens, expected 'length' after {max_tokens}")
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize(engine.model.device)
+
+
+def _run_batched(engine: LLMEngine, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, Counter]:
+    paths: Counter = Counter()
+    t0 = time.perf_counter()
+    rids = [engine.add_request(ids, params) for ids in prompt_ids]
+    _drain(engine, rids, params.max_tokens, paths)
+    _sync(engine)
+    return time.perf_counter() - t0, paths
+
+
+def _run_sequential(engine: LLMEngine, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, Counter]:
+    paths: Counter = Counter()
+    t0 = time.perf_counter()
+    for ids in prompt_ids:
+        _drain(engine, [engine.add_request(ids, params)], params.max_tokens, paths)
+    _sync(engine)
+    return time.perf_counter() - t0, paths
+
+
+def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
+        concurrency: list[int] | None = None, max_tokens: int = 32, repeats: int = 3, batch_invariant: bool = False,
+        prompts: list[str] | None = None, max_batched_tokens: int = 512, page_size: int = 16) -> list[dict]:
+    concurrency = concurrency or DEFAULT_CONCURRENCY
+    if repeats < 1:
+        raise ConfigError("repeats", repeats, "must be >= 1")
+    if max_tokens < 1:
+        raise ConfigError("max_tokens", max_tokens, "must be >= 1")
+    if min(concurrency) < 1:
+        raise ConfigError("concurrency", min(concurrency), "every N must be >= 1")
+    load_start = _loadavg()
+    n_max = max(concurrency)
+    llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64)  # the engine is made below
+    tok, dev = llm.tokenizer, llm.model.device
+    texts = prompts or load_prompts(n_max)
+    prompt_ids = [tok.encode(t) for t in texts]
+    base = dict(kv_mode="paged", page_size=page_size, max_batched_tokens=max_batched_tokens,
+                max_active_requests=n_max, max_model_len=max(map(len, prompt_ids)) + max_tokens + 1)
+    # One engine per mode over the one model: an engine applies its own kernel options
+    # before every forward (see LLMEngine.kernel_options).
+    configs: dict[str, tuple[dict, bool]] = {  # name -> (kernel options, batched)
+        "sequential": ({}, False),  # the device default
+        "gemm": ({"gemv_max_rows": 0}, True),
+        "gemv": ({"gemv_max_rows": n_max}, True),
+    }
+    if batch_invariant:
+        configs["batch_invariant"] = ({"batch_invariant": True}, True)
+    engines = {m: (LLMEngine(llm.model, tok, EngineConfig(**base, **opts)), batched)
+               for m, (opts, batched) in configs.items()}
+
+    def timed(mode: str, ids: list[list[int]], params: SamplingParams) -> tuple[float, Counter]:
+        engine, batched = engines[mode]
+        return (_run_batched if batched else _run_sequential)(engine, ids, params)
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=min(max_tokens, 8), ignore_eos=True)
+    for mode in engines:  # warm-up: every mode's kernels at the largest batch (and one row)
+        timed(mode, prompt_ids[:n_max], warm)
+    rows = []
+    for n in concurrency:
+        ids = prompt_ids[:n]
+        total = n * max_tokens
+        tps: dict[str, list[float]] = {m: [] for m in engines}
+        paths: dict[str, dict] = {}
+        ratio, bi_cost = [], []
+        for _ in range(repeats):
+            for mode in engines:
+                wall, counts = timed(mode, ids, params)
+                tps[mode].append(total / wall)
+                paths[mode] = dict(counts)  # per run; the same in every repeat
+            ratio.append(tps["gemv"][-1] / tps["gemm"][-1])
+            if batch_invariant:
+                bi_cost.append(tps["batch_invariant"][-1] / max(tps["gemv"][-1], tps["gemm"][-1]))
+        row = {"concurrency": n, "output_tokens_per_request": max_tokens, "prompt_tokens": [len(x) for x in ids]}
+        _stat(row, "sequential_tok_s", tps["sequential"])
+        _stat(row, "gemm_tok_s", tps["gemm"])
+        _stat(row, "gemv_tok_s", tps["gemv"])
+        _stat(row, "gemv/gemm", ratio)
+        if batch_invariant:
+            _stat(row, "batch_invariant_tok_s", tps["batch_invariant"])
+            _stat(row, "invariant/best", bi_cost)
+        row["matmul_paths_per_run"] = paths
+        row["samples"] = tps
+        rows.append(row)
+        print(f"N={n}: sequential {row['sequential_tok_s']}, GEMM {row['gemm_tok_s']}, GEMV {row['gemv_tok_s']} "
+              f"tok/s; GEMV/GEMM {row['gemv/gemm']}", flush=True)
+
+    best = recommend(rows)
+    settings = {"model": model, "inference_device": device, "activation_dtype": dtype, "concurrency": concurrency,
+                "max_tokens": max_tokens, "repeats": repeats, "batch_invariant_row": batch_invariant,
+                "max_batched_tokens": max_batched_tokens, "page_size": page_size, "kv_mode": "paged",
+                "policy": "fcfs", "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads(),
+                "modes": {m: {**e.kernel_options.describe(), "batched": b} for m, (e, b) in engines.items()},
+                "prompts": texts[:n_max],
+                "warmup": f"every mode once at N={n_max}, {warm.max_tokens} tokens"}
+    meta = provenance(str(dev) if dev.type == "cuda" else device, sha256_file(llm.model_path), settings)
+    meta["recommended_gemv_max_rows"] = best
+    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, mean ± sample std over {repeats} runs "
+            f"after a warm-up (medians in the JSON); modes take turns within each run, ratios are per run. "
+            f"sequential: one request at a time, default options (gemv_max_rows="
+            f"{engines['sequential'][0].kernel_options.gemv_max_rows}); GEMM: "
+            f"batched, gemv_max_rows=0; GEMV: batched, gemv_max_rows={n_max} (every decode step row-wise GEMV)"
+            + ("; invariant: batched, batch_invariant=True, its tok/s over the faster of GEMM/GEMV" if batch_invariant
+               else "") + f". Recommended default gemv_max_rows (largest N with median GEMV/GEMM >= 1): {best}. "
+            f"Load average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']}.")
+    cols = ["concurrency", "sequential_tok_s", "gemm_tok_s", "gemv_tok_s", "gemv/gemm", "gemv/gemm_median"]
+    if batch_invariant:
+        cols += ["batch_invariant_tok_s", "invariant/best"]
+    _, md = write_results(f"gemv-threshold-{model_label(model)}", meta, rows, cols, note)
+    print(md.read_text(), flush=True)
+    return rows
