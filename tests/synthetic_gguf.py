@@ -324,13 +324,17 @@ def random_token_ids(n: int, vocab_size: int = 512, seed: int = 1234) -> list[in
     return rng.integers(0, vocab_size - len(SPECIAL_TOKENS), n).tolist()
 
 
-def load_minivllm(path: str | Path, device: str = "cpu", dtype: Any = None):
+def load_minivllm(path: str | Path, device: str = "cpu", dtype: Any = None, gemv_max_rows: int = 0):
+    """Load with the float32 dense GEMM path by default (gemv_max_rows=0): the path the
+    transformers comparisons pin at rounding level."""
     import torch
 
     from minivllm.gguf.reader import GGUFFile
+    from minivllm.kernels.kernel_options import KernelOptions
     from minivllm.model.loader import load_model
 
-    return load_model(GGUFFile(path), torch.device(device), dtype or torch.float32, progress=False)
+    return load_model(GGUFFile(path), torch.device(device), dtype or torch.float32, progress=False,
+                      kernel_options=KernelOptions(gemv_max_rows=gemv_max_rows))
 
 
 def minivllm_logits(model, ids: Sequence[int], max_len: int | None = None):

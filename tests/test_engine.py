@@ -42,6 +42,10 @@ from minivllm.errors import ConfigError
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 NEAR_TIE = 1e-4  # top-2 logit margin below which a flipped greedy token is tolerated
 MAX_MODEL_LEN = 128  # keeps contiguous "pages" (one whole sequence each) small
+# GEMM_ONLY: the reference and the engine both run every matmul through the float32
+# dense GEMM (gemv_max_rows=0). The quantized GEMV path rounds differently on purpose
+# (bf16 int4 packs on CPU); it has its own tests (test_cpu_packed, test_gemv_dispatch),
+# and test_batch_invariance covers bit-identical batching.
 FINISH_REASONS = {"stop", "length", "abort", "error"}
 
 
@@ -60,11 +64,13 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    return LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False)
+    return LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False,
+               gemv_max_rows=0)
 
 
 def make_engine(llm, **config) -> LLMEngine:
     config.setdefault("max_model_len", MAX_MODEL_LEN)
+    config.setdefault("gemv_max_rows", 0)  # see GEMM_ONLY
     return LLMEngine(llm.model, llm.tokenizer, EngineConfig(**config))
 
 
@@ -283,7 +289,11 @@ def tiny(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layers=2, d_model=64, d_ff=128,
                             n_heads=4, n_kv_heads=2, vocab_size=512, context_length=256, seed=3)
     gguf = GGUFFile(path)
-    return load_model(gguf, torch.device("cpu"), torch.float32, progress=False), Tokenizer.from_gguf(gguf)
+    from minivllm.kernels.kernel_options import KernelOptions
+
+    model = load_model(gguf, torch.device("cpu"), torch.float32, progress=False,
+                       kernel_options=KernelOptions(gemv_max_rows=0))  # GEMM_ONLY
+    return model, Tokenizer.from_gguf(gguf)
 
 
 def check_invariants(engine: LLMEngine) -> None:
@@ -375,7 +385,7 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
     num_pages = (data.draw(st.integers(1, 4), label="sequences") if kv_mode == "contiguous"
                  else max(1, data.draw(st.integers(8, 72), label="pool tokens") // page_size))
     engine = LLMEngine(model, tokenizer, EngineConfig(
-        kv_mode=kv_mode, page_size=page_size, max_model_len=TINY_MAX_MODEL_LEN,
+        gemv_max_rows=0, kv_mode=kv_mode, page_size=page_size, max_model_len=TINY_MAX_MODEL_LEN,
         kv_memory_bytes=num_pages * page_bytes(model, slots),
         max_batched_tokens=data.draw(st.integers(1, 32), label="max_batched_tokens"),
         max_active_requests=data.draw(st.integers(1, 4), label="max_active_requests"),
@@ -614,12 +624,13 @@ def test_async_engine(llm, ref):
 
 # -- 10, 13: snapshots and logits rows ----------------------------------------------------------
 
-SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "counters"}
+SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "counters"}
+KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cuda_graphs", "weight_bytes", "gemv_kinds"}
 ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_mode", "page_size", "max_model_len",
                "max_batched_tokens", "max_active_requests", "policy"}
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}
 KV_KEYS = {"page_size", "total_pages", "free_pages", "used_pages", "bytes", "page_states", "ref_counts"}
-LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows", "preempted", "matmul_path",
+LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows", "preempted", "kernel_paths",
                   "duration_s"}
 ROW_KEYS = {"id", "phase", "tokens"}
 COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted",
@@ -638,6 +649,7 @@ def check_schema(snap: dict) -> None:
         for req in snap["queues"][name]:
             assert set(req) == REQUEST_KEYS and req["phase"] in ("prefill", "decode")
     assert set(snap["kv"]) == KV_KEYS
+    assert set(snap["kernels"]) == KERNEL_KEYS
     assert len(snap["kv"]["page_states"]) == len(snap["kv"]["ref_counts"]) == snap["kv"]["total_pages"]
     assert set(snap["kv"]["page_states"]) <= {"free", "owned", "cached-idle", "shared"}
     assert set(snap["last_step"]) == LAST_STEP_KEYS

@@ -55,6 +55,12 @@ class LLMEngine:
         self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
         self.scheduler = Scheduler(config, self.pool)
+        # This engine's kernel choices, applied to the (possibly shared) model before
+        # every forward: two engines over one model (LLM.fork) can differ in them.
+        self.kernel_options = config.kernel_options().resolved(model.device)
+        # Called as logits_hook(request_id, logits) with each sampled row's float32 logits
+        # right before sampling (debug.compare records top-k logits through it).
+        self.logits_hook = None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
@@ -160,18 +166,23 @@ class LLMEngine:
         self.counters["decode_tokens"] += plan.decode_rows
         described = self._describe_step(plan, t0, logits_rows=len(logit_rows))
         device = self.model.device
+        model = self.model
+        model.set_kernel_options(self.kernel_options)
+        model.kernel_options.path_counts.clear()
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
-                logits = self.model.forward_batch(
+                kv = PagedBatchKV(self.pool, segments, invariant=self.kernel_options.batch_invariant)
+                logits = model.forward_batch(
                     torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                    PagedBatchKV(self.pool, segments), torch.tensor(logit_rows, dtype=torch.long, device=device))
+                    kv, torch.tensor(logit_rows, dtype=torch.long, device=device))
         except Exception as exc:  # noqa: BLE001 — a failed forward fails its requests, not the engine
             for row in plan.rows:
                 events.append(self._finish(row.request, "error", token=-1, text="", error=f"forward failed: {exc}"))
             self.last_step = described
             return events
 
+        described["kernel_paths"] = dict(model.kernel_options.path_counts)
         li = 0
         for row in plan.rows:
             req = row.request
@@ -181,6 +192,8 @@ class LLMEngine:
             row_logits = logits[li]
             li += 1
             try:
+                if self.logits_hook is not None:
+                    self.logits_hook(req.id, row_logits)
                 with trace_scope("sample", req.id):
                     token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
                 logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
@@ -246,9 +259,23 @@ class LLMEngine:
             "decode_rows": plan.decode_rows,
             "logits_rows": logits_rows,
             "preempted": [r.id for r in plan.preempted],
-            "matmul_path": "dense-torch",
+            "kernel_paths": {},  # calls per matmul path in this step's forward ("gemv", "gemm", ...)
             "duration_s": time.perf_counter() - t0,
         }
+
+    def describe_kernels(self) -> dict:
+        from collections import Counter
+
+        model = self.model
+        kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
+                        for f in ("q", "k", "v", "o", "gate", "up", "down"))
+        kinds[model.output.gemv_kind] += 1
+        return {**self.kernel_options.describe(), "cuda_graphs": self.cuda_graphs_enabled,
+                "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
+
+    @property
+    def cuda_graphs_enabled(self) -> bool:
+        return False
 
     def snapshot(self) -> dict:
         return build_snapshot(self)

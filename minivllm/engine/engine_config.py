@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.errors import ConfigError
+from minivllm.kernels.kernel_options import KernelOptions
 
 KV_MODES = ("paged", "contiguous")
 POLICIES = ("fcfs", "shortest-prefill-first", "round-robin")
@@ -23,6 +24,14 @@ class EngineConfig:
     max_batched_tokens: int = 512  # per-step token budget (decode rows + prefill chunks)
     max_active_requests: int = 16
     policy: str = "fcfs"
+    # Kernel choices (see kernels/kernel_options.py): rows up to gemv_max_rows take the
+    # fused dequantize-GEMV path (None: the device default; 0: never); dequant_cache keeps
+    # dense copies for GEMM; batch_invariant makes each row's arithmetic independent of the
+    # batch; enforce_eager turns CUDA graphs off.
+    gemv_max_rows: int | None = None
+    dequant_cache: bool | str = "auto"
+    batch_invariant: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -39,5 +48,12 @@ class EngineConfig:
             raise ConfigError("kv_memory_fraction", self.kv_memory_fraction, "give kv_memory_bytes or kv_memory_fraction, not both")
         if not (isinstance(self.max_batched_tokens, int) and self.max_batched_tokens >= 1):
             raise ConfigError("max_batched_tokens", self.max_batched_tokens, "must be an integer >= 1")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError("enforce_eager", self.enforce_eager, "must be True or False")
+        self.kernel_options()  # validates gemv_max_rows, dequant_cache, batch_invariant
         if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
             raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")
+
+    def kernel_options(self) -> KernelOptions:
+        return KernelOptions(gemv_max_rows=self.gemv_max_rows, dequant_cache=self.dequant_cache,
+                             batch_invariant=self.batch_invariant)

@@ -31,7 +31,8 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32", *,
                  max_model_len: int | None = None, progress: bool = True, **engine_options):
         """`engine_options` are `EngineConfig` fields: kv_mode, page_size, kv_memory_bytes,
-        kv_memory_fraction, max_batched_tokens, max_active_requests, policy."""
+        kv_memory_fraction, max_batched_tokens, max_active_requests, policy, and the kernel
+        options gemv_max_rows, dequant_cache, batch_invariant, enforce_eager."""
         engine_config = EngineConfig(max_model_len=max_model_len, **engine_options)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -39,10 +40,25 @@ class LLM:
         self.model_path = resolve_model(model, progress=progress)
         self.gguf = GGUFFile(self.model_path)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
-        self.model = load_model(self.gguf, self.device, self.dtype, progress=progress)
+        self.model = load_model(self.gguf, self.device, self.dtype, progress=progress,
+                                kernel_options=engine_config.kernel_options())
         self.config = self.model.config
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
         self.max_model_len = self.engine.max_model_len
+        self._engine_options = dict(engine_options, max_model_len=max_model_len)
+
+    def fork(self, **engine_options) -> "LLM":
+        """A new `LLM` over the same loaded weights and tokenizer with its own engine
+        (fresh KV pool and queues) built from `engine_options`; unspecified options keep
+        this LLM's values. Use it to compare settings without loading the model twice."""
+        options = {**self._engine_options, **engine_options}
+        other = object.__new__(LLM)
+        other.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("engine", "_engine_options")})
+        max_model_len = options.pop("max_model_len", None)
+        other.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(max_model_len=max_model_len, **options))
+        other.max_model_len = other.engine.max_model_len
+        other._engine_options = dict(options, max_model_len=max_model_len)
+        return other
 
     # -- prompts ---------------------------------------------------------------------
 

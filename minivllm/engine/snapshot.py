@@ -17,7 +17,9 @@ This is a contract: the widgets, the router and the tests read only this. Schema
              "page_states": ["free" | "owned" | "cached-idle" | "shared", ...],  # one per page
              "ref_counts": [int, ...]},                                         # one per page
       "last_step": {index, rows: [{id, phase, tokens}], prefill_tokens, decode_rows,
-                    logits_rows, preempted: [id], matmul_path, duration_s},
+                    logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
+      "kernels": {gemv_max_rows, dequant_cache, batch_invariant, cuda_graphs,
+                  weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
                    requests_finished, finished_stop, finished_length, finished_abort,
                    finished_error, rejected},
@@ -52,5 +54,6 @@ def build_snapshot(engine) -> dict:
         "queues": engine.scheduler.snapshot(),
         "kv": engine.pool.snapshot(),
         "last_step": dict(engine.last_step),
+        "kernels": engine.describe_kernels(),
         "counters": dict(engine.counters),
     }

@@ -33,3 +33,39 @@ class KernelOptions:
             raise ConfigError("dequant_cache", self.dequant_cache, "allowed: True, False, 'auto'")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be True or False")
+
+    def resolved(self, device) -> "KernelOptions":
+        """A copy with device defaults filled in (None / "auto" replaced)."""
+        import torch
+
+        device = torch.device(device)
+        rows = self.gemv_max_rows if self.gemv_max_rows is not None else default_gemv_max_rows(device)
+        cache = self.dequant_cache
+        if cache == "auto":
+            # CPU: the BLAS GEMM needs the dense matrix and host memory is plentiful next
+            # to a model file, so cache. CUDA: keep memory ≈ file size; GEMM dequantizes
+            # one weight at a time and frees it.
+            cache = device.type == "cpu"
+        return KernelOptions(gemv_max_rows=rows, dequant_cache=cache, batch_invariant=self.batch_invariant)
+
+    def assign(self, other: "KernelOptions") -> None:
+        """Take `other`'s settings in place (every layer holds a reference to self)."""
+        self.gemv_max_rows = other.gemv_max_rows
+        self.dequant_cache = other.dequant_cache
+        self.batch_invariant = other.batch_invariant
+
+    def describe(self) -> dict:
+        return {"gemv_max_rows": self.gemv_max_rows, "dequant_cache": self.dequant_cache,
+                "batch_invariant": self.batch_invariant}
+
+
+def default_gemv_max_rows(device) -> int:
+    """Rows up to which GEMV beats GEMM, per device kind.
+
+    Chosen from `minivllm bench gemv-threshold` (benchmarks/results/*gemv-threshold*):
+    the largest concurrency at which batched row-wise GEMV still matched batched GEMM.
+    """
+    return _DEFAULT_GEMV_MAX_ROWS.get(getattr(device, "type", str(device)), 4)
+
+
+_DEFAULT_GEMV_MAX_ROWS = {"cuda": 4, "cpu": 4}

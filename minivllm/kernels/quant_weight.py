@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from minivllm.gguf.dequant import dequantize
-from minivllm.gguf.quant_types import row_nbytes, type_name
+from minivllm.errors import UnsupportedTensorTypeError
+from minivllm.gguf.quant_types import SUPPORTED_NAMES, SUPPORTED_TYPES, row_nbytes, type_name
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
@@ -27,7 +28,12 @@ class QuantizedWeight:
     name: str = "weight"
 
     def __post_init__(self) -> None:
-        self.ggml_type = GGMLQuantizationType(int(self.ggml_type))
+        try:
+            self.ggml_type = GGMLQuantizationType(int(self.ggml_type))
+        except ValueError:
+            raise UnsupportedTensorTypeError(self.name, type_name(self.ggml_type), SUPPORTED_NAMES) from None
+        if self.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedTensorTypeError(self.name, type_name(self.ggml_type), SUPPORTED_NAMES)
         n, k = self.shape
         expected = (n, row_nbytes(self.ggml_type, k))
         if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != expected:

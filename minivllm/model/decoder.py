@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.kernels.linear import DenseLinear
+from contextlib import contextmanager
+
+from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.kernels.linear import QuantEmbedding, QuantLinear
 from minivllm.kernels.rmsnorm import rms_norm
 from minivllm.kernels.rope import RotaryEmbedding
 from minivllm.model.config import ModelConfig
@@ -26,46 +29,82 @@ from minivllm.obs.trace import trace_scope
 @dataclass
 class DecoderLayer:
     attn_norm: torch.Tensor
-    q: DenseLinear
-    k: DenseLinear
-    v: DenseLinear
-    o: DenseLinear
+    q: QuantLinear
+    k: QuantLinear
+    v: QuantLinear
+    o: QuantLinear
     ffn_norm: torch.Tensor
-    gate: DenseLinear
-    up: DenseLinear
-    down: DenseLinear
+    gate: QuantLinear
+    up: QuantLinear
+    down: QuantLinear
 
 
 class DecoderModel:
-    def __init__(self, config: ModelConfig, embedding: torch.Tensor, layers: list[DecoderLayer],
-                 output_norm: torch.Tensor, output: DenseLinear, rope: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, embedding: QuantEmbedding, layers: list[DecoderLayer],
+                 output_norm: torch.Tensor, output: QuantLinear, rope: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device, kernel_options: KernelOptions):
         self.config = config
-        self.embedding = embedding  # (vocab, d_model); float32 when tied to the LM head
+        self.embedding = embedding  # lookup → float32 rows
         self.layers = layers
         self.output_norm = output_norm
         self.output = output
         self.rope = rope
         self.dtype = dtype
         self.device = device
+        # Shared by every projection and read at call time: changing it here changes the
+        # kernels the next forward uses.
+        self.kernel_options = kernel_options
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.kernel_options.batch_invariant
+
+    def set_kernel_options(self, options: KernelOptions) -> None:
+        self.kernel_options.assign(options.resolved(self.device))
+
+    @contextmanager
+    def using(self, options: KernelOptions):
+        """Run the block's forwards under `options`, then restore the previous ones."""
+        saved = KernelOptions(**self.kernel_options.describe())
+        self.set_kernel_options(options)
+        try:
+            yield self
+        finally:
+            self.kernel_options.assign(saved)
+
+    def weight_bytes(self) -> int:
+        """Device bytes held by the GGUF-block weights (the embedding counted once when tied)."""
+        seen, total = set(), 0
+        linears = [self.output] + [getattr(layer, f) for layer in self.layers
+                                   for f in ("q", "k", "v", "o", "gate", "up", "down")]
+        for w in [self.embedding.weight] + [lin.weight for lin in linears]:
+            if id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+        return total
 
     @torch.inference_mode()
-    def forward_batch(self, token_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_batch(self, token_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None = None,
+                      hidden_states: list | None = None) -> torch.Tensor:
         """One forward over a flattened batch of rows from any number of requests.
 
         `token_ids` and `positions` have shape (T,). `kv.attend(layer, q, k, v)` stores the
         rows' keys/values and returns their attention output (see cache/batch_kv.py).
         Logits (float32) are computed only for `logits_rows` (all rows when None): a
-        prefill chunk that is not the prompt's end needs none.
+        prefill chunk that is not the prompt's end needs none. When `hidden_states` is a
+        list, the float32 residual stream (T, d_model) is appended after the embedding and
+        after every layer (debug.compare uses it to show where two runs part).
         """
         cfg = self.config
         t = token_ids.shape[0]
         cos, sin = self.rope.cos_sin(positions)
-        h = self.embedding[token_ids].float()  # residual stream: float32
+        h = self.embedding(token_ids).float()  # residual stream: float32
+        if hidden_states is not None:
+            hidden_states.append(h.clone())
         for i, layer in enumerate(self.layers):
             with trace_scope("layer", i):
                 with trace_scope("attn"):
-                    x = rms_norm(h, layer.attn_norm, cfg.rms_eps).to(self.dtype)
+                    x = self._norm(h, layer.attn_norm).to(self.dtype)
                     q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
                     k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
                     v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
@@ -76,16 +115,28 @@ class DecoderModel:
                     attn = kv.attend(i, q, k, v).reshape(t, cfg.n_heads * cfg.head_dim)
                     h = h + layer.o(attn).float()
                 with trace_scope("mlp"):
-                    x = rms_norm(h, layer.ffn_norm, cfg.rms_eps).to(self.dtype)
+                    x = self._norm(h, layer.ffn_norm).to(self.dtype)
                     # SwiGLU in float32: the product of two rounded values is where bf16
                     # loses most (top-1 agreement with f32 went from 97% to >99% on SmolLM2).
                     gated = torch.nn.functional.silu(layer.gate(x).float()) * layer.up(x).float()
                     h = h + layer.down(gated.to(self.dtype)).float()
+            if hidden_states is not None:
+                hidden_states.append(h.clone())
         if logits_rows is not None:
             h = h[logits_rows]
-        return self.output(rms_norm(h, self.output_norm, cfg.rms_eps))  # float32 LM head
+        return self.output(self._norm(h, self.output_norm))  # float32 LM head
 
-    def forward(self, token_ids: torch.Tensor, start_pos: int, cache, *, all_logits: bool = False) -> torch.Tensor:
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernel_options.batch_invariant and h.is_cuda:
+            # torch's CUDA reduction may split a row differently for 1 row than for 8;
+            # the Triton kernel reduces every row the same way.
+            from minivllm.kernels.triton.rmsnorm import rms_norm_rows
+
+            return rms_norm_rows(h, weight, self.config.rms_eps)
+        return rms_norm(h, weight, self.config.rms_eps)
+
+    def forward(self, token_ids: torch.Tensor, start_pos: int, cache, *, all_logits: bool = False,
+                hidden_states: list | None = None) -> torch.Tensor:
         """One sequence at positions start_pos.. through a `ContiguousKVCache`.
 
         Returns float32 logits for the last token (shape (vocab,)) or, with
@@ -94,5 +145,5 @@ class DecoderModel:
         t = token_ids.shape[0]
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
         rows = None if all_logits else torch.tensor([t - 1], device=self.device)
-        logits = self.forward_batch(token_ids, positions, cache.view(start_pos, t), rows)
+        logits = self.forward_batch(token_ids, positions, cache.view(start_pos, t), rows, hidden_states)
         return logits if all_logits else logits[0]

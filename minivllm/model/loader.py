@@ -1,7 +1,9 @@
-"""Build a `DecoderModel` from a GGUF file: tensor names, shapes, dequantization.
+"""Build a `DecoderModel` from a GGUF file: tensor names, shapes, kernels.
 
-Weights are copied to the target device as raw GGUF bytes and dequantized there,
-so a GPU load moves file-sized data over PCIe, not float32-sized data.
+Projection and embedding weights stay in their GGUF block format on the device
+(`QuantizedWeight`), so a model's memory is about its file size; a GPU load moves
+file-sized data over PCIe. Norm weights, biases and RoPE factors (small, F32 in
+every real file) are dequantized to float32.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from tqdm.auto import tqdm
 from minivllm.errors import GGUFFormatError
 from minivllm.gguf.dequant import dequantize
 from minivllm.gguf.reader import GGUFFile
-from minivllm.kernels.linear import DenseLinear
+from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.kernels.linear import QuantEmbedding, QuantLinear
+from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.kernels.rope import RotaryEmbedding
 from minivllm.model.config import ModelConfig
 from minivllm.model.decoder import DecoderLayer, DecoderModel
@@ -37,12 +41,28 @@ class _TensorLoader:
             self.progress.update(info.nbytes)
         return out
 
+    def blocks(self, name: str, shape: tuple[int, int]) -> QuantizedWeight:
+        """The tensor as GGUF blocks on the device, without dequantizing."""
+        info = self.gf.tensor_info(name)
+        if tuple(info.shape) != tuple(shape):
+            raise GGUFFormatError(
+                f"{self.gf.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
+                f"from the file's own hyper-parameters; the file is inconsistent"
+            )
+        raw = self.gf.tensor_bytes(name).to(self.device)
+        if self.progress is not None:
+            self.progress.update(info.nbytes)
+        return QuantizedWeight(raw, info.ggml_type, shape, name)
+
     def maybe(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         return self.get(name, dtype) if name in self.gf.tensors else None
 
 
-def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progress: bool = True) -> DecoderModel:
+def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progress: bool = True,
+               kernel_options: KernelOptions | None = None) -> DecoderModel:
     cfg = ModelConfig.from_gguf(gf)
+    # One options object shared by every layer; the engine updates it in place.
+    options = (kernel_options or KernelOptions()).resolved(device)
     total = sum(t.nbytes for t in gf.tensors.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {gf.path.name}", disable=not progress)
     ld = _TensorLoader(gf, device, bar)
@@ -50,10 +70,10 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
     q_out = cfg.n_heads * cfg.head_dim
     kv_out = cfg.n_kv_heads * cfg.head_dim
 
-    def linear(prefix: str, out_f: int, in_f: int) -> DenseLinear:
-        w = ld.get(f"{prefix}.weight", dtype, (out_f, in_f))
+    def linear(prefix: str, out_f: int, in_f: int, compute_dtype: torch.dtype = dtype) -> QuantLinear:
+        w = ld.blocks(f"{prefix}.weight", (out_f, in_f))
         b = ld.maybe(f"{prefix}.bias", f32)
-        return DenseLinear(w, b, name=prefix.rsplit(".", 1)[-1])
+        return QuantLinear(w, b, options=options, compute_dtype=compute_dtype, name=prefix.rsplit(".", 1)[-1])
 
     layers = []
     for i in range(cfg.n_layers):
@@ -71,18 +91,18 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
         ))
     # The LM head runs in float32 whatever the activation dtype: logits decide which
     # token is sampled, and bf16 logits (8-bit mantissa, ±0.06 at a logit of 15) flip
-    # near-ties often enough to drop greedy agreement with f32 below 99%. The
-    # embedding table shares that f32 matrix when tied (the lookup is f32 anyway).
+    # near-ties often enough to drop greedy agreement with f32 below 99%. A tied
+    # embedding shares the LM head's blocks (one copy on the device).
+    embd = ld.blocks("token_embd.weight", (cfg.vocab_size, cfg.d_model))
+    embedding = QuantEmbedding(embd, options=options)
     if cfg.tied_embeddings:
-        embedding = ld.get("token_embd.weight", f32, (cfg.vocab_size, cfg.d_model))
-        output = DenseLinear(embedding, name="output")
+        output = QuantLinear(embd, None, options=options, compute_dtype=f32, name="output")
     else:
-        embedding = ld.get("token_embd.weight", dtype, (cfg.vocab_size, cfg.d_model))
-        output = DenseLinear(ld.get("output.weight", f32, (cfg.vocab_size, cfg.d_model)), name="output")
+        output = linear("output", cfg.vocab_size, cfg.d_model, compute_dtype=f32)
     freq_factors = ld.get("rope_freqs.weight", f32) if cfg.has_rope_freqs else None
     rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_base, cfg.rope_style, freq_factors=freq_factors,
                            linear_factor=cfg.rope_linear_factor, device=device)
     model = DecoderModel(cfg, embedding, layers, ld.get("output_norm.weight", f32, (cfg.d_model,)),
-                         output, rope, dtype, device)
+                         output, rope, dtype, device, options)
     bar.close()
     return model
