@@ -160,9 +160,13 @@ def test_decode_llama_cpp_missing_is_reported(monkeypatch, tmp_path):
     assert module is None and "nowhere" in why
 
 
-def test_decode_synthetic_model_is_refused_on_cpu(results_dir):
+def test_decode_synthetic_model_is_refused_on_cpu(results_dir, tmp_path, monkeypatch):
     from minivllm.bench.decode import run
     from minivllm.errors import ConfigError
+
+    # Should the refusal break, fail fast instead of writing 4.7 GB into the real cache.
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("MINIVLLM_OFFLINE", "1")
 
     with pytest.raises(ConfigError, match="GPU"):
         run(devices=["cpu"], synthetic="qwen2.5-7b-q4_k_m")
