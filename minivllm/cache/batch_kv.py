@@ -89,6 +89,26 @@ class PagedBatchKV:
                 self._kernel_seq = self.row_seq[self._kernel_rows]
                 self._kernel_pos = self.row_pos[self._kernel_rows]
 
+    @classmethod
+    def static_decode(cls, pool: PagePool, write_slots: torch.Tensor, block_tables: torch.Tensor,
+                      row_seq: torch.Tensor, row_pos: torch.Tensor, *, invariant: bool = False) -> "PagedBatchKV":
+        """A decode-only step over caller-owned device tensors (one row per sequence),
+        for CUDA-graph capture: the graph records these tensors' addresses, and the
+        runner refills them in place before every replay."""
+        attention = _triton_paged_attention(pool, invariant)
+        if attention is None:
+            raise DeviceError(f"captured decode steps need the Triton paged-attention kernel on {pool.k.device}; "
+                              f"run with enforce_eager=True")
+        self = cls.__new__(cls)
+        self.pool, self.invariant = pool, invariant
+        self.segments = []
+        self.n_rows = write_slots.shape[0]
+        self.write_slots, self.block_tables, self.row_seq, self.row_pos = write_slots, block_tables, row_seq, row_pos
+        self._paged_attention = attention
+        self._all_rows_in_kernel = True
+        self._kernel_rows = None
+        return self
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k/v (rows, KVH, D) in the pool and attend; returns (rows, H, D)."""
         kf = self.pool.k[layer].view(-1, *self.pool.k.shape[-2:])

@@ -27,10 +27,28 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-mode", default="paged", choices=("paged", "contiguous"))
     p.add_argument("--page-size", type=int, default=16)
+    add_kernel_arguments(p)
     p.add_argument("--trace-directory", default=None,
                    help="write a Chrome trace (Perfetto) of every step to DIR/minivllm-trace-<pid>.json")
     p.add_argument("--quiet", action="store_true", help="no load progress bars or stats")
     p.set_defaults(func=run_generate)
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """The kernel options every engine-running command takes (see kernels/kernel_options.py)."""
+    p.add_argument("--gemv-max-rows", type=int, default=None,
+                   help="rows up to which the fused dequantize-GEMV runs (0 = never; default: per device)")
+    p.add_argument("--dequant-cache", dest="dequant_cache", action="store_const", const=True, default="auto",
+                   help="keep dequantized weights for GEMM (default: on CPU yes, on CUDA no)")
+    p.add_argument("--no-dequant-cache", dest="dequant_cache", action="store_const", const=False)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each row's arithmetic independent of batch, chunking and GEMV threshold (slower)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+
+
+def kernel_options_from(args: argparse.Namespace) -> dict:
+    return {"gemv_max_rows": args.gemv_max_rows, "dequant_cache": args.dequant_cache,
+            "batch_invariant": args.batch_invariant, "enforce_eager": args.enforce_eager}
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -46,7 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
         enable_tracing(args.trace_directory)
     llm = LLM(args.model, device=args.inference_device, dtype=args.activation_dtype,
               max_model_len=args.max_model_len, progress=not args.quiet,
-              kv_mode=args.kv_mode, page_size=args.page_size)
+              kv_mode=args.kv_mode, page_size=args.page_size, **kernel_options_from(args))
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

@@ -61,6 +61,7 @@ class LLMEngine:
         # Called as logits_hook(request_id, logits) with each sampled row's float32 logits
         # right before sampling (debug.compare records top-k logits through it).
         self.logits_hook = None
+        self.graph_runner = self._make_graph_runner()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
@@ -118,10 +119,11 @@ class LLMEngine:
                               f"the prompt must be shorter than max_model_len={self.max_model_len}; "
                               f"shorten it or raise max_model_len")
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        if self.pool.pages_for(longest) > self.pool.num_pages:
+        usable = self.pool.num_pages - (1 if self.graph_runner is not None else 0)  # minus the graphs' scratch page
+        if self.pool.pages_for(longest) > usable:
             raise ConfigError("max_tokens", params.max_tokens,
                               f"prompt + max_tokens needs {self.pool.pages_for(longest)} KV pages but the pool only has "
-                              f"{self.pool.num_pages}; lower max_tokens or raise kv_memory_bytes")
+                              f"{usable}; lower max_tokens or raise kv_memory_bytes")
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request at any moment; its pages are freed at once."""
@@ -172,10 +174,14 @@ class LLMEngine:
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
-                kv = PagedBatchKV(self.pool, segments, invariant=self.kernel_options.batch_invariant)
-                logits = model.forward_batch(
-                    torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                    kv, torch.tensor(logit_rows, dtype=torch.long, device=device))
+                runner = self.graph_runner
+                if runner is not None and len(logit_rows) == len(segments) and runner.can_run(segments):
+                    logits = runner.run(ids, segments)
+                else:
+                    kv = PagedBatchKV(self.pool, segments, invariant=self.kernel_options.batch_invariant)
+                    logits = model.forward_batch(
+                        torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                        kv, torch.tensor(logit_rows, dtype=torch.long, device=device))
         except Exception as exc:  # noqa: BLE001 — a failed forward fails its requests, not the engine
             for row in plan.rows:
                 events.append(self._finish(row.request, "error", token=-1, text="", error=f"forward failed: {exc}"))
@@ -273,9 +279,21 @@ class LLMEngine:
         return {**self.kernel_options.describe(), "cuda_graphs": self.cuda_graphs_enabled,
                 "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
 
+    def _make_graph_runner(self):
+        """Decode steps replay CUDA graphs on a GPU unless enforce_eager; see cuda_graphs.py."""
+        if self.config.enforce_eager or self.model.device.type != "cuda":
+            return None
+        from minivllm.cache.batch_kv import _triton_paged_attention
+        from minivllm.engine.cuda_graphs import DecodeGraphRunner
+
+        if _triton_paged_attention(self.pool, False) is None or self.pool.num_pages < 2:
+            return None  # no Triton kernel for this cache dtype/device: eager steps
+        return DecodeGraphRunner(self.model, self.pool, max_rows=self.config.max_active_requests,
+                                 max_model_len=self.max_model_len, invariant=self.kernel_options.batch_invariant)
+
     @property
     def cuda_graphs_enabled(self) -> bool:
-        return False
+        return self.graph_runner is not None
 
     def snapshot(self) -> dict:
         return build_snapshot(self)
