@@ -10,6 +10,7 @@ from minivllm.errors import MinivllmError
 
 def build_parser() -> argparse.ArgumentParser:
     from minivllm.cli.bench_cmd import add_bench_parser
+    from minivllm.cli.diverge_cmd import add_diverge_parser
     from minivllm.cli.generate_cmd import add_generate_parser
     from minivllm.cli.models_cmd import add_models_parser
 
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_diverge_parser(sub)
     return parser
 
 
