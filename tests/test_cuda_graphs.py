@@ -66,5 +66,5 @@ def test_graphs_match_eager_tokens_in_default_mode(llm, n):
         # Logits agree to f16 rounding while the histories are the same.
         assert torch.allclose(g_logits[rid][0], e_logits[rid][0], atol=0.05, rtol=0)
     snap = graphed.snapshot()
-    assert snap["kernels"]["cuda_graphs"] is True
+    assert snap["kernels"]["cuda_graphs"]["captured"] and not snap["kernels"]["cuda_graphs"]["failed"]
     assert snap["kv"]["used_pages"] == 1  # only the padding rows' scratch page stays taken

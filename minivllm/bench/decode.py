@@ -61,9 +61,10 @@ def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
 
 
 class MinivllmRunner:
-    def __init__(self, model_path: Path, device: str, dtype: str, max_len: int, prompt_tokens: int):
+    def __init__(self, model_path: Path, device: str, dtype: str, max_len: int, prompt_tokens: int,
+                 engine_options: dict | None = None):
         self.llm = LLM(str(model_path), device=device, dtype=dtype, progress=False, max_model_len=max_len,
-                       max_batched_tokens=max(512, prompt_tokens), max_active_requests=1)
+                       max_batched_tokens=max(512, prompt_tokens), max_active_requests=1, **(engine_options or {}))
         self.device, self.dtype = str(resolve_device(device)), dtype
         self.engine = "minivllm"
 
@@ -159,7 +160,7 @@ def _stats(row: dict, key: str, samples: list[float]) -> None:
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: list[str] | None = None, *,
         max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, threads: int | None = None,
         baselines: bool = True, llama_cpp_path: str | None = None, synthetic: str | None = None,
-        synthetic_tokenizer: str | None = None) -> list[dict]:
+        synthetic_tokenizer: str | None = None, engine_options: dict | None = None) -> list[dict]:
     """One row per (device, dtype) of minivllm, plus llama.cpp and transformers rows when a
     device is the CPU and `baselines`. `max_tokens`: decode tokens per run."""
     devices, dtypes = devices or ["cpu"], dtypes or ["f32"]
@@ -187,7 +188,17 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
     load_start = _loadavg()
     max_len = prompt_tokens + max_tokens + 8
 
-    runners: list = [MinivllmRunner(model_path, d, dt, max_len, prompt_tokens) for d in devices for dt in dtypes]
+    runners: list = []
+    for d in devices:
+        for dt in dtypes:
+            r = MinivllmRunner(model_path, d, dt, max_len, prompt_tokens, engine_options)
+            runners.append(r)
+            if resolve_device(d).type == "cuda" and not (engine_options or {}).get("enforce_eager"):
+                # The same weights without CUDA graphs: what the graphs are worth, same run.
+                eager = object.__new__(MinivllmRunner)
+                eager.llm, eager.device, eager.dtype = r.llm.fork(enforce_eager=True), r.device, r.dtype
+                eager.engine = "minivllm-eager"
+                runners.append(eager)
     ids = long_prompt_ids(runners[0].llm.tokenizer, prompt_tokens)
     skipped: list[dict] = []
     versions: dict[str, str] = {}
@@ -226,9 +237,15 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
         row["same_tokens_as_first_row"] = _common_prefix(tokens[i], tokens[0])
         if isinstance(r, MinivllmRunner):
             row["kernels"] = r.kernels()
+            row["engine_options"] = dict(engine_options or {})
         row["samples"] = {"prefill_tok_s": prefill[i], "decode_tok_s": decode[i]}
         rows.append(row)
     ours_cpu = next((row for row in rows if row["engine"] == "minivllm" and row["device"] == "cpu"), None)
+    for row in rows:  # CUDA graphs vs eager on the same weights
+        if row["engine"] == "minivllm-eager":
+            graphed = next(g for g in rows if g["engine"] == "minivllm" and g["device"] == row["device"]
+                           and g["dtype"] == row["dtype"])
+            graphed["graphs/eager_decode"] = graphed["decode_tok_s_median"] / row["decode_tok_s_median"]
     for row in rows + skipped:
         if row["engine"] != "minivllm" and ours_cpu is not None and row["status"] == "ok":
             row["minivllm/this_decode"] = ours_cpu["decode_tok_s_median"] / row["decode_tok_s_median"]
@@ -243,7 +260,8 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
                 "dtypes": dtypes, "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens, "repeats": repeats,
                 "threads": threads, "torch_threads": torch.get_num_threads(), "baselines": baselines and on_cpu,
                 "sampling": "greedy (argmax), EOS ignored", "prompt_source": str(PROMPTS_FILE.name),
-                "warmup": f"one {min(4, max_tokens)}-token run per engine", **versions}
+                "warmup": f"one {min(4, max_tokens)}-token run per engine",
+                "engine_options": dict(engine_options or {}), **versions}
     first_dev = str(runners[0].llm.model.device)
     meta = provenance(first_dev, sha256_file(model_path), settings)
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
@@ -256,7 +274,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
             f"average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']}.")
     cols = ["engine", "device", "dtype", "status", "prompt_tokens", "decode_tokens", "prefill_tok_s",
             "prefill_tok_s_median", "decode_tok_s", "decode_tok_s_median", "minivllm/this_prefill",
-            "minivllm/this_decode", "same_tokens_as_first_row"]
+            "minivllm/this_decode", "graphs/eager_decode", "same_tokens_as_first_row"]
     _, md = write_results(f"decode-{label}", meta, rows, cols, note)
     print(md.read_text(), flush=True)
     return rows

@@ -30,6 +30,8 @@ def add_bench_parser(subparsers) -> None:
                    help="measure a synthetic model with this layout (random weights; written to the cache once; GPU)")
     d.add_argument("--synthetic-tokenizer", default=None,
                    help="Qwen2.5 GGUF to copy the synthetic model's tokenizer from (default: qwen2.5-coder-0.5b)")
+    d.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine option for minivllm (repeatable), e.g. gemv_max_rows=0, enforce_eager=true")
     d.set_defaults(func=_decode)
 
     t = sub.add_parser("gemv-threshold",
@@ -84,6 +86,23 @@ def _common(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
 
 
+def _options(items: list[str]) -> dict:
+    """KEY=VALUE strings → engine options, values parsed as JSON where they parse
+    (0 → int, true → bool), else kept as strings."""
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--option {item!r}: expected KEY=VALUE, e.g. gemv_max_rows=0")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
 def _ints(v: str) -> list[int]:
     try:
         return [int(x) for x in v.split(",") if x.strip()]
@@ -104,7 +123,7 @@ def _decode(args: argparse.Namespace) -> int:
     run(args.model, args.inference_device or ["cpu"], args.activation_dtype or ["f32"],
         max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats, threads=args.threads,
         baselines=not args.no_baselines, llama_cpp_path=args.llama_cpp_path, synthetic=args.synthetic,
-        synthetic_tokenizer=args.synthetic_tokenizer)
+        synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option))
     return 0
 
 

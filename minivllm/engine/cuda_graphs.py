@@ -63,9 +63,11 @@ class DecodeGraphRunner:
         self.path_counts: dict[int, Counter] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = 0
+        self.failed: dict[int, str] = {}  # bucket -> why its capture failed (it then runs eagerly)
 
     def can_run(self, segments: list[Segment]) -> bool:
-        return 0 < len(segments) <= self.buckets[-1] and all(s.n == 1 for s in segments)
+        return (0 < len(segments) <= self.buckets[-1] and all(s.n == 1 for s in segments)
+                and self.bucket(len(segments)) not in self.failed)
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -107,13 +109,18 @@ class DecodeGraphRunner:
         self.path_counts[bucket] = Counter(counts)
         self.graphs[bucket], self.outputs[bucket] = graph, out
 
-    def run(self, token_ids: list[int], segments: list[Segment]) -> torch.Tensor:
-        """Logits (B, vocab) float32 for a decode-only step, through the bucket's graph."""
+    def run(self, token_ids: list[int], segments: list[Segment]) -> torch.Tensor | None:
+        """Logits (B, vocab) float32 for a decode-only step through the bucket's graph, or
+        None when this bucket cannot be captured (the caller then runs the step eagerly)."""
         bucket = self.bucket(len(segments))
         self._fill(token_ids, segments, bucket)
         if bucket not in self.graphs:
-            self._capture(bucket)
-            self._fill(token_ids, segments, bucket)  # the warm-up wrote the scratch rows only, but be safe
+            try:
+                self._capture(bucket)
+            except Exception as exc:  # noqa: BLE001 — a capture failure costs speed, not the requests
+                self.failed[bucket] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize()
+                return None
         self.graphs[bucket].replay()
         self.replays += 1
         counts = self.model.kernel_options.path_counts

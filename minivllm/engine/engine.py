@@ -175,9 +175,10 @@ class LLMEngine:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
                 runner = self.graph_runner
+                logits = None
                 if runner is not None and len(logit_rows) == len(segments) and runner.can_run(segments):
                     logits = runner.run(ids, segments)
-                else:
+                if logits is None:
                     kv = PagedBatchKV(self.pool, segments, invariant=self.kernel_options.batch_invariant)
                     logits = model.forward_batch(
                         torch.tensor(ids, device=device), torch.tensor(positions, device=device),
@@ -276,7 +277,11 @@ class LLMEngine:
         kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
                         for f in ("q", "k", "v", "o", "gate", "up", "down"))
         kinds[model.output.gemv_kind] += 1
-        return {**self.kernel_options.describe(), "cuda_graphs": self.cuda_graphs_enabled,
+        graphs = self.graph_runner
+        return {**self.kernel_options.describe(),
+                "cuda_graphs": None if graphs is None else {
+                    "buckets": graphs.buckets, "captured": sorted(graphs.graphs), "replays": graphs.replays,
+                    "failed": {str(b): why for b, why in graphs.failed.items()}},
                 "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
 
     def _make_graph_runner(self):

@@ -18,7 +18,8 @@ This is a contract: the widgets, the router and the tests read only this. Schema
              "ref_counts": [int, ...]},                                         # one per page
       "last_step": {index, rows: [{id, phase, tokens}], prefill_tokens, decode_rows,
                     logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
-      "kernels": {gemv_max_rows, dequant_cache, batch_invariant, cuda_graphs,
+      "kernels": {gemv_max_rows, dequant_cache, batch_invariant,
+                  cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why}},
                   weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
                    requests_finished, finished_stop, finished_length, finished_abort,

@@ -48,8 +48,20 @@ def _fields(x: torch.Tensor, bits: int) -> torch.Tensor:
     packs quants "strided": field j of byte i is element j*k + i of the group, so a
     plain reshape of the result gives elements in order.
     """
-    shifts = torch.tensor(list(range(0, 8, bits)), dtype=torch.uint8, device=x.device)
+    shifts = _shifts(bits, x.device)
     return (x.unsqueeze(-2) >> shifts.view(-1, 1)) & ((1 << bits) - 1)
+
+
+_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    # Made once per device: a host-to-device copy inside every call would also make
+    # dequantization impossible to capture in a CUDA graph.
+    key = (bits, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+    return _SHIFTS[key]
 
 
 def _bits_u32(x: torch.Tensor) -> torch.Tensor:
