@@ -10,8 +10,8 @@ bytes of the file. torch has two CPU kernels that read compact weights quickly
                   with bfloat16 activations, scales and output (its float16/float32
                   variants are a scalar reference loop, ~10x slower).
   "f16" / "bf16"  a half-precision dense matrix: torch's M=1 half GEMV reads 2 bytes per
-                  weight and accumulates in float32. For M > 1 torch's half GEMM is no
-                  faster than the float32 BLAS, so `max_rows` is 1.
+                  weight and accumulates in float32. Its M > 1 path loses to the
+                  float32 BLAS from M=3-4 on, so `max_rows` is 2.
 
 Which one a GGUF type gets, and how faithful it is to `QuantizedWeight.dequantize`:
 
@@ -27,7 +27,8 @@ Which one a GGUF type gets, and how faithful it is to `QuantizedWeight.dequantiz
       per-block scale cannot map to. f16 is exact for F16 weights only: d * q of Q8_0
       needs up to 11 + 7 significant bits, so it is rounded to f16's 11 (relative error
       <= 2^-11); the same holds for the other k-/5-bit types. Activations are rounded
-      to f16 (<= 2^-11) after a per-row power-of-two rescale, and so is the output.
+      to f16 (<= 2^-11), rescaled per row by a power of two first when they could
+      overflow it, and so is the output.
   BF16 -> bf16 (exact weights; activations and output rounded to bf16).
   F32 -> None: nothing smaller is faithful, and f32 is what the caller already has.
 
@@ -55,8 +56,8 @@ _N_MULTIPLE = 16
 _PACK_ROWS = 4096
 
 # Largest magnitude an f16 GEMV may produce: f16's max finite value (65504) with
-# headroom. The rescaled activations are < 2 in magnitude, so an output row is bounded
-# by 2 * sum |w| over that weight row; weights that could exceed this go to bf16.
+# headroom. An output is bounded by max|x| * sum|w| over its weight row, and rescaled
+# activations are < 2 in magnitude; weights whose rows could exceed it go to bf16.
 _F16_SAFE_OUTPUT = 32768.0
 
 
@@ -154,7 +155,9 @@ class Int4PackedWeight(CpuPackedWeight):
     """Q4_0 / Q4_1 / Q4_K as torch's CPU int4 format: bf16 in, bf16 out."""
 
     kind = "int4pack-g32"
-    # Beats the float32 GEMM up to at least this many rows (microbench, AVX2 2 threads).
+    # scripts/cpu_packed_microbench.py (AVX2, SmolLM2 shapes): faster than the float32
+    # GEMM through M=16-24 on every shape, slower from M=32; the kernel re-reads the
+    # weight for every 4 rows, so its cost grows linearly in M while the GEMM's doesn't.
     max_rows = 16
 
     def __init__(self, w: QuantizedWeight):
@@ -196,23 +199,22 @@ _HALF_TYPES = (
 class HalfWeight(CpuPackedWeight):
     """The dequantized matrix in f16 (bf16 for BF16 files or out-of-range weights).
 
-    f16 activations overflow above 65504, so each row of x is divided by a power of two
-    that brings it below 2 in magnitude (exact: only the exponent changes) and the
-    output is multiplied back; weights whose rows could still overflow get bf16.
+    f16 tops out at 65504. An output row is at most max|x| * (largest row sum of |w|),
+    so when that bound is safe x goes straight to f16; otherwise each row of x is first
+    divided by a power of two that brings it below 2 (exact: only the exponent changes)
+    and the output multiplied back. Weights whose rows could overflow even then get bf16.
     """
 
-    # torch's half matmul is fast only as an M=1 GEMV; at M >= 2 the f32 BLAS wins.
-    max_rows = 1
+    # torch's half matmul is a fast GEMV at M=1 (half the bytes of f32); above that it
+    # is a plain loop that loses to the f32 BLAS from M=3-4 (M=2 still wins by ~1.7x).
+    max_rows = 2
 
     def __init__(self, w: QuantizedWeight):
         self.shape, self.name = tuple(w.shape), w.name
-        if w.ggml_type == _T.BF16:
+        self.weight = w.dequantize(torch.bfloat16 if w.ggml_type == _T.BF16 else torch.float16)
+        self.max_row_l1 = float(self.weight.abs().sum(dim=1, dtype=torch.float32).max())
+        if self.weight.dtype == torch.float16 and not self.max_row_l1 * 2 < _F16_SAFE_OUTPUT:
             self.weight = w.dequantize(torch.bfloat16)
-        else:
-            self.weight = w.dequantize(torch.float16)
-            row_l1 = self.weight.abs().sum(dim=1, dtype=torch.float32)
-            if not bool(torch.isfinite(row_l1).all()) or float(row_l1.max()) * 2 > _F16_SAFE_OUTPUT:
-                self.weight = w.dequantize(torch.bfloat16)
         self.kind = "f16" if self.weight.dtype == torch.float16 else "bf16"
         self.nbytes = self.weight.numel() * 2
 
@@ -221,10 +223,16 @@ class HalfWeight(CpuPackedWeight):
         x = x.float()
         if self.weight.dtype == torch.bfloat16:
             return (x.to(torch.bfloat16) @ self.weight.T).float()
+        # One reduction and a host comparison: cheaper than always rescaling (each extra
+        # op costs microseconds, comparable to a small GEMV). NaN fails the test and takes
+        # the rescaling path, which propagates it.
+        amax = float(torch.linalg.vector_norm(x, float("inf")))
+        if amax < _F16_SAFE_OUTPUT and amax * self.max_row_l1 < _F16_SAFE_OUTPUT:
+            return (x.to(torch.float16) @ self.weight.T).float()
         # 2^floor(log2(max|row|)) by masking the float32 exponent bits: dividing by it
         # is exact and leaves every row below 2 in magnitude. The floor of 2^-100 keeps
         # an all-zero row from dividing by zero.
-        amax = x.abs().amax(dim=1, keepdim=True).clamp_min_(2.0**-100)
-        pow2 = (amax.view(torch.int32) & 0x7F800000).view(torch.float32)
+        row_max = x.abs().amax(dim=1, keepdim=True).clamp_min_(2.0**-100)
+        pow2 = (row_max.view(torch.int32) & 0x7F800000).view(torch.float32)
         y = (x / pow2).to(torch.float16) @ self.weight.T
         return y.float().mul_(pow2)
