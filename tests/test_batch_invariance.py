@@ -33,16 +33,20 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path):
-    return LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=128, progress=False)
+@pytest.fixture(scope="module", params=[("cpu", "float32"), pytest.param(("cuda", "float16"), marks=pytest.mark.cuda)],
+                ids=["cpu-f32", "cuda-f16"])
+def llm(request, smollm2_path):
+    # CUDA: Triton GEMV (invariant config), the paged-attention kernel for every row and
+    # the row-wise RMSNorm kernel; decode steps replay CUDA graphs.
+    device, dtype = request.param
+    return LLM(str(smollm2_path), device=device, dtype=dtype, max_model_len=128, progress=False)
 
 
 def run(llm, *, others: int, **options) -> list[torch.Tensor]:
     """Logits rows of PROMPTS[0] (greedy), submitted with `others` more requests."""
     engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=128, **options))
     seen: dict[str, list[torch.Tensor]] = {}
-    engine.logits_hook = lambda rid, logits: seen.setdefault(rid, []).append(logits.clone())
+    engine.logits_hook = lambda rid, logits: seen.setdefault(rid, []).append(logits.float().cpu())
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     target = engine.add_request(llm.tokenizer.encode(PROMPTS[0]), params)
     for prompt in PROMPTS[1:1 + others]:
