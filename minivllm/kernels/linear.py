@@ -109,9 +109,8 @@ class QuantLinear:
             return triton_gemv(x.to(out_dtype).contiguous(), self.weight, invariant=invariant).to(out_dtype)
         if self._packed is not None:
             xf = x.float()
-            if invariant or x.shape[0] == 1:
-                rows = [self._packed.matmul(xf[i:i + 1]) for i in range(x.shape[0])]
-                return torch.cat(rows).to(out_dtype)
+            if invariant and x.shape[0] > 1:  # one M=1 call per row: the same kernel whatever the batch
+                return torch.cat([self._packed.matmul(xf[i:i + 1]) for i in range(x.shape[0])]).to(out_dtype)
             return self._packed.matmul(xf).to(out_dtype)
         # Row-wise GEMV over the dense matrix: one M=1 product per row, so every row
         # takes the same BLAS kernel whatever the batch.
