@@ -199,3 +199,50 @@ def test_bf16_activations_on_sm80_cuda():
 def test_invariant_rows_bitwise_independent_of_batch_cuda(ggml_type):
     n, k = BIG_SHAPES[0]
     _check_row_invariance(random_weight(ggml_type, n, k, device="cuda", seed=13), k, "cuda")
+
+
+# --- T4 (sm_75) compilation, checked without a GPU -------------------------------------
+
+_COMPILE_FOR_SM75 = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gguf import GGMLQuantizationType as T
+from minivllm.kernels.triton.dequant_gemv import _KERNELS, _dequant_gemv_kernel
+import torch
+ptr = {torch.uint8: "*u8", torch.float32: "*fp32", torch.float16: "*fp16", torch.int16: "*i16"}
+out = {}
+for name in sys.argv[1].split(","):
+    spec = _KERNELS[T[name]]
+    for block_m, block_n in ((1, 8), (8, 1)):
+        sig = {"x_ptr": "*fp16", "w_ptr": ptr[spec.view], "out_ptr": "*fp32", "M": "i32", "N": "i32",
+               "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+        sig.update({c: "constexpr" for c in ("N_GROUPS", "DECODE", "GROUP", "TILE_K", "BLOCK_N", "BLOCK_M")})
+        const = {"N_GROUPS": 512 // spec.group, "DECODE": spec.decode, "GROUP": spec.group, "TILE_K": 512,
+                 "BLOCK_N": block_n, "BLOCK_M": block_m}
+        k = triton.compile(ASTSource(_dequant_gemv_kernel, sig, const), target=GPUTarget("cuda", 75, 32),
+                           options={"num_warps": 4})
+        out[f"{name}/m{block_m}"] = k.asm["ptx"]
+print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+                  for key, p in out.items()}))
+"""
+
+
+def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
+    """Every kernel variant compiles to sm_75 PTX (a Kaggle T4) with no bf16 and no
+    tensor-core (mma) instructions. Runs the real Triton compiler in a subprocess,
+    since this module may have switched on the interpreter; no GPU is needed."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    names = ",".join(t.name for t in ALL_TYPES)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM75, names], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result) == 2 * len(ALL_TYPES)
+    for key, r in result.items():
+        assert r == {"target": True, "bf16": False, "mma": False}, key
