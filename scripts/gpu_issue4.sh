@@ -12,10 +12,10 @@ touch /tmp/start-marker
 d=$MINIVLLM_CACHE/models/smollm2-135m; mkdir -p $d /root/gpu
 case $stage in
 stage)
-  pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1
+  python3 -m pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1
   cp .gpu/smol.part00 /root/gpu/ ; ls -la /root/gpu ;;
 tests)
-  [ -d /root/site/gguf ] || pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1
+  [ -d /root/site/gguf ] || python3 -m pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1
   [ -f $d/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /root/gpu/smol.part00 .gpu/smol.part01 > $d/SmolLM2-135M-Instruct.Q4_1.gguf
   cp .gpu/qwen-tokenizer.gguf /root/gpu/ 2>/dev/null
   sha256sum $d/*.gguf
@@ -26,6 +26,7 @@ tests)
   timeout 150 python3 -m minivllm bench gemv-threshold --inference-device cuda:0 --activation-dtype f16 --max-tokens 32 --repeats 2 --batch-invariant 2>&1 | tail -12
   find benchmarks/results -newer /tmp/start-marker -type f -exec cp {} $OUT/ \; ; ls $OUT ;;
 7b)
+  shift
   timeout 560 python3 -m minivllm bench decode --synthetic qwen2.5-7b-q4_k_m --synthetic-tokenizer /root/gpu/qwen-tokenizer.gguf \
     --inference-device cuda:0 --activation-dtype f16 --max-tokens 128 --repeats 3 "$@" 2>&1 | tail -8
   find benchmarks/results -newer /tmp/start-marker -type f -exec cp {} $OUT/ \; ; ls $OUT ;;

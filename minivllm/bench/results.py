@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import platform
 import statistics
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,10 @@ RESULTS_DIR = Path("benchmarks/results")
 
 
 def git_commit() -> str:
+    # A copy of the tree run elsewhere (the GPU box) may carry a stale .git: the caller
+    # then passes the real commit in MINIVLLM_COMMIT.
+    if os.environ.get("MINIVLLM_COMMIT"):
+        return os.environ["MINIVLLM_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
