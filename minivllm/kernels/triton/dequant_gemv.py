@@ -98,20 +98,15 @@ def _dequant_gemv_kernel(
     # under numpy 2.
 
     if BLOCK_M == 1:
-        # One activation row: a [BLOCK_N, J, GROUP] accumulator laid out like the weight tile.
+        # One activation row: a [BLOCK_N, J, GROUP] accumulator laid out like the weight
+        # tile, with x broadcast over the rows (each thread reuses its x for its rows).
         acc = tl.zeros([BLOCK_N, J, GROUP], dtype=tl.float32)
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         for g0 in range(0, N_GROUPS, J):
             g = g0 + tl.arange(0, J)[None, :, None]
             g_ok = g < N_GROUPS
             w = DECODE(w_ptr, row_off, g, i, row_ok[:, None, None] & g_ok)
-            # x is loaded in the weight tile's shape (the same element for every row), and
-            # both loads claim runs of 4: Triton then gives x and the quant bytes one layout.
-            # With x as a small [1, J, GROUP] tile the two layouts differed and the whole
-            # decoded weight tile went through shared memory every iteration (H200: ~15-30%
-            # of copy bandwidth; see benchmarks/results/h200-kernels-gemv-*).
-            x_off = tl.broadcast_to(g * GROUP + i, [BLOCK_N, J, GROUP])
-            x_off = tl.max_contiguous(tl.multiple_of(x_off, [1, 1, 4]), [1, 1, 4])
+            x_off = tl.max_contiguous(tl.multiple_of(g * GROUP + i, [1, 1, 16]), [1, 1, GROUP])
             x = tl.load(x_row + x_off, mask=g_ok, other=0.0)
             acc += w * x.to(tl.float32)
         out = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
@@ -132,7 +127,7 @@ def _dequant_gemv_kernel(
 def _m1_configs() -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_N": bn, "TILE_K": tk}, num_warps=nw)
-        for bn, tk, nw in [(4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8)]
+        for bn, tk, nw in [(4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
     ]
 
 

@@ -51,9 +51,7 @@ def decode_q4_k(w_ptr, row_off, g, i, mask):
     d = load_f16_as_f32(w_ptr, base, mask)
     dmin = load_f16_as_f32(w_ptr, base + 2, mask)
     sc, mn = _k_scale_min(w_ptr, base + 4, s, mask)
-    # Runs of 4 bytes starting 4-aligned (super-blocks are 144 bytes, rows whole
-    # super-blocks): the hint matches the x load's, so both share one register layout.
-    qs_off = tl.max_contiguous(tl.multiple_of(base + 16 + (s // 2) * 32 + i, [1, 1, 4]), [1, 1, 4])
+    qs_off = tl.max_contiguous(tl.multiple_of(base + 16 + (s // 2) * 32 + i, [1, 1, 16]), [1, 1, 32])
     q = (_byte(w_ptr, qs_off, mask) >> ((s % 2) * 4)) & 15
     return q.to(tl.float32) * (d * sc.to(tl.float32)) - dmin * mn.to(tl.float32)
 
@@ -68,11 +66,8 @@ def decode_q5_k(w_ptr, row_off, g, i, mask):
     d = load_f16_as_f32(w_ptr, base, mask)
     dmin = load_f16_as_f32(w_ptr, base + 2, mask)
     sc, mn = _k_scale_min(w_ptr, base + 4, s, mask)
-    # 4-byte runs, 4-aligned (176-byte super-blocks): see decode_q4_k.
-    qs_off = tl.max_contiguous(tl.multiple_of(base + 48 + (s // 2) * 32 + i, [1, 1, 4]), [1, 1, 4])
-    qh_off = tl.max_contiguous(tl.multiple_of(base + 16 + i, [1, 1, 4]), [1, 1, 4])
-    low = (_byte(w_ptr, qs_off, mask) >> ((s % 2) * 4)) & 15
-    high = (_byte(w_ptr, qh_off, mask) >> s) & 1
+    low = (_byte(w_ptr, base + 48 + (s // 2) * 32 + i, mask) >> ((s % 2) * 4)) & 15
+    high = (_byte(w_ptr, base + 16 + i, mask) >> s) & 1
     q = low | (high << 4)
     return q.to(tl.float32) * (d * sc.to(tl.float32)) - dmin * mn.to(tl.float32)
 
