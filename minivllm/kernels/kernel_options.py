@@ -68,6 +68,10 @@ def default_gemv_max_rows(device) -> int:
     return _DEFAULT_GEMV_MAX_ROWS.get(getattr(device, "type", str(device)), 4)
 
 
-# cuda: h200-gemv-threshold-smollm2-135m-20261130T221420Z — GEMV beat GEMM at every N
-# measured (1..8; 1.7x at 8), so 8, the largest measured. cpu: see the CPU file.
-_DEFAULT_GEMV_MAX_ROWS = {"cuda": 8, "cpu": 4}
+# Both from `bench gemv-threshold` on smollm2-135m, where batched row-wise GEMV beat batched
+# GEMM at every N measured, so the default is the largest N measured (8):
+#   cuda: h200-gemv-threshold-smollm2-135m-20261130T222044Z (GEMV/GEMM 1.66x at N=8, f16);
+#   cpu:  gemv-threshold-smollm2-135m-20261130T221716Z (1.48x at N=8, 2 threads). The
+#         per-shape micro-benchmark (scripts/cpu_packed_microbench.py) puts the int4
+#         crossover at 16-24 rows, the f16 one (Q8_0 LM head) at 2-4.
+_DEFAULT_GEMV_MAX_ROWS = {"cuda": 8, "cpu": 8}
