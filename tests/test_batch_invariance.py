@@ -25,12 +25,7 @@ PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=[("cpu", "float32"), pytest.param(("cuda", "float16"), marks=pytest.mark.cuda)],

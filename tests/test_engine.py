@@ -52,14 +52,7 @@ FINISH_REASONS = {"stop", "length", "abort", "error"}
 # -- fixtures ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # On a 2-core machine that another job is also using, two OpenMP threads spin against
-    # each other (a tiny softmax took 3.6 ms instead of 2 µs): one thread is ~5x faster.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from minivllm.errors import ConfigError, DeviceError, UnsupportedTensorTypeError  # noqa: E402
@@ -24,7 +21,6 @@ from minivllm.gguf.quant_types import SUPPORTED_TYPES  # noqa: E402
 from minivllm.kernels.quant_weight import QuantizedWeight  # noqa: E402
 from minivllm.kernels.triton.dequant_gemv import SUPPORTED_GEMV_TYPES, triton_gemv  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
 FLOATS = [T.F32, T.F16, T.BF16]

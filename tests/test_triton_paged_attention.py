@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.attention import causal_attention  # noqa: E402
 from minivllm.kernels.triton.paged_attention import paged_attention  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1; this GPU machine tests the compiled kernel")),
-    pytest.param("cuda", marks=pytest.mark.cuda),
-]
 # (n_heads, n_kv_heads) of SmolLM2-135M and Qwen2.5-0.5B.
 GQA_SHAPES = [(9, 3), (14, 2)]
 HEAD_DIM = 64

@@ -7,25 +7,14 @@ kernel.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.rmsnorm import rms_norm  # noqa: E402
 from minivllm.kernels.triton.rmsnorm import rms_norm_rows  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1; this GPU machine tests the compiled kernel")),
-    pytest.param("cuda", marks=pytest.mark.cuda),
-]
 
 
 @pytest.fixture
