@@ -83,7 +83,10 @@ def test_incremental_decode_matches_full_prefill(pair):
     llm.model.forward(torch.tensor(ids[:4]), 0, cache)
     for pos in range(4, len(ids)):
         step = llm.model.forward(torch.tensor([ids[pos]]), pos, cache)
-        assert _max_rel_error(step, full[pos]) <= 1e-5
+        # Decode attends with two grouped bmm calls, prefill with SDPA: only float32
+        # summation order differs (measured up to 2e-5 on Qwen's 24 layers); a wrong
+        # position or cache slot moves logits by > 1e-2.
+        assert _max_rel_error(step, full[pos]) <= 1e-4
 
 
 @pytest.mark.cuda
