@@ -9,8 +9,8 @@ cells = [
        "Runs on a CPU; on a machine with an NVIDIA GPU (Kaggle's 2×T4) the last section runs there too."),
     code("import collections, torch\nfrom minivllm import LLM, SamplingParams\n\n"
          "llm = LLM(model=\"smollm2-135m\", device=\"cpu\", dtype=\"float32\")\nllm.info()"),
-    md("## The GGUF file\n\nMetadata is read without touching tensor data; tensors are memory-mapped and "
-       "dequantized to the activation dtype on load."),
+    md("## The GGUF file\n\nMetadata is read without touching tensor data; tensors are memory-mapped, and "
+       "projection weights stay in their GGUF block format (memory ≈ file size)."),
     code("meta = llm.gguf.metadata\n{k: v for k, v in meta.items() if not k.startswith(\"tokenizer.ggml.\") and k != \"tokenizer.chat_template\"}"),
     code("collections.Counter(t.ggml_type.name for t in llm.gguf.tensors.values())"),
     code("[(t.name, t.shape, t.ggml_type.name) for t in list(llm.gguf.tensors.values())[:8]]"),
@@ -27,6 +27,20 @@ cells = [
     code("messages = [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]\n"
          "print(llm.chat_prompt(messages))\nreply = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=48))\n"
          "print(reply.text, reply.finish_reason)"),
+    md("## Which kernels ran\n\nA projection with at most `gemv_max_rows` input rows runs a fused "
+       "dequantize-GEMV; more rows dequantize and GEMM. The snapshot says what the last step used."),
+    code("snap = llm.snapshot()\nsnap[\"kernels\"], snap[\"last_step\"][\"kernel_paths\"]"),
+    md("## Why two greedy runs diverge\n\nThe two paths round differently, and the difference is stored in "
+       "the KV cache. `minivllm.debug.compare` runs a prompt under two settings and shows where the greedy "
+       "tokens part, how close each choice was, and how far apart each layer already was. This is the "
+       "committed case from `data/divergence/`: all-GEMM vs all-GEMV prefill."),
+    code("from minivllm.debug import compare\n"
+         "prompt = \"Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who\"\n"
+         "report = compare(llm, prompt, a={\"gemv_max_rows\": 0}, b={\"gemv_max_rows\": 4096}, max_tokens=96)\n"
+         "print(report.summary())"),
+    md("With `batch_invariant=True` on both sides (`a={\"gemv_max_rows\": 0, \"batch_invariant\": True}`, same for b) "
+       "every row is computed the same way whatever the batch, the chunking or the threshold, and the two runs "
+       "stay identical; it costs speed on a CPU (see `benchmarks/results/*gemv-threshold*`)."),
     md("## On a GPU\n\nThe same model with f16 activations (T4-safe: the residual stream, norms and softmax stay f32). "
        "Skipped on machines without CUDA."),
     code("if torch.cuda.is_available():\n"
