@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from hypothesis import event as note_event
 from hypothesis import strategies as st
 
 from conftest import DATA_DIR
+from engine_invariants import FINISH_REASONS, check_invariants, free_equals_total
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.page_pool import PagePool
@@ -46,7 +46,6 @@ MAX_MODEL_LEN = 128  # keeps contiguous "pages" (one whole sequence each) small
 # dense GEMM (gemv_max_rows=0). The quantized GEMV path rounds differently on purpose
 # (bf16 int4 packs on CPU); it has its own tests (test_cpu_packed, test_gemv_dispatch),
 # and test_batch_invariance covers bit-identical batching.
-FINISH_REASONS = {"stop", "length", "abort", "error"}
 
 
 # -- fixtures ----------------------------------------------------------------------------
@@ -145,12 +144,6 @@ def run_to_end(engine: LLMEngine, max_steps: int = 2000) -> list[dict]:
         engine.step()
         steps.append({**engine.last_step, "fragmented": fragmented(engine)})
     raise AssertionError(f"the engine did not finish within {max_steps} steps: {engine.snapshot()['queues']}")
-
-
-def free_equals_total(engine: LLMEngine) -> None:
-    snap = engine.snapshot()["kv"]
-    assert snap["free_pages"] == snap["total_pages"] == engine.pool.num_pages, snap
-    assert all(r == 0 for r in engine.pool.refcount)
 
 
 # -- 1, 2, 12: a chunked, mixed workload against the reference --------------------------------
@@ -289,43 +282,6 @@ def tiny(tmp_path_factory):
     return model, Tokenizer.from_gguf(gguf)
 
 
-def check_invariants(engine: LLMEngine) -> None:
-    pool = engine.pool
-    live = [r for r in engine.requests.values() if r.status != Status.FINISHED]
-    for r in engine.requests.values():
-        if r.status == Status.FINISHED:
-            assert r.block_table == [], f"finished {r.id} still holds pages {r.block_table}"
-            assert r.finish_reason in FINISH_REASONS
-    held = Counter(p for r in live for p in r.block_table)
-    assert all(n == 1 for n in held.values()), f"pages held by two requests: {[p for p, n in held.items() if n > 1]}"
-    assert sum(held.values()) == pool.num_pages - pool.num_free
-    for p in range(pool.num_pages):
-        assert pool.refcount[p] == held.get(p, 0), f"page {p}: refcount {pool.refcount[p]}, held {held.get(p, 0)}"
-    running = engine.scheduler.running
-    assert len(running) <= engine.config.max_active_requests
-    for r in live:
-        if r in running:
-            assert r.status == Status.RUNNING
-            assert pool.pages_for(r.num_computed) <= len(r.block_table)
-        else:
-            assert r.status in (Status.WAITING, Status.PREEMPTED) and r.block_table == [] and r.num_computed == 0
-
-    snap = engine.snapshot()
-    assert json.loads(json.dumps(snap)) == snap
-    kv = snap["kv"]
-    assert kv["free_pages"] == pool.num_free == kv["page_states"].count("free")
-    assert kv["used_pages"] == kv["total_pages"] - kv["free_pages"]
-    assert kv["ref_counts"] == [held.get(p, 0) for p in range(pool.num_pages)]
-    q = snap["queues"]
-    queued = [d["id"] for name in ("waiting", "preempted", "running") for d in q[name]]
-    assert len(queued) == len(set(queued)) and set(queued) == {r.id for r in live}
-    for name in ("waiting", "preempted", "running"):
-        for d in q[name]:
-            assert d["status"] == name and d["pages"] == len(engine.requests[d["id"]].block_table)
-    c = snap["counters"]
-    assert c["requests_finished"] == sum(c[f"finished_{k}"] for k in ("stop", "length", "abort", "error"))
-
-
 @torch.inference_mode()
 def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
     """One request alone: single-sequence forward + the sampler with a fresh seeded generator.
@@ -377,12 +333,17 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
     slots = TINY_MAX_MODEL_LEN if kv_mode == "contiguous" else page_size
     num_pages = (data.draw(st.integers(1, 4), label="sequences") if kv_mode == "contiguous"
                  else max(1, data.draw(st.integers(8, 72), label="pool tokens") // page_size))
+    prefix_cache = kv_mode == "paged" and data.draw(st.booleans(), label="prefix_cache")
     engine = LLMEngine(model, tokenizer, EngineConfig(
         gemv_max_rows=0, kv_mode=kv_mode, page_size=page_size, max_model_len=TINY_MAX_MODEL_LEN,
         kv_memory_bytes=num_pages * page_bytes(model, slots),
         max_batched_tokens=data.draw(st.integers(1, 32), label="max_batched_tokens"),
         max_active_requests=data.draw(st.integers(1, 4), label="max_active_requests"),
-        policy=data.draw(st.sampled_from(["fcfs", "shortest-prefill-first", "round-robin"]), label="policy")))
+        policy=data.draw(st.sampled_from(["fcfs", "shortest-prefill-first", "round-robin"]), label="policy"),
+        prefix_cache=prefix_cache,
+        publication=data.draw(st.sampled_from(["incremental", "at_completion"]), label="publication"),
+        single_flight="off" if not prefix_cache else data.draw(
+            st.sampled_from(["off", "at_completion", "after_prefill"]), label="single_flight")))
     assert engine.pool.num_pages == num_pages
     submitted: dict[str, tuple[list[int], SamplingParams]] = {}
     aborted: set[str] = set()
@@ -400,6 +361,12 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
         if op == "submit":
             n = data.draw(st.integers(1, 40), label="prompt length")
             ids = data.draw(st.lists(st.integers(0, 511), min_size=n, max_size=n), label="prompt")
+            if submitted and data.draw(st.booleans(), label="reuse an earlier prompt"):
+                # The same prompt (a prefix-cache hit or a single-flight follower), or a
+                # continuation of it (a partial hit).
+                earlier = sorted(submitted)[data.draw(st.integers(0, 1 << 16), label="which") % len(submitted)]
+                ids = (submitted[earlier][0] + ids[:data.draw(st.integers(0, 8), label="extra")])[:40]
+                n = len(ids)
             params = data.draw(sampling_params, label="params")
             fits = engine.pool.pages_for(min(n + params.max_tokens, TINY_MAX_MODEL_LEN)) <= num_pages
             if fits:
@@ -415,10 +382,12 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
                 # make `live` differ between runs of the same example, and hypothesis rejects
                 # draws whose constraints depend on such state (FlakyStrategyDefinition).
                 rid = live[data.draw(st.integers(0, 1 << 16), label="abort") % len(live)]
-                pages, free = len(engine.requests[rid].block_table), engine.pool.num_free
+                others = {p for r in engine.requests.values() if r.id != rid for p in r.block_table}
+                pages = len(set(engine.requests[rid].block_table) - others)  # pages nobody else uses
+                free = engine.pool.num_available
                 event = engine.abort(rid)
                 assert event.finished and event.finish_reason == "abort"
-                assert engine.pool.num_free == free + pages
+                assert engine.pool.num_available == free + pages
                 assert engine.abort(rid) is None  # a second abort is a no-op
                 aborted.add(rid)
         else:
@@ -550,11 +519,11 @@ def test_abort_mid_prefill_and_mid_decode_frees_pages_at_once(llm, ref):
         pytest.fail("never had one request decoding while another was mid-prefill")
 
     for req in (p, d):
-        pages, free = len(req.block_table), engine.pool.num_free
+        pages, free = len(req.block_table), engine.pool.num_available
         assert pages > 0
         event = engine.abort(req.id)
         assert event.finished and event.finish_reason == "abort"
-        assert engine.pool.num_free == free + pages
+        assert engine.pool.num_available == free + pages  # freed, or cached-idle and evictable
         assert req.block_table == [] and req.finish_reason == "abort"
         check_invariants(engine)
     assert engine.counters["finished_abort"] == 2
@@ -609,7 +578,7 @@ def test_async_engine(llm, ref):
     # Leaving the async for early aborted the request and freed its pages at once.
     assert snap["counters"]["finished_abort"] == 1
     assert not snap["queues"]["running"] and not snap["queues"]["waiting"]
-    assert snap["kv"]["free_pages"] == snap["kv"]["total_pages"]
+    assert snap["kv"]["available_pages"] == snap["kv"]["total_pages"]  # free or cached-idle
     assert rid not in engine.requests
     assert isinstance(completed, RequestOutput) and completed.finish_reason == "length"
     want, margins = ref.expected(prompts[1], params, tok.eos_ids)
@@ -620,12 +589,16 @@ def test_async_engine(llm, ref):
 
 # -- 10, 13: snapshots and logits rows ----------------------------------------------------------
 
-SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "counters"}
+SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "prefix_cache", "counters"}
+PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_pages", "in_use_pages", "cached_tokens",
+               "lookups", "hits", "hit_rate", "restored_tokens", "published_pages", "duplicate_pages", "evicted_pages",
+               "flights", "released", "flight_counters"}
 KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cuda_graphs", "weight_bytes", "gemv_kinds"}
 ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_mode", "page_size", "max_model_len",
                "max_batched_tokens", "max_active_requests", "policy"}
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}
-KV_KEYS = {"page_size", "total_pages", "free_pages", "used_pages", "bytes", "page_states", "ref_counts"}
+KV_KEYS = {"page_size", "total_pages", "free_pages", "available_pages", "used_pages", "bytes", "page_states",
+           "ref_counts"}
 LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows", "preempted", "kernel_paths",
                   "duration_s"}
 ROW_KEYS = {"id", "phase", "tokens"}
@@ -633,7 +606,7 @@ COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requ
                 "requests_finished", "finished_stop", "finished_length", "finished_abort", "finished_error",
                 "rejected"}
 REQUEST_KEYS = {"id", "status", "phase", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens",
-                "pages", "block_table", "preemptions"}
+                "restored_tokens", "pages", "block_table", "preemptions", "flight", "waiting_on"}
 
 
 def check_schema(snap: dict) -> None:
@@ -646,6 +619,7 @@ def check_schema(snap: dict) -> None:
             assert set(req) == REQUEST_KEYS and req["phase"] in ("prefill", "decode")
     assert set(snap["kv"]) == KV_KEYS
     assert set(snap["kernels"]) == KERNEL_KEYS
+    assert set(snap["prefix_cache"]) == PREFIX_KEYS
     assert len(snap["kv"]["page_states"]) == len(snap["kv"]["ref_counts"]) == snap["kv"]["total_pages"]
     assert set(snap["kv"]["page_states"]) <= {"free", "owned", "cached-idle", "shared"}
     assert set(snap["last_step"]) == LAST_STEP_KEYS
@@ -692,7 +666,10 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     assert running[short]["phase"] == "decode" and running[short]["output_tokens"] == 2
     kv = snap["kv"]
     assert kv["used_pages"] == sum(r["pages"] for r in running.values())
-    assert kv["page_states"].count("owned") == kv["used_pages"]
+    # Full pages of computed tokens are published at once (incremental publication) and
+    # show as shared (cached, in use); the rest are owned by one request.
+    assert kv["page_states"].count("shared") == snap["prefix_cache"]["cached_pages"] == 1
+    assert kv["page_states"].count("owned") + 1 == kv["used_pages"]
     assert kv["bytes"] == kv["total_pages"] * page_bytes(llm.model, page_size)
     assert snap["engine"]["kv_mode"] == "paged" and snap["engine"]["page_size"] == page_size
     engine.abort(short)

@@ -2,9 +2,11 @@
 
 Storage is one tensor per K and V of shape (layers, pages, page_size, kv_heads, head_dim),
 allocated once from a memory budget, so the engine never allocates KV memory per step.
-Pages are reference-counted: a page is owned by one request today; the prefix cache
-will let several requests share one (refcount > 1) and keep unreferenced pages cached
-for reuse, which is why the state array below already distinguishes those cases.
+Pages are reference-counted. A request holds one reference on each page of its block
+table; the prefix cache (`prefix_index.py`), when attached, holds one more on each page
+it indexes, so several requests can share a page and a page nobody uses can stay
+cached-idle until `allocate` needs it back (then the cache evicts its least recently
+used idle pages).
 
 The `contiguous` KV mode is this same pool with `page_size == max_model_len`: every
 request then holds exactly one page, and attention reads it as a plain slice.
@@ -39,6 +41,10 @@ class PagePool:
         self.page_size = page_size
         self.refcount = [0] * num_pages
         self._free: set[int] = set(range(num_pages))
+        self.cache = None  # the PrefixIndex holding references on cached pages, if any
+
+    def attach_cache(self, cache) -> None:
+        self.cache = cache
 
     @staticmethod
     def page_bytes(*, n_layers: int, page_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -51,6 +57,11 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Pages `allocate` can hand out: free ones plus cached-idle ones it may evict."""
+        return len(self._free) + (self.cache.num_idle if self.cache is not None else 0)
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
@@ -58,6 +69,8 @@ class PagePool:
         """Take `n` free pages, preferring consecutive ones (right after page `after`
         when given), so that attention can read a request's pages as a few slices of
         the pool instead of gathering them."""
+        if n > len(self._free) and self.cache is not None:
+            self.cache.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free of {self.num_pages}")
         start = after + 1 if after is not None and after + 1 in self._free else self._first_run(n)
@@ -82,18 +95,38 @@ class PagePool:
                 return run_start
         return min(self._free)
 
+    def retain(self, pages: list[int]) -> None:
+        """One more holder for pages that are already in use or cached."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"KV page {p} is free; only a page in use or cached can be shared")
+            self.refcount[p] += 1
+
     def release(self, pages: list[int]) -> None:
+        """Drop one reference per page. Release a block table deepest page first, so the
+        prefix cache sees children turn idle before their parents (its LRU order)."""
         for p in pages:
             if self.refcount[p] <= 0:
                 raise RuntimeError(f"KV page {p} released more often than it was taken")
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 self._free.add(p)
+            elif self.refcount[p] == 1 and self.cache is not None and self.cache.holds(p):
+                self.cache.page_became_idle(p)
 
     # -- inspection ------------------------------------------------------------------
 
     def page_states(self) -> list[str]:
-        return [FREE if r == 0 else OWNED if r == 1 else SHARED for r in self.refcount]
+        """free: no holder. owned: one request, not cached. shared: cached and in use, or
+        used by several requests. cached-idle: held by the prefix cache alone (evictable)."""
+        cache = self.cache
+        states = []
+        for p, r in enumerate(self.refcount):
+            cached = cache is not None and cache.holds(p)
+            users = r - cached
+            states.append(FREE if r == 0 else CACHED_IDLE if users == 0 else
+                          SHARED if cached or users > 1 else OWNED)
+        return states
 
     def snapshot(self) -> dict:
         states = self.page_states()
@@ -101,6 +134,7 @@ class PagePool:
             "page_size": self.page_size,
             "total_pages": self.num_pages,
             "free_pages": self.num_free,
+            "available_pages": self.num_available,
             "used_pages": self.num_pages - self.num_free,
             "page_states": states,
             "ref_counts": list(self.refcount),

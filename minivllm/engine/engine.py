@@ -22,7 +22,9 @@ import time
 import torch
 
 from minivllm.cache.batch_kv import PagedBatchKV, Segment
+from minivllm.cache.flight_coordinator import FlightCoordinator
 from minivllm.cache.page_pool import PagePool
+from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.outputs import RequestOutput, TokenEvent
 from minivllm.engine.request import Request, Status
@@ -54,7 +56,9 @@ class LLMEngine:
         num_pages = self._kv_budget_bytes(page_bytes, page_size) // page_bytes
         self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
-        self.scheduler = Scheduler(config, self.pool)
+        self.prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
+        self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
+        self.scheduler = Scheduler(config, self.pool, self.prefix, self.flights)
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
         self.kernel_options = config.kernel_options().resolved(model.device)
@@ -99,6 +103,8 @@ class LLMEngine:
         rid = request_id or f"req-{index}"
         req = Request(rid, prompt, prompt_ids, params, self.tokenizer, self.model.device, index)
         self.requests[rid] = req
+        if self.flights is not None:
+            self.flights.join(rid, req.prompt_ids)
         self.scheduler.add(req)
         self.counters["requests_submitted"] += 1
         return rid
@@ -190,10 +196,13 @@ class LLMEngine:
             return events
 
         described["kernel_paths"] = dict(model.kernel_options.path_counts)
+        for row in plan.rows:
+            row.request.num_computed += row.n_tokens
+            if self.prefix is not None and self.config.publication == "incremental":
+                self._publish(row.request)
         li = 0
         for row in plan.rows:
             req = row.request
-            req.num_computed += row.n_tokens
             if not row.needs_logits:
                 continue
             row_logits = logits[li]
@@ -207,7 +216,13 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001
                 events.append(self._finish(req, "error", token=-1, text="", error=f"sampling failed: {exc}"))
                 continue
-            events.append(self._append_token(req, token, logprobs))
+            event = self._append_token(req, token, logprobs)
+            events.append(event)
+            if self.flights is not None and len(req.output_ids) == 1 and not event.finished:
+                # The prompt is computed: publish its pages (whatever the publication
+                # policy) so that an after_prefill flight can release its followers.
+                self._publish(req)
+                self.flights.prefill_done(req.id)
         described["duration_s"] = time.perf_counter() - t0
         self.last_step = described
         return events
@@ -240,10 +255,28 @@ class LLMEngine:
         req.error = error
         req.status = Status.FINISHED
         req.metrics.e2e_s = req.since_arrival()
+        # Only a request that ended normally publishes at completion: an aborted or
+        # failed one may hold K/V a failed forward half-wrote.
+        published = reason in ("stop", "length") and self.prefix is not None
+        if published:
+            self._publish(req)
         self.scheduler.remove(req)
+        if self.flights is not None:
+            self.flights.terminated(req.id, published=published)
         self.counters["requests_finished"] += 1
         self.counters[f"finished_{reason}"] += 1
         return TokenEvent(req.id, token, text, finished=True, finish_reason=reason, logprobs=logprobs, error=error)
+
+    def _publish(self, req: Request) -> None:
+        """Index the request's full pages whose K/V are computed (committed tokens only:
+        the pending last token has no K/V yet)."""
+        full = min(req.num_computed // self.pool.page_size, len(req.block_table))
+        if full <= req.published_pages:
+            return
+        ids = req.all_ids
+        keys = self.prefix.keys_for(ids[:full * self.pool.page_size], req.cache_keys)
+        self.prefix.publish(ids, keys, req.block_table, req.published_pages, full)
+        req.published_pages = full
 
     # -- results and inspection ---------------------------------------------------------------
 

@@ -9,6 +9,8 @@ from minivllm.kernels.kernel_options import KernelOptions
 
 KV_MODES = ("paged", "contiguous")
 POLICIES = ("fcfs", "shortest-prefill-first", "round-robin")
+PUBLICATIONS = ("at_completion", "incremental")
+SINGLE_FLIGHT = ("off", "at_completion", "after_prefill")
 
 
 @dataclass
@@ -32,6 +34,15 @@ class EngineConfig:
     dequant_cache: bool | str = "auto"
     batch_invariant: bool = False
     enforce_eager: bool = False
+    # Prefix cache (cache/prefix_index.py). None: on in paged mode, off in contiguous mode
+    # (a page there is a whole sequence, so nothing could be shared). publication says
+    # when a request's full pages become reusable: "incremental" after every forward
+    # that completes one, "at_completion" when the request finishes. single_flight makes
+    # requests with identical input ids wait for one leader (cache/flight_coordinator.py)
+    # and release them "at_completion" of the leader or "after_prefill".
+    prefix_cache: bool | None = None
+    publication: str = "incremental"
+    single_flight: str = "off"
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -50,9 +61,25 @@ class EngineConfig:
             raise ConfigError("max_batched_tokens", self.max_batched_tokens, "must be an integer >= 1")
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError("enforce_eager", self.enforce_eager, "must be True or False")
+        if self.prefix_cache not in (None, True, False):
+            raise ConfigError("prefix_cache", self.prefix_cache, "must be True, False or None (on in paged mode)")
+        if self.prefix_cache and self.kv_mode == "contiguous":
+            raise ConfigError("prefix_cache", self.prefix_cache, "needs kv_mode='paged': a contiguous KV page holds a "
+                              "whole sequence, so no page could ever be shared")
+        if self.publication not in PUBLICATIONS:
+            raise ConfigError("publication", self.publication, f"allowed: {', '.join(PUBLICATIONS)}")
+        if self.single_flight not in SINGLE_FLIGHT:
+            raise ConfigError("single_flight", self.single_flight, f"allowed: {', '.join(SINGLE_FLIGHT)}")
+        if self.single_flight != "off" and not self.prefix_cache_enabled:
+            raise ConfigError("single_flight", self.single_flight, "followers restore the leader's pages from the "
+                              "prefix cache: turn prefix_cache on (kv_mode='paged') or set single_flight='off'")
         self.kernel_options()  # validates gemv_max_rows, dequant_cache, batch_invariant
         if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
             raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        return self.kv_mode == "paged" if self.prefix_cache is None else self.prefix_cache
 
     def kernel_options(self) -> KernelOptions:
         return KernelOptions(gemv_max_rows=self.gemv_max_rows, dequant_cache=self.dequant_cache,

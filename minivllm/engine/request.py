@@ -39,6 +39,12 @@ class Request:
         self.arrival_index = arrival_index  # submission order: fcfs and "newest" for preemption
         self.num_computed = 0
         self.block_table: list[int] = []
+        # Prefix cache bookkeeping: chain keys of the full blocks hashed so far (content
+        # keys, valid across preemptions), tokens restored at the latest admission, and
+        # how many leading block-table pages are already published or were restored.
+        self.cache_keys: list[int] = []
+        self.restored_tokens = 0
+        self.published_pages = 0
         self.generator = make_generator(params, device)
         self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop)
@@ -81,6 +87,7 @@ class Request:
             "computed_tokens": self.num_computed,
             "output_tokens": len(self.output_ids),
             "max_tokens": self.params.max_tokens,
+            "restored_tokens": self.restored_tokens,
             "pages": len(self.block_table),
             "block_table": list(self.block_table),
             "preemptions": self.metrics.preemptions,

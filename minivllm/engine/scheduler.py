@@ -10,6 +10,12 @@ Step shape (like vLLM v1 and the original engine):
      can be admitted (a free slot under `max_active_requests` and enough free pages
      for their whole prompt).
 
+Prefix cache: admission first looks the request's tokens (all but the last, so at least
+one token is computed and there are logits to sample) up in the prefix index, shares the
+matched pages, reserves pages only for the rest, and starts computing after them. Pages
+the cache holds idle count as available: allocating one evicts the least recently used.
+Single-flight followers stay in the waiting queue until their flight releases them.
+
 Policies:
   fcfs                    arrival order;
   shortest-prefill-first  fewest remaining prompt tokens first (a short request is not
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minivllm.cache.flight_coordinator import FlightCoordinator
 from minivllm.cache.page_pool import PagePool
+from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, Status
 
@@ -49,9 +57,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool):
+    def __init__(self, config: EngineConfig, pool: PagePool, prefix: PrefixIndex | None = None,
+                 flights: FlightCoordinator | None = None):
         self.config = config
         self.pool = pool
+        self.prefix = prefix
+        self.flights = flights
         self.waiting: list[Request] = []  # kept in arrival order; preempted ones keep theirs
         self.running: list[Request] = []  # in admission order
         self._rotation = 0
@@ -72,8 +83,9 @@ class Scheduler:
 
     def _free_pages(self, request: Request) -> None:
         if request.block_table:
-            self.pool.release(request.block_table)
+            self.pool.release(request.block_table[::-1])  # deepest first: the prefix cache's LRU order
             request.block_table = []
+        request.published_pages = 0
 
     def _preempt(self, victim: Request, step: ScheduledStep) -> None:
         self.running.remove(victim)
@@ -98,7 +110,7 @@ class Scheduler:
                 continue
             # The row writes K/V at position num_computed: make sure a page holds it.
             while self.pool.pages_for(req.num_computed + 1) > len(req.block_table):
-                if self.pool.num_free > 0:
+                if self.pool.num_available > 0:
                     req.block_table += self.pool.allocate(1, after=req.block_table[-1] if req.block_table else None)
                     continue
                 victim = max((r for r in self.running if r.id not in scheduled), key=lambda r: r.arrival_index)
@@ -118,13 +130,10 @@ class Scheduler:
                 # Not re-admitted in the step that preempted it: that would only churn.
                 if req in step.preempted or len(self.running) >= self.config.max_active_requests:
                     continue
-                # Pages for every token already known; a prefix cache will subtract the
-                # pages it restores here, so admission counts tokens it supplies.
-                needed = self.pool.pages_for(req.num_tokens)
-                if needed > self.pool.num_free:
+                if self.flights is not None and self.flights.waiting_on(req.id) is not None:
                     continue
-                req.block_table = self.pool.allocate(needed)
-                req.status = Status.RUNNING
+                if not self._admit(req):
+                    continue
                 self.waiting.remove(req)
                 self.running.append(req)
             n = min(req.remaining, budget)
@@ -132,6 +141,27 @@ class Scheduler:
             scheduled.add(req.id)
             budget -= n
         return step
+
+    def _admit(self, req: Request) -> bool:
+        """Give a waiting request pages for every known token, restoring what the prefix
+        cache has; False (and nothing changed) if the pool cannot hold the rest now."""
+        hit = []
+        if self.prefix is not None:
+            lookup_ids = req.all_ids[:-1]
+            hit = self.prefix.match(lookup_ids, self.prefix.keys_for(lookup_ids, req.cache_keys))
+        needed = self.pool.pages_for(req.num_tokens) - len(hit)
+        # Matched idle pages stop being evictable once shared, so they don't count twice.
+        available = self.pool.num_available - (self.prefix.num_idle_among(hit) if hit else 0)
+        if needed > available:
+            return False
+        shared = self.prefix.acquire(hit) if self.prefix is not None else []
+        req.block_table = shared + self.pool.allocate(needed, after=shared[-1] if shared else None)
+        req.num_computed = req.restored_tokens = len(hit) * self.pool.page_size
+        req.published_pages = len(hit)
+        if req.metrics.preemptions == 0:
+            req.metrics.cached_prompt_tokens = req.restored_tokens
+        req.status = Status.RUNNING
+        return True
 
     def _prefill_order(self) -> list[Request]:
         candidates = [r for r in self.running if r.phase == "prefill"] + list(self.waiting)
@@ -147,10 +177,15 @@ class Scheduler:
 
     # -- inspection ----------------------------------------------------------------------
 
+    def describe(self, req: Request) -> dict:
+        flights = self.flights
+        return {**req.describe(), "flight": flights.role(req.id) if flights else None,
+                "waiting_on": flights.waiting_on(req.id) if flights else None}
+
     def snapshot(self) -> dict:
         return {
             "policy": self.config.policy,
-            "waiting": [r.describe() for r in self.waiting if r.status == Status.WAITING],
-            "preempted": [r.describe() for r in self.waiting if r.status == Status.PREEMPTED],
-            "running": [r.describe() for r in self.running],
+            "waiting": [self.describe(r) for r in self.waiting if r.status == Status.WAITING],
+            "preempted": [self.describe(r) for r in self.waiting if r.status == Status.PREEMPTED],
+            "running": [self.describe(r) for r in self.running],
         }

@@ -13,9 +13,16 @@ This is a contract: the widgets, the router and the tests read only this. Schema
         "preempted": [request],    # evicted, waiting to be recomputed
         "running":   [request],    # holding pages; prefilling or decoding
       },
-      "kv": {page_size, total_pages, free_pages, used_pages, bytes,
+      "kv": {page_size, total_pages, free_pages, available_pages (free + cached-idle), used_pages, bytes,
              "page_states": ["free" | "owned" | "cached-idle" | "shared", ...],  # one per page
-             "ref_counts": [int, ...]},                                         # one per page
+             "ref_counts": [int, ...]},          # one per page; the prefix cache holds one
+      "prefix_cache": {enabled, publication, single_flight,
+                       cached_pages, idle_pages, in_use_pages, cached_tokens,
+                       lookups, hits, hit_rate, restored_tokens, published_pages,
+                       duplicate_pages, evicted_pages,          # zeros when disabled
+                       flights: [{leader, leader_phase, followers: [id], input_tokens}],
+                       released: [id], flight_counters: {flights, followers, promotions,
+                       released_followers}},
       "last_step": {index, rows: [{id, phase, tokens}], prefill_tokens, decode_rows,
                     logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
       "kernels": {gemv_max_rows, dequant_cache, batch_invariant,
@@ -27,7 +34,12 @@ This is a contract: the widgets, the router and the tests read only this. Schema
     }
 
     request = {id, status, phase ("prefill" | "decode"), prompt_tokens, computed_tokens,
-               output_tokens, max_tokens, pages, block_table: [page ids], preemptions}
+               output_tokens, max_tokens, restored_tokens, pages, block_table: [page ids],
+               preemptions, flight: null | "leader" | "follower" | "released",
+               waiting_on: null | leader id}
+
+page_states: free = no holder; owned = one request; shared = cached and in use, or used
+by several requests; cached-idle = held by the prefix cache alone, evicted LRU on demand.
 """
 
 from __future__ import annotations
@@ -55,6 +67,28 @@ def build_snapshot(engine) -> dict:
         "queues": engine.scheduler.snapshot(),
         "kv": engine.pool.snapshot(),
         "last_step": dict(engine.last_step),
+        "prefix_cache": describe_prefix_cache(engine),
         "kernels": engine.describe_kernels(),
         "counters": dict(engine.counters),
     }
+
+
+_EMPTY_INDEX = {"cached_pages": 0, "idle_pages": 0, "in_use_pages": 0, "cached_tokens": 0, "lookups": 0, "hits": 0,
+                "restored_tokens": 0, "published_pages": 0, "duplicate_pages": 0, "evicted_pages": 0, "hit_rate": 0.0}
+
+
+def describe_prefix_cache(engine) -> dict:
+    cfg = engine.config
+    flights = engine.flights
+    index = engine.prefix
+    section = {"enabled": index is not None, "publication": cfg.publication, "single_flight": cfg.single_flight,
+               **(index.snapshot() if index is not None else _EMPTY_INDEX),
+               "flights": [], "released": [], "flight_counters": {}}
+    if flights is not None:
+        fs = flights.snapshot()
+        for f in fs["flights"]:
+            leader = engine.requests.get(f["leader"])
+            f["leader_phase"] = "waiting" if leader is None or leader.status.value != "running" else leader.phase
+        section.update(flights=fs["flights"], released=fs["released"],
+                       flight_counters=fs["counters"])
+    return section
