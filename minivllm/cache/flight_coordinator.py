@@ -90,9 +90,10 @@ class FlightCoordinator:
             return []
         return self._close(flight)
 
-    def terminated(self, request_id: str, *, published: bool) -> list[str]:
-        """The request ended (finished, aborted or failed); `published` says whether its
-        pages were published. Returns the followers released."""
+    def terminated(self, request_id: str, *, prompt_ready: bool) -> list[str]:
+        """The request ended (finished, aborted or failed); `prompt_ready` says whether
+        its whole prompt was computed and its pages published. Returns the followers
+        released, or the promoted follower."""
         if request_id in self.released:
             self.released.discard(request_id)
             return []
@@ -103,7 +104,7 @@ class FlightCoordinator:
             flight.followers.remove(request_id)
             del self.flight_of[request_id]
             return []
-        if published or not flight.followers:
+        if prompt_ready or not flight.followers:
             released = self._close(flight)
             self.released.discard(request_id)
             return released

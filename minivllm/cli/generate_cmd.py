@@ -28,6 +28,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--kv-mode", default="paged", choices=("paged", "contiguous"))
     p.add_argument("--page-size", type=int, default=16)
     add_kernel_arguments(p)
+    add_prefix_cache_arguments(p)
     p.add_argument("--trace-directory", default=None,
                    help="write a Chrome trace (Perfetto) of every step to DIR/minivllm-trace-<pid>.json")
     p.add_argument("--quiet", action="store_true", help="no load progress bars or stats")
@@ -44,6 +45,21 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="each row's arithmetic independent of batch, chunking and GEMV threshold (slower)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+
+
+def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """Prefix-cache options (see cache/prefix_index.py and cache/flight_coordinator.py)."""
+    p.add_argument("--prefix-cache", choices=("off", "on"), default=None,
+                   help="share full KV pages between requests with a common prefix (default: on with --kv-mode paged)")
+    p.add_argument("--publication", choices=("at_completion", "incremental"), default="incremental",
+                   help="when a request's full pages become reusable (default incremental: after each forward)")
+    p.add_argument("--single-flight", choices=("off", "at_completion", "after_prefill"), default="off",
+                   help="identical prompts wait for one leader's pages, released when it ends or after its prefill")
+
+
+def prefix_cache_options_from(args: argparse.Namespace) -> dict:
+    return {"prefix_cache": None if args.prefix_cache is None else args.prefix_cache == "on",
+            "publication": args.publication, "single_flight": args.single_flight}
 
 
 def kernel_options_from(args: argparse.Namespace) -> dict:
@@ -64,7 +80,8 @@ def run_generate(args: argparse.Namespace) -> int:
         enable_tracing(args.trace_directory)
     llm = LLM(args.model, device=args.inference_device, dtype=args.activation_dtype,
               max_model_len=args.max_model_len, progress=not args.quiet,
-              kv_mode=args.kv_mode, page_size=args.page_size, **kernel_options_from(args))
+              kv_mode=args.kv_mode, page_size=args.page_size, **kernel_options_from(args),
+              **prefix_cache_options_from(args))
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

@@ -59,6 +59,8 @@ class LLMEngine:
         self.prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
         self.scheduler = Scheduler(config, self.pool, self.prefix, self.flights)
+        self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
+        self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
         self.kernel_options = config.kernel_options().resolved(model.device)
@@ -207,25 +209,46 @@ class LLMEngine:
                 continue
             row_logits = logits[li]
             li += 1
-            try:
-                if self.logits_hook is not None:
-                    self.logits_hook(req.id, row_logits)
-                with trace_scope("sample", req.id):
-                    token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
-                logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
-            except Exception as exc:  # noqa: BLE001
-                events.append(self._finish(req, "error", token=-1, text="", error=f"sampling failed: {exc}"))
-                continue
-            event = self._append_token(req, token, logprobs)
+            first = not req.output_ids
+            if first and self.flights is not None and self.flights.role(req.id) == "leader":
+                # Every follower's first token comes from these same prompt logits (its
+                # own sampling settings and generator), at release: keep a copy.
+                self._flight_logits[req.id] = row_logits.clone()
+            event = self._sample_token(req, row_logits)
             events.append(event)
-            if self.flights is not None and len(req.output_ids) == 1 and not event.finished:
+            if (first and not event.finished and req.id in self._flight_logits
+                    and self.flights.release == "after_prefill"):
                 # The prompt is computed: publish its pages (whatever the publication
-                # policy) so that an after_prefill flight can release its followers.
+                # policy) and end the flight, releasing the followers.
                 self._publish(req)
-                self.flights.prefill_done(req.id)
+                self._release_followers(req.id, self.flights.prefill_done(req.id))
+        events += self._released_events
+        self._released_events = []
         described["duration_s"] = time.perf_counter() - t0
         self.last_step = described
         return events
+
+    def _sample_token(self, req: Request, row_logits: torch.Tensor) -> TokenEvent:
+        try:
+            if self.logits_hook is not None:
+                self.logits_hook(req.id, row_logits)
+            with trace_scope("sample", req.id):
+                token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
+            logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
+        except Exception as exc:  # noqa: BLE001
+            return self._finish(req, "error", token=-1, text="", error=f"sampling failed: {exc}")
+        return self._append_token(req, token, logprobs)
+
+    def _release_followers(self, leader_id: str, followers: list[str]) -> None:
+        """Followers of a flight whose prompt is computed and published sample their first
+        token from the leader's prompt logits now, so their TTFT is the leader's, not one
+        step later; they then wait for admission like a preempted request (one output
+        token, no pages) and restore the prompt's pages from the prefix cache."""
+        logits = self._flight_logits.pop(leader_id, None)
+        if logits is None:
+            return
+        for fid in followers:
+            self._released_events.append(self._sample_token(self.requests[fid], logits))
 
     def _append_token(self, req: Request, token: int, logprobs: dict | None) -> TokenEvent:
         if not req.output_ids:
@@ -255,14 +278,19 @@ class LLMEngine:
         req.error = error
         req.status = Status.FINISHED
         req.metrics.e2e_s = req.since_arrival()
-        # Only a request that ended normally publishes at completion: an aborted or
-        # failed one may hold K/V a failed forward half-wrote.
-        published = reason in ("stop", "length") and self.prefix is not None
+        # A failed request may hold K/V that a failed forward half-wrote: it publishes
+        # nothing more. Finished and aborted ones publish every full page they computed
+        # (abort runs between steps, so those pages are complete).
+        published = reason != "error" and self.prefix is not None
         if published:
             self._publish(req)
         self.scheduler.remove(req)
         if self.flights is not None:
-            self.flights.terminated(req.id, published=published)
+            prompt_ready = published and req.id in self._flight_logits
+            released = self.flights.terminated(req.id, prompt_ready=prompt_ready)
+            if prompt_ready:
+                self._release_followers(req.id, released)
+            self._flight_logits.pop(req.id, None)
         self.counters["requests_finished"] += 1
         self.counters[f"finished_{reason}"] += 1
         return TokenEvent(req.id, token, text, finished=True, finish_reason=reason, logprobs=logprobs, error=error)
