@@ -64,6 +64,21 @@ def add_bench_parser(subparsers) -> None:
                    help="comma list of experiments to run: batching, kv (default both)")
     c.set_defaults(func=_continuous_batching)
 
+    pc = sub.add_parser("prefix-cache", help="the prefix-cache article's tables: warm-prefix TTFT, cold bursts, "
+                        "incremental publication, single-flight release policies, distinct-input control")
+    _common(pc)
+    pc.add_argument("--parts", type=lambda v: v.split(","), default=None,
+                    help="comma list: warm-prefix, cold-burst, incremental, single-flight, distinct (default all)")
+    pc.add_argument("--groups", type=_ints, default=[2, 4, 8], help="request counts for incremental/single-flight")
+    pc.add_argument("--output-tokens", type=int, default=None, help="tokens per request (default 128; 32 on CPU)")
+    pc.add_argument("--max-batched-tokens", type=int, default=2048)
+    pc.add_argument("--max-active-requests", type=int, default=8)
+    pc.add_argument("--page-size", type=int, default=16)
+    pc.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m"],
+                    help="a synthetic model with this layout instead of --model (random weights; GPU)")
+    pc.add_argument("--synthetic-tokenizer", default=None, help="GGUF to copy the synthetic model's tokenizer from")
+    pc.set_defaults(func=_prefix_cache)
+
     s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
     _common(s)
     s.add_argument("--policies", type=lambda v: v.split(","), default=None,
@@ -151,6 +166,16 @@ def _scheduling(args: argparse.Namespace) -> int:
         long_prompts=args.long_prompts, long_tokens=args.long_tokens, short_tokens=args.short_tokens,
         fair_prompts=args.fair_prompts, fair_tokens=args.fair_tokens, max_batched_tokens=args.max_batched_tokens,
         max_tokens=args.max_tokens, page_size=args.page_size)
+    return 0
+
+
+def _prefix_cache(args: argparse.Namespace) -> int:
+    from minivllm.bench.prefix_cache import run
+
+    run(args.model, args.inference_device, args.activation_dtype, repeats=args.repeats,
+        output_tokens=args.output_tokens, parts=args.parts, groups=tuple(args.groups), page_size=args.page_size,
+        max_batched_tokens=args.max_batched_tokens, max_active_requests=args.max_active_requests,
+        synthetic=args.synthetic, synthetic_tokenizer=args.synthetic_tokenizer)
     return 0
 
 
