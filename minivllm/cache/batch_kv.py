@@ -134,19 +134,22 @@ class PagedBatchKV:
         return out
 
     def _per_row(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor) -> torch.Tensor:
-        """Each query row alone over keys 0..pos, read as slices of the pool: its result
-        depends only on its own keys, never on the chunk it came in."""
+        """Each query row alone over keys 0..pos: its result depends only on its own keys,
+        never on the chunk it came in nor on where its pages sit in the pool. Every row
+        reads one contiguous key tensor (the segment's pages joined once when they are
+        not consecutive): summing over runs instead would change the order with the page
+        layout, and a request whose first pages come from the prefix cache almost never
+        has one run."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         ps = self.pool.page_size
         for i, seg in enumerate(self.segments):
+            runs = _runs(seg.block_table, ps, seg.start + seg.n)
+            k = kf[runs[0]] if len(runs) == 1 else torch.cat([kf[r] for r in runs])
+            v = vf[runs[0]] if len(runs) == 1 else torch.cat([vf[r] for r in runs])
             for j in range(seg.n):
                 pos = seg.start + j
                 row = self._rows[i].start + j
-                runs = _runs(seg.block_table, ps, pos + 1)
-                if len(runs) == 1:
-                    out[row] = causal_attention(q[row:row + 1], kf[runs[0]], vf[runs[0]], pos)[0]
-                else:
-                    out[row] = causal_attention_runs(q[row:row + 1], [(kf[r], vf[r]) for r in runs], pos)[0]
+                out[row] = causal_attention(q[row:row + 1], k[:pos + 1], v[:pos + 1], pos)[0]
         return out
 
     def _one(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, i: int) -> torch.Tensor:

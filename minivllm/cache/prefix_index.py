@@ -108,6 +108,11 @@ class PrefixIndex:
         ps = self.page_size
         added = 0
         for i in range(start, end):
+            if i and block_table[i - 1] not in self.page_block:
+                # This request's previous block was a duplicate: the indexed parent is
+                # another page it does not hold, which could turn idle and be evicted
+                # before this block, cutting the chain. Its deeper blocks stay private.
+                break
             key = keys[i]
             if key in self.blocks:
                 self.counters["duplicate_pages"] += 1

@@ -143,12 +143,17 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        # Released followers' first-token events (from an abort between steps) are still
+        # owed to their consumers even if those followers already finished on that token.
+        return bool(self.scheduler.waiting or self.scheduler.running or self._released_events)
 
     def step(self) -> list[TokenEvent]:
         """Schedule, run one forward over every scheduled row, sample; return token events."""
         with trace_scope("step", self.counters["steps"]):
-            return self._step()
+            events = self._step()
+        events += self._released_events  # followers released in this step or by an abort since the last
+        self._released_events = []
+        return events
 
     @torch.inference_mode()
     def _step(self) -> list[TokenEvent]:
@@ -222,8 +227,6 @@ class LLMEngine:
                 # policy) and end the flight, releasing the followers.
                 self._publish(req)
                 self._release_followers(req.id, self.flights.prefill_done(req.id))
-        events += self._released_events
-        self._released_events = []
         described["duration_s"] = time.perf_counter() - t0
         self.last_step = described
         return events
