@@ -25,9 +25,11 @@ tests)
   timeout ${BENCH_TIMEOUT:-330} python3 -m minivllm bench prefix-cache --inference-device cuda:0 --activation-dtype f16 2>&1 | tail -70
   find benchmarks/results -newer /tmp/start-marker -type f -exec cp {} $OUT/ \; ; ls $OUT ;;
 7b)
-  parts=${2:-single-flight,distinct}
+  parts=${2:-single-flight,distinct}; shift; shift
+  [ -d /root/site/gguf ] || python3 -m pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1
+  [ -f /root/gpu/qwen-tokenizer.gguf ] || cp .gpu/qwen-tokenizer.gguf /root/gpu/
   timeout ${BENCH_TIMEOUT:-560} python3 -m minivllm bench prefix-cache --synthetic qwen2.5-7b-q4_k_m \
     --synthetic-tokenizer /root/gpu/qwen-tokenizer.gguf --inference-device cuda:0 --activation-dtype f16 \
-    --parts $parts 2>&1 | tail -60
+    --parts $parts "$@" 2>&1 | tail -60
   find benchmarks/results -newer /tmp/start-marker -type f -exec cp {} $OUT/ \; ; ls $OUT ;;
 esac
