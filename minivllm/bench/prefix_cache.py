@@ -71,12 +71,12 @@ def document(namespace: str, paragraphs: int, question: int = 1, *, shared_from:
 class Bench:
     """One loaded model; a fresh engine per case run."""
 
-    def __init__(self, llm: LLM, *, page_size: int, max_batched_tokens: int, max_active_requests: int,
+    def __init__(self, llm: LLM, *, engine_options: dict, page_size: int, max_batched_tokens: int, max_active_requests: int,
                  output_tokens: int, max_model_len: int):
         self.llm = llm
         self.tok = llm.tokenizer
         self.base = dict(page_size=page_size, max_batched_tokens=max_batched_tokens,
-                         max_active_requests=max_active_requests, max_model_len=max_model_len)
+                         max_active_requests=max_active_requests, max_model_len=max_model_len, **engine_options)
         self.params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
         self._warm_ns = 0
 
@@ -272,7 +272,8 @@ def distinct(bench: Bench, repeats: int, paragraphs: int, n: int = 8) -> list[di
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *, repeats: int = 3,
         output_tokens: int | None = None, parts: list[str] | None = None, groups: tuple[int, ...] = (2, 4, 8),
         page_size: int = 16, max_batched_tokens: int = 2048, max_active_requests: int = 8,
-        synthetic: str | None = None, synthetic_tokenizer: str | None = None) -> dict[str, list[dict]]:
+        synthetic: str | None = None, synthetic_tokenizer: str | None = None,
+        engine_options: dict | None = None) -> dict[str, list[dict]]:
     parts = parts or list(PARTS)
     for p in parts:
         if p not in PARTS:
@@ -288,7 +289,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     # The original's outputs are 128 tokens; on a CPU that is most of the run time and
     # changes no TTFT, so CPU runs default to 32 (recorded in the settings).
     output_tokens = output_tokens or (32 if llm.model.device.type == "cpu" else 128)
-    bench = Bench(llm, page_size=page_size, max_batched_tokens=max_batched_tokens,
+    bench = Bench(llm, engine_options=engine_options or {}, page_size=page_size, max_batched_tokens=max_batched_tokens,
                   max_active_requests=max_active_requests, output_tokens=output_tokens,
                   max_model_len=min(llm.config.context_length, 1536))
     label = f"synthetic-{synthetic}" if synthetic else model_label(model)
@@ -296,7 +297,8 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                 "repeats": repeats, "page_size": page_size, "max_batched_tokens": max_batched_tokens,
                 "max_active_requests": max_active_requests, "policy": "fcfs", "output_tokens": output_tokens,
                 "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads(),
-                "kernel_options": llm.engine.kernel_options.describe(),
+                "engine_options": engine_options or {},
+                "kernel_options": bench.engine({}, warm_rows=0).kernel_options.describe(),
                 "method": "fresh engine per case run; warm-up workload on it first, then its cache pages dropped"}
     sha = sha256_file(Path(llm.model_path))
     tables: dict[str, list[dict]] = {}

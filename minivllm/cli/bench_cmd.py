@@ -77,6 +77,8 @@ def add_bench_parser(subparsers) -> None:
     pc.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m"],
                     help="a synthetic model with this layout instead of --model (random weights; GPU)")
     pc.add_argument("--synthetic-tokenizer", default=None, help="GGUF to copy the synthetic model's tokenizer from")
+    pc.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for every case (repeatable), e.g. dequant_cache=true")
     pc.set_defaults(func=_prefix_cache)
 
     s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
@@ -175,7 +177,7 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     run(args.model, args.inference_device, args.activation_dtype, repeats=args.repeats,
         output_tokens=args.output_tokens, parts=args.parts, groups=tuple(args.groups), page_size=args.page_size,
         max_batched_tokens=args.max_batched_tokens, max_active_requests=args.max_active_requests,
-        synthetic=args.synthetic, synthetic_tokenizer=args.synthetic_tokenizer)
+        synthetic=args.synthetic, synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option))
     return 0
 
 

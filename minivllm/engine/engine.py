@@ -63,7 +63,7 @@ class LLMEngine:
         self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
-        self.kernel_options = config.kernel_options().resolved(model.device)
+        self.kernel_options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())
         # Called as logits_hook(request_id, logits) with each sampled row's float32 logits
         # right before sampling (debug.compare records top-k logits through it).
         self.logits_hook = None

@@ -18,8 +18,9 @@ class KernelOptions:
     # kernel per row set, weights read in block format); more rows dequantize and GEMM.
     # 0 disables GEMV. None: the device default (see `default_gemv_max_rows`).
     gemv_max_rows: int | None = None
-    # Keep a dequantized copy of every quantized weight for the GEMM path ("auto":
-    # when it fits in the memory budget; True/False force it).
+    # Keep a dequantized copy of every quantized weight for the GEMM path ("auto": on
+    # CPU always; on CUDA when the dense copies take at most half the free memory;
+    # True/False force it).
     dequant_cache: bool | str = "auto"
     # Every row's arithmetic independent of the batch, chunking and gemv_max_rows.
     batch_invariant: bool = False
@@ -34,8 +35,9 @@ class KernelOptions:
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be True or False")
 
-    def resolved(self, device) -> "KernelOptions":
-        """A copy with device defaults filled in (None / "auto" replaced)."""
+    def resolved(self, device, dense_bytes: int | None = None) -> "KernelOptions":
+        """A copy with device defaults filled in (None / "auto" replaced). `dense_bytes`:
+        what dequantized copies of the model's projections would take."""
         import torch
 
         device = torch.device(device)
@@ -43,9 +45,15 @@ class KernelOptions:
         cache = self.dequant_cache
         if cache == "auto":
             # CPU: the BLAS GEMM needs the dense matrix and host memory is plentiful next
-            # to a model file, so cache. CUDA: keep memory ≈ file size; GEMM dequantizes
-            # one weight at a time and frees it.
-            cache = device.type == "cpu"
+            # to a model file, so cache. CUDA: dequantizing every weight in every prefill
+            # forward cost a synthetic 7B Q4_K_M ~0.5 s per step on an H200, whatever the
+            # chunk length, so cache when the copies fit in half the free memory (a 7B
+            # on an H200, a 0.5B on a T4); otherwise memory stays about the file size and
+            # GEMM dequantizes one weight at a time.
+            if device.type == "cpu":
+                cache = True
+            else:
+                cache = dense_bytes is not None and dense_bytes <= torch.cuda.mem_get_info(device)[0] // 2
         return KernelOptions(gemv_max_rows=rows, dequant_cache=cache, batch_invariant=self.batch_invariant)
 
     def assign(self, other: "KernelOptions") -> None:

@@ -72,6 +72,14 @@ class DecoderModel:
         finally:
             self.kernel_options.assign(saved)
 
+    def dense_bytes(self) -> int:
+        """Bytes that dequantized copies of every projection (and the LM head) would take
+        in the compute dtype: what `dequant_cache` costs."""
+        linears = {id(lin.weight): lin for lin in [self.output] + [getattr(layer, f) for layer in self.layers
+                                                                   for f in ("q", "k", "v", "o", "gate", "up", "down")]}
+        return sum(lin.weight.shape[0] * lin.weight.shape[1] * torch.empty((), dtype=lin.compute_dtype).element_size()
+                   for lin in linears.values())
+
     def weight_bytes(self) -> int:
         """Device bytes held by the GGUF-block weights (the embedding counted once when tied)."""
         seen, total = set(), 0
