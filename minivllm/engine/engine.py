@@ -1,6 +1,6 @@
 """`LLMEngine`: one device's scheduler, KV page pool and model, advanced one step at a time.
 
-    engine = LLMEngine(model, tokenizer, EngineConfig(...))
+    engine = LLMEngine(model, tokenizer, EngineConfig(...))   # draft_model=... to speculate
     rid = engine.add_request(prompt_ids, SamplingParams(...))
     while engine.has_unfinished():
         for event in engine.step(): ...
@@ -40,12 +40,17 @@ _CPU_KV_CAP = 1 << 30
 
 
 class LLMEngine:
-    def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig | None = None, *,
+                 draft_model: DecoderModel | None = None, draft_tokenizer=None, draft_name: str = "draft"):
+        """`draft_model` (with its `draft_tokenizer`, which must equal the target's) turns
+        on speculative decoding; see spec/speculator.py."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         cfg = model.config
         limit = cfg.context_length
+        if draft_model is not None:
+            limit = min(limit, draft_model.config.context_length)  # both models see every position
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ConfigError("max_model_len", config.max_model_len, f"must be in [2, {limit}] (the model's context length)")
         # A modest default keeps the KV pool small on CPUs and T4s.
@@ -58,7 +63,18 @@ class LLMEngine:
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
         self.prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
-        self.scheduler = Scheduler(config, self.pool, self.prefix, self.flights)
+        self.speculator = None
+        if draft_model is not None:
+            from minivllm.spec.speculator import Speculator
+
+            self.speculator = Speculator(draft_model, draft_tokenizer if draft_tokenizer is not None else tokenizer,
+                                         model, tokenizer, config, kv_tokens=num_pages * page_size,
+                                         page_size=page_size, max_model_len=self.max_model_len, draft_name=draft_name)
+        spec = self.speculator
+        self.scheduler = Scheduler(
+            config, self.pool, self.prefix, self.flights,
+            draft_len=(lambda r: spec.wanted_tokens(r, self.max_model_len)) if spec is not None else None,
+            on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
         self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
         # This engine's kernel choices, applied to the (possibly shared) model before
@@ -107,6 +123,8 @@ class LLMEngine:
         self.requests[rid] = req
         if self.flights is not None:
             self.flights.join(rid, req.prompt_ids)
+        if self.speculator is not None:
+            self.speculator.attach(req)
         self.scheduler.add(req)
         self.counters["requests_submitted"] += 1
         return rid
@@ -165,6 +183,7 @@ class LLMEngine:
             self.last_step = self._describe_step(plan, t0, logits_rows=0)
             return events
         self.counters["steps"] += 1
+        proposals = self._draft(plan)
         ids, positions, segments, logit_rows = [], [], [], []
         for row in plan.rows:
             req = row.request
@@ -172,11 +191,18 @@ class LLMEngine:
                 req.first_scheduled_time = time.perf_counter()
                 req.metrics.queue_time_s = req.first_scheduled_time - req.arrival_time
             start = req.num_computed
-            ids += req.all_ids[start:start + row.n_tokens]
-            positions += range(start, start + row.n_tokens)
-            segments.append(Segment(list(req.block_table), start, row.n_tokens))
-            if row.needs_logits:
-                logit_rows.append(len(ids) - 1)
+            if row.draft_tokens:
+                # Verification row: the last committed token and the proposal, scored at
+                # every position (k rows check the proposal, the last one gives the bonus).
+                chunk = req.all_ids[start:start + 1] + proposals[req.id].tokens
+                logit_rows += range(len(ids), len(ids) + len(chunk))
+            else:
+                chunk = req.all_ids[start:start + row.n_tokens]
+                if row.needs_logits:
+                    logit_rows.append(len(ids) + len(chunk) - 1)
+            ids += chunk
+            positions += range(start, start + len(chunk))
+            segments.append(Segment(list(req.block_table), start, len(chunk)))
         self.counters["prefill_tokens"] += plan.prefill_tokens
         self.counters["decode_tokens"] += plan.decode_rows
         described = self._describe_step(plan, t0, logits_rows=len(logit_rows))
@@ -204,13 +230,24 @@ class LLMEngine:
 
         described["kernel_paths"] = dict(model.kernel_options.path_counts)
         for row in plan.rows:
+            if row.draft_tokens:
+                continue  # advanced by the verification below, by what it accepts
             row.request.num_computed += row.n_tokens
             if self.prefix is not None and self.config.publication == "incremental":
                 self._publish(row.request)
         li = 0
+        timed = []  # (request, round result or None) for the speculation pay-off gate
         for row in plan.rows:
             req = row.request
             if not row.needs_logits:
+                continue
+            if row.draft_tokens:
+                m = row.draft_tokens
+                result, round_events = self._verify_round(req, logits[li:li + m + 1], proposals[req.id])
+                li += m + 1
+                events += round_events
+                if result is not None:
+                    timed.append((req, result))
                 continue
             row_logits = logits[li]
             li += 1
@@ -221,6 +258,9 @@ class LLMEngine:
                 self._flight_logits[req.id] = row_logits.clone()
             event = self._sample_token(req, row_logits)
             events.append(event)
+            if not first and req.spec is not None:
+                self.speculator.record_plain(req)
+                timed.append((req, None))
             if (first and not event.finished and req.id in self._flight_logits
                     and self.flights.release == "after_prefill"):
                 # The prompt is computed: publish its pages (whatever the publication
@@ -228,8 +268,66 @@ class LLMEngine:
                 self._publish(req)
                 self._release_followers(req.id, self.flights.prefill_done(req.id))
         described["duration_s"] = time.perf_counter() - t0
+        if timed:
+            self._record_speculation(timed, described, plan)
         self.last_step = described
         return events
+
+    # -- speculation ---------------------------------------------------------------------
+
+    def _draft(self, plan: ScheduledStep) -> dict:
+        """Run the draft for every speculative row; rows whose proposal came back shorter
+        (a stop token, a full draft pool) shrink to match, down to a plain decode row."""
+        jobs = [(row.request, row.draft_tokens) for row in plan.rows if row.draft_tokens]
+        if not jobs:
+            return {}
+        with trace_scope("draft", len(jobs)):
+            proposals = self.speculator.propose(jobs)
+        for row in plan.rows:
+            if row.draft_tokens:
+                m = len(proposals[row.request.id].tokens)
+                row.draft_tokens, row.n_tokens = m, 1 + m
+        return proposals
+
+    def _verify_round(self, req: Request, logits: torch.Tensor, proposal) -> tuple[object, list[TokenEvent]]:
+        """Accept/correct the proposal, append its tokens, and cut both caches back to the
+        accepted positions."""
+        spec = self.speculator
+        n0 = req.num_computed  # the last committed token's position: its K/V was just written
+        try:
+            with trace_scope("verify", req.id):
+                result = spec.verify(req, logits, proposal)
+        except Exception as exc:  # noqa: BLE001
+            return None, [self._finish(req, "error", token=-1, text="", error=f"verification failed: {exc}")]
+        spec.record_round(req, result, self.counters["steps"])
+        events = []
+        for j, (token, r) in enumerate(zip(result.tokens, result.logit_rows)):
+            # K/V now valid: the last committed token and the j proposals accepted so far.
+            req.num_computed = n0 + 1 + j
+            if self.logits_hook is not None:
+                self.logits_hook(req.id, logits[r])
+            logprobs = top_logprobs(logits[r], token, req.params.logprobs) if req.params.logprobs is not None else None
+            event = self._append_token(req, token, logprobs)
+            events.append(event)
+            if event.finished:
+                break
+        if req.status != Status.FINISHED:
+            self.scheduler.truncate(req)
+            # The draft computed positions up to the proposal's next-to-last token.
+            spec.drafter.truncate(req.spec, n0 + 1 + min(result.accepted, result.proposed - 1))
+            if self.prefix is not None and self.config.publication == "incremental":
+                self._publish(req)
+        return result, events
+
+    def _record_speculation(self, timed: list, described: dict, plan: ScheduledStep) -> None:
+        # The gate compares tokens per second of whole steps; a step that also ran a
+        # prefill chunk measures the prompt, not speculation.
+        seconds, measured = described["duration_s"], plan.prefill_tokens == 0
+        for req, result in timed:
+            if req.status == Status.FINISHED:
+                continue
+            tokens = 1 if result is None else len(result.tokens)
+            self.speculator.record_time(req, tokens, seconds, speculative=result is not None, measured=measured)
 
     def _sample_token(self, req: Request, row_logits: torch.Tensor) -> TokenEvent:
         try:
@@ -288,6 +386,8 @@ class LLMEngine:
         if published:
             self._publish(req)
         self.scheduler.remove(req)
+        if self.speculator is not None:
+            self.speculator.finished(req)
         if self.flights is not None:
             prompt_ready = published and req.id in self._flight_logits
             released = self.flights.terminated(req.id, prompt_ready=prompt_ready)
@@ -313,6 +413,7 @@ class LLMEngine:
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
+        req.metrics.speculation = req.spec.stats.as_dict() if req.spec is not None else None
         return RequestOutput(req.id, req.prompt, list(req.prompt_ids), list(req.output_ids), req.text,
                              req.finish_reason, req.metrics)
 
@@ -325,7 +426,8 @@ class LLMEngine:
     def _describe_step(self, plan: ScheduledStep, t0: float, logits_rows: int) -> dict:
         return {
             "index": self.counters["steps"],
-            "rows": [{"id": r.request.id, "phase": r.request.phase, "tokens": r.n_tokens} for r in plan.rows],
+            "rows": [{"id": r.request.id, "phase": r.request.phase, "tokens": r.n_tokens,
+                      "draft_tokens": r.draft_tokens} for r in plan.rows],
             "prefill_tokens": plan.prefill_tokens,
             "decode_rows": plan.decode_rows,
             "logits_rows": logits_rows,

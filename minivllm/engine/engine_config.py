@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from minivllm.errors import ConfigError
 from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.spec.draft_policy import MAX_DRAFT_TOKENS, parse_draft_policy
 
 KV_MODES = ("paged", "contiguous")
 POLICIES = ("fcfs", "shortest-prefill-first", "round-robin")
@@ -43,6 +44,14 @@ class EngineConfig:
     prefix_cache: bool | None = None
     publication: str = "incremental"
     single_flight: str = "off"
+    # Speculative decoding (minivllm/spec/), used when the engine is given a draft model:
+    # draft_policy picks each request's proposal length (spec/draft_policy.py; None means
+    # "fixed"), num_draft_tokens is its k (fixed) or starting k (adaptive), and tv_budget
+    # is mentored decoding's total-variation budget D (0 = lossless, 1 = accept every
+    # draft token; greedy requests ignore it).
+    draft_policy: str | None = None
+    num_draft_tokens: int = 4
+    tv_budget: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -73,6 +82,14 @@ class EngineConfig:
         if self.single_flight != "off" and not self.prefix_cache_enabled:
             raise ConfigError("single_flight", self.single_flight, "followers restore the leader's pages from the "
                               "prefix cache: turn prefix_cache on (kv_mode='paged') or set single_flight='off'")
+        if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
+            raise ConfigError("num_draft_tokens", self.num_draft_tokens, f"must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if isinstance(self.tv_budget, bool) or not isinstance(self.tv_budget, (int, float)) \
+                or not 0.0 <= self.tv_budget <= 1.0:
+            raise ConfigError("tv_budget", self.tv_budget, "must be a number in [0, 1] (0 = lossless)")
+        if self.draft_policy is None:
+            self.draft_policy = "fixed"
+        parse_draft_policy(self.draft_policy, self.num_draft_tokens)  # raises ConfigError naming the policy
         self.kernel_options()  # validates gemv_max_rows, dequant_cache, batch_invariant
         if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
             raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")

@@ -16,6 +16,10 @@ class RequestMetrics:
     time_to_first_token_s: float = 0.0  # arrival -> first token sampled
     e2e_s: float = 0.0  # arrival -> finished (or last token so far)
     preemptions: int = 0
+    # Speculative decoding counters (spec/stats.py: proposed, accepted, acceptance_rate,
+    # bonus_tokens, rounds, plain_steps, draft_length_histogram, tv_mean, tv_max); None
+    # when the engine has no draft model.
+    speculation: dict | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -45,6 +45,7 @@ class Request:
         self.cache_keys: list[int] = []
         self.restored_tokens = 0
         self.published_pages = 0
+        self.spec = None  # spec.drafter.SpecState when the engine speculates
         self.generator = make_generator(params, device)
         self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop)
@@ -91,4 +92,5 @@ class Request:
             "pages": len(self.block_table),
             "block_table": list(self.block_table),
             "preemptions": self.metrics.preemptions,
+            "speculation": self.spec.describe() if self.spec is not None else None,
         }

@@ -16,6 +16,11 @@ matched pages, reserves pages only for the rest, and starts computing after them
 the cache holds idle count as available: allocating one evicts the least recently used.
 Single-flight followers stay in the waiting queue until their flight releases them.
 
+Speculative decoding: after every decode row has its page, decode rows whose request
+wants to speculate (`draft_len`) grow to 1 + k tokens, k capped by the step budget and
+by the pages free right now — speculation never preempts and never evicts a decode.
+Those extra tokens come before prefill chunks, like any running request's work.
+
 Policies:
   fcfs                    arrival order;
   shortest-prefill-first  fewest remaining prompt tokens first (a short request is not
@@ -26,6 +31,7 @@ Policies:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.cache.flight_coordinator import FlightCoordinator
@@ -40,6 +46,7 @@ class ScheduledRow:
     request: Request
     n_tokens: int
     needs_logits: bool  # the chunk reaches the end of the known tokens
+    draft_tokens: int = 0  # a speculative decode row: 1 + draft_tokens tokens, logits at every one
 
 
 @dataclass
@@ -58,8 +65,14 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: PagePool, prefix: PrefixIndex | None = None,
-                 flights: FlightCoordinator | None = None):
+                 flights: FlightCoordinator | None = None, *,
+                 draft_len: Callable[[Request], int] | None = None,
+                 on_free: Callable[[Request], None] | None = None):
         self.config = config
+        # Speculation hooks (the engine's Speculator): the draft tokens a decoding
+        # request wants next, and freeing its draft pages with its target pages.
+        self.draft_len = draft_len
+        self.on_free = on_free
         self.pool = pool
         self.prefix = prefix
         self.flights = flights
@@ -86,6 +99,15 @@ class Scheduler:
             self.pool.release(request.block_table[::-1])  # deepest first: the prefix cache's LRU order
             request.block_table = []
         request.published_pages = 0
+        if self.on_free is not None:
+            self.on_free(request)
+
+    def truncate(self, request: Request) -> None:
+        """Free the pages past the request's known tokens (rejected speculative positions)."""
+        keep = self.pool.pages_for(request.num_tokens)
+        if len(request.block_table) > keep:
+            self.pool.release(request.block_table[keep:][::-1])
+            del request.block_table[keep:]
 
     def _preempt(self, victim: Request, step: ScheduledStep) -> None:
         self.running.remove(victim)
@@ -123,6 +145,9 @@ class Scheduler:
             scheduled.add(req.id)
             budget -= 1
 
+        if self.draft_len is not None:
+            budget = self._add_draft_tokens(step, budget)
+
         for req in self._prefill_order():
             if budget == 0:
                 break
@@ -141,6 +166,28 @@ class Scheduler:
             scheduled.add(req.id)
             budget -= n
         return step
+
+    def _add_draft_tokens(self, step: ScheduledStep, budget: int) -> int:
+        for row in step.rows:
+            if budget == 0:
+                break
+            req = row.request
+            k = min(self.draft_len(req), budget)
+            if k <= 0:
+                continue
+            ps = self.pool.page_size
+            # Positions num_computed .. num_computed + k need pages; take only free ones.
+            spare = (len(req.block_table) + self.pool.num_available) * ps - (req.num_computed + 1)
+            k = min(k, spare)
+            if k <= 0:
+                continue
+            need = self.pool.pages_for(req.num_computed + 1 + k) - len(req.block_table)
+            if need > 0:
+                req.block_table += self.pool.allocate(need, after=req.block_table[-1])
+            row.draft_tokens = k
+            row.n_tokens = 1 + k
+            budget -= k
+        return budget
 
     def _admit(self, req: Request) -> bool:
         """Give a waiting request pages for every known token, restoring what the prefix

@@ -23,7 +23,14 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                        flights: [{leader, leader_phase, followers: [id], input_tokens}],
                        released: [id], flight_counters: {flights, followers, promotions,
                        released_followers}},
-      "last_step": {index, rows: [{id, phase, tokens}], prefill_tokens, decode_rows,
+      "speculative": {enabled, draft_model, policy, tv_budget, shared_vocab,   # {enabled: false} without a draft
+                      proposed, accepted, acceptance_rate, bonus_tokens, rounds, plain_steps,
+                      draft_length_histogram: {k: rounds}, tv_mean, tv_max,
+                      draft_forwards, draft_tokens_computed, draft_seconds,
+                      draft_kv: {total_pages, free_pages, page_size},
+                      recent_rounds: [{step, request, proposed, accepted, bonus, tv_mean}],
+                      last_error},
+      "last_step": {index, rows: [{id, phase, tokens, draft_tokens}], prefill_tokens, decode_rows,
                     logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
       "kernels": {gemv_max_rows, dequant_cache, batch_invariant,
                   cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why}},
@@ -36,7 +43,13 @@ This is a contract: the widgets, the router and the tests read only this. Schema
     request = {id, status, phase ("prefill" | "decode"), prompt_tokens, computed_tokens,
                output_tokens, max_tokens, restored_tokens, pages, block_table: [page ids],
                preemptions, flight: null | "leader" | "follower" | "released",
-               waiting_on: null | leader id}
+               waiting_on: null | leader id,
+               speculation: null | {proposed, accepted, acceptance_rate, bonus_tokens, rounds,
+                                    plain_steps, draft_length_histogram, tv_mean, tv_max,
+                                    next_draft_tokens, draft_computed_tokens, draft_pages,
+                                    gate: null | {state, plain_tokens_per_s,
+                                                  speculative_tokens_per_s, pauses,
+                                                  next_pause_tokens}}}
 
 page_states: free = no holder; owned = one request; shared = cached and in use, or used
 by several requests; cached-idle = held by the prefix cache alone, evicted LRU on demand.
@@ -68,6 +81,7 @@ def build_snapshot(engine) -> dict:
         "kv": engine.pool.snapshot(),
         "last_step": dict(engine.last_step),
         "prefix_cache": describe_prefix_cache(engine),
+        "speculative": describe_speculation(engine),
         "kernels": engine.describe_kernels(),
         "counters": dict(engine.counters),
     }
@@ -92,3 +106,10 @@ def describe_prefix_cache(engine) -> dict:
         section.update(flights=fs["flights"], released=fs["released"],
                        flight_counters=fs["counters"])
     return section
+
+
+def describe_speculation(engine) -> dict:
+    spec = engine.speculator
+    if spec is None:
+        return {"enabled": False}
+    return spec.snapshot(engine.scheduler.running + engine.scheduler.waiting)

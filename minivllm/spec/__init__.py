@@ -1,0 +1,1 @@
+"""Speculative decoding: a draft model proposes, the target verifies in one forward."""

@@ -1,0 +1,171 @@
+"""The engine's speculation: draft proposals before the target forward, verification
+after it. `LLMEngine` owns one when it is given a draft model.
+
+A step with speculation (the original's "finish all draft-model work first, then run the
+target model"):
+  1. the scheduler gives each decoding request that wants to speculate a row of 1 + k
+     tokens (`wanted_tokens`: the request's draft-length controller, capped by its
+     remaining max_tokens and the context) when the step budget and free pages allow;
+  2. `propose` runs the draft for all of them together (drafter.py);
+  3. the target's one forward carries those verification rows — the last committed
+     token and the k proposals, with logits at all k + 1 positions — next to every other
+     request's prefill chunks and decode rows;
+  4. `verify` walks each proposal in order (verify.py): accepted tokens, then a
+     replacement at the first rejection, or a bonus token from the (k+1)-th logits row
+     when all k were accepted. A round therefore yields between 1 and k + 1 tokens;
+  5. the engine keeps the target's K/V for the accepted positions and `truncate`s the
+     draft's to what it computed of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.engine.sampler import filtered_probs
+from minivllm.spec.draft_compat import shared_vocab_size
+from minivllm.spec.draft_policy import parse_draft_policy
+from minivllm.spec.drafter import Drafter, Proposal, SpecState, choose, processed_logits
+from minivllm.spec.stats import SpecStats
+from minivllm.spec.verify import verify_greedy, verify_sampled
+
+RECENT_ROUNDS = 128
+
+
+@dataclass
+class RoundResult:
+    tokens: list[int]  # to append, in order: accepted proposals, then the replacement or the bonus token
+    logit_rows: list[int]  # which of the round's logits rows each token was decided at
+    accepted: int
+    proposed: int
+    bonus: bool
+    tvs: list[float]
+
+
+class Speculator:
+    def __init__(self, draft_model, draft_tokenizer, target_model, target_tokenizer, config, *,
+                 kv_tokens: int, page_size: int, max_model_len: int, draft_name: str = "draft"):
+        self.vocab = shared_vocab_size(target_tokenizer, draft_tokenizer, target_model.config, draft_model.config,
+                                       draft_name=draft_name)
+        if draft_model.device != target_model.device:
+            from minivllm.errors import ConfigError
+
+            raise ConfigError("draft_model", draft_name, f"is on {draft_model.device} but the target is on "
+                              f"{target_model.device}; load both on the engine's device")
+        self.policy = parse_draft_policy(config.draft_policy, config.num_draft_tokens)
+        self.tv_budget = config.tv_budget
+        self.stop_ids = frozenset(target_tokenizer.eos_ids)
+        self.draft_name = draft_name
+        kernel_options = config.kernel_options().resolved(draft_model.device, dense_bytes=draft_model.dense_bytes())
+        self.drafter = Drafter(draft_model, num_pages=-(-kv_tokens // page_size) + 1, page_size=page_size,
+                               kernel_options=kernel_options, vocab=self.vocab,
+                               graphs=not config.enforce_eager, max_rows=config.max_active_requests,
+                               max_model_len=max_model_len)
+        self.totals = SpecStats()  # requests that have finished
+        self.recent: deque[dict] = deque(maxlen=RECENT_ROUNDS)  # the latest rounds, for the widgets
+        self.draft_seconds = 0.0
+        self.last_error: str | None = None
+
+    # -- per request ------------------------------------------------------------------------
+
+    def attach(self, req) -> None:
+        req.spec = SpecState(self.policy.new_controller())
+
+    def wanted_tokens(self, req, max_model_len: int) -> int:
+        """How many draft tokens the request's next decode row should carry: its
+        controller's choice, capped so that a round (up to k + 1 tokens) stays within
+        max_tokens and the context."""
+        k = req.spec.controller.wanted()
+        room = min(req.params.max_tokens - len(req.output_ids), max_model_len - req.num_tokens) - 1
+        return max(0, min(k, room))
+
+    def release(self, req) -> None:
+        if req.spec is not None:
+            self.drafter.release(req.spec)
+
+    def finished(self, req) -> None:
+        if req.spec is not None:
+            self.drafter.release(req.spec)
+            self.totals.merge(req.spec.stats)
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def propose(self, jobs: list[tuple[object, int]]) -> dict[str, Proposal]:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            return self.drafter.propose(jobs, self.stop_ids)
+        except Exception as exc:  # noqa: BLE001 — a failed draft costs speed, never the requests
+            self.last_error = f"draft forward failed: {type(exc).__name__}: {exc}"[:500]
+            for req, _ in jobs:
+                self.drafter.release(req.spec)  # its K/V may be half-written: recompute later
+            return {req.id: Proposal([], None) for req, _ in jobs}
+        finally:
+            self.draft_seconds += time.perf_counter() - t0
+
+    def verify(self, req, logits: torch.Tensor, proposal: Proposal) -> RoundResult:
+        """Check `proposal` against the target's logits rows (len(proposal) + 1 of them)."""
+        params, gen, vocab = req.params, req.generator, self.vocab
+        committed, outputs = req.all_ids, req.output_ids
+        tokens: list[int] = []
+        tvs: list[float] = []
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
+        m = len(proposal.tokens)
+        for i, x in enumerate(proposal.tokens):
+            row = processed_logits(logits[i], committed + tokens, outputs + tokens, params, vocab)
+            if params.greedy:
+                verdict = verify_greedy(int(torch.argmax(row)), x)
+            else:
+                verdict = verify_sampled(filtered_probs(row, params), proposal.q[i], x, self.tv_budget, gen)
+                tvs.append(verdict.tv)
+            tokens.append(verdict.token)
+            if not verdict.accepted:
+                return RoundResult(tokens, list(range(len(tokens))), i, m, False, tvs)
+            if x in stops:  # the request ends at this token: no bonus
+                return RoundResult(tokens, list(range(len(tokens))), i + 1, m, False, tvs)
+        bonus, _ = choose(logits[m], committed + tokens, outputs + tokens, params, vocab, gen)
+        tokens.append(bonus)
+        return RoundResult(tokens, list(range(m + 1)), m, m, True, tvs)
+
+    def record_round(self, req, result: RoundResult, step: int) -> None:
+        """Count a verified round (before its tokens are appended: the request may finish
+        on one of them, and its stats then move into the engine's totals)."""
+        state = req.spec
+        state.stats.record_round(result.proposed, result.accepted, result.bonus, result.tvs)
+        state.controller.length.update(result.accepted, result.proposed)
+        self.recent.append({"step": step, "request": req.id, "proposed": result.proposed,
+                            "accepted": result.accepted, "bonus": result.bonus,
+                            "tv_mean": sum(result.tvs) / len(result.tvs) if result.tvs else None})
+
+    def record_plain(self, req) -> None:
+        req.spec.stats.plain_steps += 1
+
+    def record_time(self, req, tokens: int, seconds: float, *, speculative: bool, measured: bool) -> None:
+        """Feed the pay-off gate one step of this request: `tokens` it got in `seconds`."""
+        gate = req.spec.controller.gate
+        if gate is None:
+            return
+        if speculative:
+            gate.record_round(tokens, seconds, measured=measured and req.spec.catch_up <= 2)
+        else:
+            gate.record_plain(tokens, seconds, measured=measured)
+
+    # -- inspection -------------------------------------------------------------------------
+
+    def snapshot(self, active_requests) -> dict:
+        totals = SpecStats()
+        totals.merge(self.totals)
+        for req in active_requests:
+            if req.spec is not None:
+                totals.merge(req.spec.stats)
+        draft = self.drafter
+        return {"enabled": True, "draft_model": self.draft_name, "policy": self.policy.name,
+                "tv_budget": self.tv_budget, "shared_vocab": self.vocab, **totals.as_dict(),
+                "draft_forwards": draft.forwards, "draft_tokens_computed": draft.tokens,
+                "draft_seconds": self.draft_seconds,
+                "draft_kv": {"total_pages": draft.pool.num_pages, "free_pages": draft.pool.num_free,
+                             "page_size": draft.pool.page_size},
+                "recent_rounds": list(self.recent), "last_error": self.last_error}
