@@ -81,6 +81,27 @@ def add_bench_parser(subparsers) -> None:
                     help="engine option for every case (repeatable), e.g. dequant_cache=true")
     pc.set_defaults(func=_prefix_cache)
 
+    sp = sub.add_parser("speculative", help="speculative decoding: target-only vs fixed and adaptive draft lengths "
+                        "(greedy, code and creative prompts) and mentored decoding's TV budgets (sampling)")
+    sp.add_argument("--model", default="qwen2.5-coder-1.5b", help="the target model")
+    sp.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    sp.add_argument("--inference-device", default="cpu", help="cpu, gpu, cuda:N")
+    sp.add_argument("--activation-dtype", default="f32", help="f32, f16, bf16")
+    sp.add_argument("--runs", type=int, default=3, help="timed runs per case (after a warm-up)")
+    sp.add_argument("--seeds", type=int, default=3, help="seeds per run in the sampling table")
+    sp.add_argument("--max-tokens", type=int, default=256, help="generated tokens per request (EOS ignored)")
+    sp.add_argument("--parts", type=lambda v: v.split(","), default=None, help="comma list: greedy, sampling")
+    sp.add_argument("--prompts", type=lambda v: v.split(","), default=None, help="comma list: code, creative")
+    sp.add_argument("--cases", type=lambda v: v.split(","), default=None,
+                    help="greedy cases to run besides target-only (default all): fixed-4, fixed-6, fixed-8, "
+                         "acceptance-rate, accepted-length, adaptive, draft-only")
+    sp.add_argument("--sampling-policy", default="fixed:8", help="draft policy of the TV-budget rows")
+    sp.add_argument("--tv-budgets", type=lambda v: tuple(float(x) for x in v.split(",")), default=(0.0, 0.5, 0.75, 1.0))
+    sp.add_argument("--temperature", type=float, default=0.7)
+    sp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for every case (repeatable), e.g. gemv_max_rows=16")
+    sp.set_defaults(func=_speculative)
+
     s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
     _common(s)
     s.add_argument("--policies", type=lambda v: v.split(","), default=None,
@@ -178,6 +199,16 @@ def _prefix_cache(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens, parts=args.parts, groups=tuple(args.groups), page_size=args.page_size,
         max_batched_tokens=args.max_batched_tokens, max_active_requests=args.max_active_requests,
         synthetic=args.synthetic, synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option))
+    return 0
+
+
+def _speculative(args: argparse.Namespace) -> int:
+    from minivllm.bench.speculative import run
+
+    run(args.model, args.draft_model, args.inference_device, args.activation_dtype, max_tokens=args.max_tokens,
+        runs=args.runs, seeds=args.seeds, parts=args.parts, prompts=args.prompts, cases=args.cases,
+        sampling_policy=args.sampling_policy, tv_budgets=args.tv_budgets, temperature=args.temperature,
+        engine_options=_options(args.option))
     return 0
 
 

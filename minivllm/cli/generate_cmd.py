@@ -29,6 +29,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--page-size", type=int, default=16)
     add_kernel_arguments(p)
     add_prefix_cache_arguments(p)
+    add_speculative_arguments(p)
     p.add_argument("--trace-directory", default=None,
                    help="write a Chrome trace (Perfetto) of every step to DIR/minivllm-trace-<pid>.json")
     p.add_argument("--quiet", action="store_true", help="no load progress bars or stats")
@@ -57,6 +58,26 @@ def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="identical prompts wait for one leader's pages, released when it ends or after its prefill")
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative-decoding options (see minivllm/spec/)."""
+    p.add_argument("--draft-model", default=None,
+                   help="a smaller model with the same tokenizer that proposes tokens for the target to verify")
+    p.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="draft tokens per round: k of 'fixed', the starting k of the adaptive policies (default 4)")
+    p.add_argument("--draft-policy", default="fixed",
+                   help="fixed[:k], acceptance-rate[:init,dec,inc,min,max], accepted-length[:init,alpha,min,max], "
+                        "adaptive (acceptance-rate that stops speculating while it does not pay), or any policy "
+                        "with '+gate' (default fixed)")
+    p.add_argument("--tv-budget", type=float, default=0.0,
+                   help="mentored decoding: total-variation budget D in [0, 1]; 0 = lossless (default), 1 = accept "
+                        "every draft token")
+
+
+def speculative_options_from(args: argparse.Namespace) -> dict:
+    return {"draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens,
+            "draft_policy": args.draft_policy, "tv_budget": args.tv_budget}
+
+
 def prefix_cache_options_from(args: argparse.Namespace) -> dict:
     return {"prefix_cache": None if args.prefix_cache is None else args.prefix_cache == "on",
             "publication": args.publication, "single_flight": args.single_flight}
@@ -81,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, device=args.inference_device, dtype=args.activation_dtype,
               max_model_len=args.max_model_len, progress=not args.quiet,
               kv_mode=args.kv_mode, page_size=args.page_size, **kernel_options_from(args),
-              **prefix_cache_options_from(args))
+              **prefix_cache_options_from(args), **speculative_options_from(args))
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -98,4 +119,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.quiet and last is not None:
         info = llm.info()
         print(f"[{info['device']}, {info['activation_dtype']}] finish={last.finish_reason}", file=sys.stderr)
+        if llm.draft is not None:
+            s = llm.snapshot()["speculative"]
+            rate = s["acceptance_rate"]
+            print(f"[speculative: {s['policy']}, tv_budget {s['tv_budget']}] rounds={s['rounds']} "
+                  f"accepted {s['accepted']}/{s['proposed']} ({'-' if rate is None else f'{rate:.1%}'}) "
+                  f"bonus={s['bonus_tokens']} plain_steps={s['plain_steps']} "
+                  f"draft lengths={s['draft_length_histogram']}", file=sys.stderr)
     return 0

@@ -82,7 +82,7 @@ class EngineConfig:
         if self.single_flight != "off" and not self.prefix_cache_enabled:
             raise ConfigError("single_flight", self.single_flight, "followers restore the leader's pages from the "
                               "prefix cache: turn prefix_cache on (kv_mode='paged') or set single_flight='off'")
-        if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
+        if isinstance(self.num_draft_tokens, bool) or not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
             raise ConfigError("num_draft_tokens", self.num_draft_tokens, f"must be an integer in [1, {MAX_DRAFT_TOKENS}]")
         if isinstance(self.tv_budget, bool) or not isinstance(self.tv_budget, (int, float)) \
                 or not 0.0 <= self.tv_budget <= 1.0:

@@ -29,10 +29,14 @@ Messages = list[dict]
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32", *,
-                 max_model_len: int | None = None, progress: bool = True, **engine_options):
+                 max_model_len: int | None = None, progress: bool = True, draft_model: str | None = None,
+                 **engine_options):
         """`engine_options` are `EngineConfig` fields: kv_mode, page_size, kv_memory_bytes,
-        kv_memory_fraction, max_batched_tokens, max_active_requests, policy, and the kernel
-        options gemv_max_rows, dequant_cache, batch_invariant, enforce_eager."""
+        kv_memory_fraction, max_batched_tokens, max_active_requests, policy, the kernel
+        options gemv_max_rows, dequant_cache, batch_invariant, enforce_eager, the prefix
+        cache's prefix_cache, publication, single_flight, and speculation's draft_policy,
+        num_draft_tokens, tv_budget. `draft_model` (a name or path, loaded on the same
+        device and dtype) turns speculative decoding on."""
         engine_config = EngineConfig(max_model_len=max_model_len, **engine_options)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -43,7 +47,14 @@ class LLM:
         self.model = load_model(self.gguf, self.device, self.dtype, progress=progress,
                                 kernel_options=engine_config.kernel_options())
         self.config = self.model.config
-        self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+        self.draft_model_path = self.draft = self.draft_tokenizer = None
+        if draft_model is not None:
+            self.draft_model_path = resolve_model(draft_model, progress=progress)
+            draft_gguf = GGUFFile(self.draft_model_path)
+            self.draft_tokenizer = Tokenizer.from_gguf(draft_gguf)
+            self.draft = load_model(draft_gguf, self.device, self.dtype, progress=progress,
+                                    kernel_options=engine_config.kernel_options())
+        self.engine = self._make_engine(engine_config)
         self.max_model_len = self.engine.max_model_len
         self._engine_options = dict(engine_options, max_model_len=max_model_len)
 
@@ -55,10 +66,15 @@ class LLM:
         other = object.__new__(LLM)
         other.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("engine", "_engine_options")})
         max_model_len = options.pop("max_model_len", None)
-        other.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(max_model_len=max_model_len, **options))
+        other.engine = other._make_engine(EngineConfig(max_model_len=max_model_len, **options))
         other.max_model_len = other.engine.max_model_len
         other._engine_options = dict(options, max_model_len=max_model_len)
         return other
+
+    def _make_engine(self, config: EngineConfig) -> LLMEngine:
+        name = self.draft_model_path.name if self.draft_model_path is not None else "draft"
+        return LLMEngine(self.model, self.tokenizer, config, draft_model=self.draft,
+                         draft_tokenizer=self.draft_tokenizer, draft_name=name)
 
     # -- prompts ---------------------------------------------------------------------
 
@@ -137,6 +153,7 @@ class LLM:
             "max_model_len": self.max_model_len,
             "kv_mode": self.engine.config.kv_mode,
             "kv_pages": self.engine.pool.num_pages,
+            "draft_model_path": str(self.draft_model_path) if self.draft_model_path is not None else None,
             "config": self.config.describe(),
             "torch": torch.__version__,
         }

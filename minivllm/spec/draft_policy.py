@@ -114,27 +114,22 @@ def parse_draft_policy(spec: str, num_draft_tokens: int = 4) -> DraftPolicy:
     name, _, args = text.partition(":")
     values = [a.strip() for a in args.split(",")] if args else []
     n = num_draft_tokens
-    try:
-        if name == "fixed":
-            if len(values) > 1:
-                raise ValueError
-            k = int(values[0]) if values else n
-            _check_count(spec, k)
-            return DraftPolicy(spec, lambda: FixedLength(k), gated)
-        if name == "acceptance-rate":
-            init, dec, inc, lo, hi = _fill(values, [n, 0.4, 0.8, 1, max(8, n)], [int, float, float, int, int])
-            if not (0 < lo <= init <= hi <= MAX_DRAFT_TOKENS and 0 <= dec < inc <= 1):
-                raise ConfigError("draft_policy", spec, "acceptance-rate needs 0 < min <= init <= max <= "
-                                  f"{MAX_DRAFT_TOKENS} and 0 <= dec < inc <= 1")
-            return DraftPolicy(spec, lambda: AcceptanceRateLength(init, dec, inc, lo, hi), gated)
-        if name == "accepted-length":
-            init, alpha, lo, hi = _fill(values, [n, 0.2, 1, max(8, n)], [int, float, int, int])
-            if not (0 < lo <= init <= hi <= MAX_DRAFT_TOKENS and 0 < alpha <= 1):
-                raise ConfigError("draft_policy", spec, "accepted-length needs 0 < min <= init <= max <= "
-                                  f"{MAX_DRAFT_TOKENS} and 0 < alpha <= 1")
-            return DraftPolicy(spec, lambda: AcceptedLengthAverage(init, alpha, lo, hi), gated)
-    except ValueError:
-        raise ConfigError("draft_policy", spec, _HELP) from None
+    if name == "fixed":
+        (k,) = _parse(spec, values, [n], [int])
+        _check_count(spec, k)
+        return DraftPolicy(spec, lambda: FixedLength(k), gated)
+    if name == "acceptance-rate":
+        init, dec, inc, lo, hi = _parse(spec, values, [n, 0.4, 0.8, 1, max(8, n)], [int, float, float, int, int])
+        if not (0 < lo <= init <= hi <= MAX_DRAFT_TOKENS and 0 <= dec < inc <= 1):
+            raise ConfigError("draft_policy", spec, "acceptance-rate needs 0 < min <= init <= max <= "
+                              f"{MAX_DRAFT_TOKENS} and 0 <= dec < inc <= 1")
+        return DraftPolicy(spec, lambda: AcceptanceRateLength(init, dec, inc, lo, hi), gated)
+    if name == "accepted-length":
+        init, alpha, lo, hi = _parse(spec, values, [n, 0.2, 1, max(8, n)], [int, float, int, int])
+        if not (0 < lo <= init <= hi <= MAX_DRAFT_TOKENS and 0 < alpha <= 1):
+            raise ConfigError("draft_policy", spec, "accepted-length needs 0 < min <= init <= max <= "
+                              f"{MAX_DRAFT_TOKENS} and 0 < alpha <= 1")
+        return DraftPolicy(spec, lambda: AcceptedLengthAverage(init, alpha, lo, hi), gated)
     raise ConfigError("draft_policy", spec, _HELP)
 
 
@@ -147,7 +142,11 @@ def _check_count(spec: str, k: int) -> None:
         raise ConfigError("draft_policy", spec, f"the draft length must be in [1, {MAX_DRAFT_TOKENS}]")
 
 
-def _fill(values: list[str], defaults: list, types: list) -> list:
+def _parse(spec: str, values: list[str], defaults: list, types: list) -> list:
+    """The policy's arguments: given values converted, missing ones defaulted."""
     if len(values) > len(defaults):
-        raise ValueError
-    return [t(v) for v, t in zip(values, types)] + defaults[len(values):]
+        raise ConfigError("draft_policy", spec, f"takes at most {len(defaults)} arguments; {_HELP}")
+    try:
+        return [t(v) for v, t in zip(values, types)] + defaults[len(values):]
+    except ValueError:
+        raise ConfigError("draft_policy", spec, _HELP) from None

@@ -1,0 +1,243 @@
+"""`minivllm bench speculative`: the speculative-decoding tables of the original's
+"speculative decoding policies" report and of "What I Gave Up to Make Speculative
+Decoding Faster", re-run on this engine.
+
+Tables:
+  greedy    a code-refactoring and a creative-writing prompt (data/speculative/), greedy:
+            target-only, fixed 4/6/8, acceptance-rate, accepted-length, adaptive
+            (acceptance-rate behind the pay-off gate), and the draft model alone as a
+            control. Greedy output does not depend on a seed, so each case runs `runs`
+            times.
+  sampling  the creative prompt at temperature 0.7: target-only, then a fixed draft length
+            (default 8, the article's) with TV budgets 0 (lossless), 0.5, 0.75 and 1, and
+            the draft alone; `seeds` seeds x `runs` runs.
+
+Method: one request at a time, `max_tokens` (256) generated with EOS ignored, prefix cache
+off (so every run computes its prompt). Each case gets a fresh engine over the shared
+weights, a warm-up generation on it, then the timed runs. Columns: acceptance
+(accepted / proposed), verification rounds per request, median e2e, mean ± std of decode
+tok/s ((tokens - 1) / (e2e - TTFT)) and of overall tok/s (tokens / e2e), and the speed-up
+of the median e2e over target-only in the same run. The generated texts are saved with
+the numbers (the Markdown file lists them), so a reader can see what a faster lossy
+setting changed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm.bench.continuous_batching import _loadavg, model_label
+from minivllm.bench.results import provenance, write_results
+from minivllm.engine.engine import LLMEngine
+from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.llm import LLM
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.errors import ConfigError
+from minivllm.models.cache import sha256_file
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "speculative"
+PROMPTS = {"code": "code_refactor.txt", "creative": "creative_writing.txt"}
+PARTS = ("greedy", "sampling")
+GREEDY_CASES = [("target-only", None), ("fixed-4", "fixed:4"), ("fixed-6", "fixed:6"), ("fixed-8", "fixed:8"),
+                ("acceptance-rate", "acceptance-rate"), ("accepted-length", "accepted-length"),
+                ("adaptive", "adaptive"), ("draft-only", "draft-only")]
+
+
+def prompt_text(name: str) -> str:
+    path = DATA / PROMPTS[name]
+    if not path.exists():
+        raise ConfigError("prompt", name, f"{path} is missing; run from a minivllm checkout (data/speculative/)")
+    return path.read_text().strip()
+
+
+class Bench:
+    def __init__(self, llm: LLM, engine_options: dict, max_tokens: int):
+        self.llm = llm
+        self.max_tokens = max_tokens
+        self.options = {"prefix_cache": False, "max_model_len": 2048, "max_active_requests": 2,
+                        "max_batched_tokens": 1024, **engine_options}
+
+    def engine(self, policy: str | None, tv_budget: float = 0.0) -> LLMEngine:
+        llm = self.llm
+        if policy == "draft-only":
+            return LLMEngine(llm.draft, llm.draft_tokenizer, EngineConfig(**self.options))
+        if policy is None:
+            return LLMEngine(llm.model, llm.tokenizer, EngineConfig(**self.options))
+        config = EngineConfig(**self.options, draft_policy=policy, tv_budget=tv_budget)
+        return LLMEngine(llm.model, llm.tokenizer, config, draft_model=llm.draft, draft_tokenizer=llm.draft_tokenizer,
+                         draft_name=llm.draft_model_path.name)
+
+    def once(self, engine: LLMEngine, ids: list[int], params: SamplingParams) -> dict:
+        rid = engine.add_request(ids, params)
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.pop_output(rid)
+        m = out.metrics
+        if out.finish_reason != "length" or len(out.token_ids) != params.max_tokens:
+            raise RuntimeError(f"run ended with {out.finish_reason} after {len(out.token_ids)} tokens")
+        spec = m.speculation or {}
+        return {"e2e_s": m.e2e_s, "ttft_s": m.time_to_first_token_s, "tokens": len(out.token_ids),
+                "decode_tok_s": m.decode_tokens_per_s, "tok_s": len(out.token_ids) / m.e2e_s,
+                "proposed": spec.get("proposed", 0), "accepted": spec.get("accepted", 0),
+                "bonus": spec.get("bonus_tokens", 0), "rounds": spec.get("rounds", 0),
+                "plain_steps": spec.get("plain_steps", 0), "histogram": spec.get("draft_length_histogram", {}),
+                "tv_mean": spec.get("tv_mean"), "text": out.text}
+
+    def case(self, label: str, policy: str | None, ids: list[int], *, runs: int, seeds: list[int | None],
+             temperature: float, tv_budget: float = 0.0) -> dict:
+        engine = self.engine(policy, tv_budget)
+        warm = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=0)
+        self.once(engine, ids, warm)
+        samples = []
+        for run in range(runs):
+            for seed in seeds:
+                params = SamplingParams(temperature=temperature, max_tokens=self.max_tokens, ignore_eos=True,
+                                        seed=seed)
+                sample = self.once(engine, ids, params)
+                sample.update(run=run, seed=seed)
+                samples.append(sample)
+        del engine
+        return summarize_case(label, policy, tv_budget, samples)
+
+
+def summarize_case(label: str, policy: str | None, tv_budget: float, samples: list[dict]) -> dict:
+    e2e = [s["e2e_s"] for s in samples]
+    dec = [s["decode_tok_s"] for s in samples]
+    tps = [s["tok_s"] for s in samples]
+    proposed = sum(s["proposed"] for s in samples)
+    accepted = sum(s["accepted"] for s in samples)
+    histogram: dict[str, int] = {}
+    for s in samples:
+        for k, v in s["histogram"].items():
+            histogram[k] = histogram.get(k, 0) + v
+    tvs = [s["tv_mean"] for s in samples if s["tv_mean"] is not None]
+    texts = {}
+    for s in samples:
+        texts.setdefault(str(s["seed"]), s["text"])  # the first run's text per seed
+    return {
+        "case": label, "policy": policy, "tv_budget": tv_budget, "n": len(samples),
+        "acceptance": accepted / proposed if proposed else None, "accepted": accepted, "proposed": proposed,
+        "rounds_per_request": statistics.fmean(s["rounds"] for s in samples),
+        "plain_steps_per_request": statistics.fmean(s["plain_steps"] for s in samples),
+        "bonus_per_request": statistics.fmean(s["bonus"] for s in samples),
+        "e2e_median_s": statistics.median(e2e), "e2e_mean_s": statistics.fmean(e2e),
+        "e2e_std_s": statistics.stdev(e2e) if len(e2e) > 1 else 0.0,
+        "ttft_median_s": statistics.median(s["ttft_s"] for s in samples),
+        "decode_tok_s_mean": statistics.fmean(dec), "decode_tok_s_std": statistics.stdev(dec) if len(dec) > 1 else 0.0,
+        "tok_s_mean": statistics.fmean(tps), "tok_s_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+        "draft_length_histogram": histogram, "tv_mean": statistics.fmean(tvs) if tvs else None,
+        "texts": texts, "samples": [{k: v for k, v in s.items() if k != "text"} for s in samples],
+    }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    base = next((r for r in rows if r["policy"] is None), None)
+    for r in rows:
+        if base is not None:
+            r["speedup_e2e"] = base["e2e_median_s"] / r["e2e_median_s"]
+            r["decode_ratio"] = r["decode_tok_s_mean"] / base["decode_tok_s_mean"]
+
+
+def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", device: str = "cpu",
+        dtype: str = "f32", *, max_tokens: int = 256, runs: int = 3, seeds: int = 3, parts: list[str] | None = None,
+        prompts: list[str] | None = None, cases: list[str] | None = None, sampling_policy: str = "fixed:8",
+        tv_budgets: tuple[float, ...] = (0.0, 0.5, 0.75, 1.0), temperature: float = 0.7,
+        engine_options: dict | None = None) -> dict[str, list[dict]]:
+    parts = parts or list(PARTS)
+    prompts = prompts or list(PROMPTS)
+    for p in parts:
+        if p not in PARTS:
+            raise ConfigError("parts", p, f"allowed: {', '.join(PARTS)}")
+    for p in prompts:
+        if p not in PROMPTS:
+            raise ConfigError("prompts", p, f"allowed: {', '.join(PROMPTS)}")
+    known = [c for c, _ in GREEDY_CASES]
+    for c in cases or []:
+        if c not in known:
+            raise ConfigError("cases", c, f"allowed: {', '.join(known)}")
+    if runs < 1 or seeds < 1 or max_tokens < 2:
+        raise ConfigError("runs/seeds/max_tokens", (runs, seeds, max_tokens), "need runs >= 1, seeds >= 1, max_tokens >= 2")
+    load_start = _loadavg()
+    t_load = time.perf_counter()
+    llm = LLM(target, device=device, dtype=dtype, progress=False, draft_model=draft, prefix_cache=False)
+    load_s = time.perf_counter() - t_load
+    bench = Bench(llm, engine_options or {}, max_tokens)
+    ids = {p: llm.tokenizer.encode(llm.chat_prompt([{"role": "user", "content": prompt_text(p)}])) for p in prompts}
+    tables: dict[str, list[dict]] = {}
+    t0 = time.perf_counter()
+    if "greedy" in parts:
+        rows = []
+        for p in prompts:
+            table = []
+            for label, policy in GREEDY_CASES:
+                if cases and label not in cases and label != "target-only":
+                    continue
+                row = bench.case(label, policy, ids[p], runs=runs, seeds=[None], temperature=0.0)
+                row["prompt"] = p
+                table.append(row)
+                print(f"greedy {p} {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']}",
+                      flush=True)
+            add_ratios(table)
+            rows += table
+        tables["greedy"] = rows
+    if "sampling" in parts:
+        p = "creative" if "creative" in prompts else prompts[0]
+        table = []
+        sampling_cases = [("target-only", None, 0.0)] + [
+            (f"{sampling_policy} TV={d:g}", sampling_policy, d) for d in tv_budgets] + [("draft-only", "draft-only", 0.0)]
+        for label, policy, d in sampling_cases:
+            row = bench.case(label, policy, ids[p], runs=runs, seeds=list(range(seeds)), temperature=temperature,
+                             tv_budget=d)
+            row["prompt"] = p
+            table.append(row)
+            print(f"sampling {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']}", flush=True)
+        add_ratios(table)
+        tables["sampling"] = table
+    settings = {"target": target, "draft": draft, "inference_device": device, "activation_dtype": dtype,
+                "max_tokens": max_tokens, "runs": runs, "seeds": seeds, "temperature_sampling": temperature,
+                "sampling_policy": sampling_policy, "tv_budgets": list(tv_budgets), "prompts": prompts,
+                "prompt_tokens": {p: len(v) for p, v in ids.items()}, "ignore_eos": True,
+                "engine_options": bench.options, "torch_threads": torch.get_num_threads(),
+                "kernel_options": bench.engine(None).kernel_options.describe(), "load_s": round(load_s, 1),
+                "method": "one request at a time; fresh engine per case with a 16-token warm-up; prefix cache off"}
+    settings["wall_s"] = round(time.perf_counter() - t0, 1)
+    meta = provenance(str(llm.model.device) if llm.model.device.type == "cuda" else device,
+                      sha256_file(Path(llm.model_path)), settings)
+    meta["draft_model_sha256"] = sha256_file(Path(llm.draft_model_path))
+    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    rows = [{"table": name, **row} for name, table in tables.items() for row in table]
+    notes = render(tables)
+    label = f"{model_label(target)}-from-{model_label(draft)}-{llm.model.device.type}"
+    json_path, md_path = write_results(f"speculative-{label}", meta, rows, ["table", "prompt", "case"], notes)
+    print(notes, flush=True)
+    print(f"wrote {json_path} and {md_path}", flush=True)
+    return tables
+
+
+def _pm(row: dict, key: str) -> str:
+    return f"{row[key + '_mean']:.2f} ± {row[key + '_std']:.2f}"
+
+
+def render(tables: dict[str, list[dict]]) -> str:
+    out = []
+    for name, rows in tables.items():
+        out += [f"## {name}", "", "| prompt | case | acceptance | rounds/req | plain steps/req | median e2e (s) | "
+                "decode tok/s | tok/s | speed-up (median e2e) | decode ratio | draft lengths |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            acc = "—" if r["acceptance"] is None else f"{r['acceptance']:.1%} ({r['accepted']}/{r['proposed']})"
+            out.append(f"| {r['prompt']} | {r['case']} | {acc} | {r['rounds_per_request']:.1f} | "
+                       f"{r['plain_steps_per_request']:.1f} | {r['e2e_median_s']:.2f} | {_pm(r, 'decode_tok_s')} | "
+                       f"{_pm(r, 'tok_s')} | {r.get('speedup_e2e', 0):.3f}x | {r.get('decode_ratio', 0):.3f}x | "
+                       f"{r['draft_length_histogram'] or '—'} |")
+        out.append("")
+    out += ["## Generated texts", ""]
+    for name, rows in tables.items():
+        for r in rows:
+            for seed, text in r["texts"].items():
+                out += [f"### {name} / {r['prompt']} / {r['case']} / seed {seed}", "", "```text", text, "```", ""]
+    return "\n".join(out)
