@@ -146,7 +146,12 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
         dtype: str = "f32", *, max_tokens: int = 256, runs: int = 3, seeds: int = 3, parts: list[str] | None = None,
         prompts: list[str] | None = None, cases: list[str] | None = None, sampling_policy: str = "fixed:8",
         tv_budgets: tuple[float, ...] = (0.0, 0.5, 0.75, 1.0), temperature: float = 0.7,
-        engine_options: dict | None = None) -> dict[str, list[dict]]:
+        engine_options: dict | None = None, synthetic_pair: bool = False,
+        synthetic_tokenizer: str | None = None) -> dict[str, list[dict]]:
+    """`sampling_policy` may list several policies separated by "/" (each gets every TV budget).
+    `synthetic_pair`: a synthetic Qwen2.5-7B Q4_K_M target and a 0.5B-class draft with
+    random weights (GPU timing without downloads): acceptance then means nothing except at
+    TV budget 1, where every draft token is accepted, which isolates what a round costs."""
     parts = parts or list(PARTS)
     prompts = prompts or list(PROMPTS)
     for p in parts:
@@ -161,6 +166,11 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
             raise ConfigError("cases", c, f"allowed: {', '.join(known)}")
     if runs < 1 or seeds < 1 or max_tokens < 2:
         raise ConfigError("runs/seeds/max_tokens", (runs, seeds, max_tokens), "need runs >= 1, seeds >= 1, max_tokens >= 2")
+    if synthetic_pair:
+        from minivllm.bench.synthetic_model import QWEN25_05B_CLASS, QWEN25_7B, ensure_synthetic_model
+
+        target = str(ensure_synthetic_model(QWEN25_7B.name, tokenizer_source=synthetic_tokenizer))
+        draft = str(ensure_synthetic_model(QWEN25_05B_CLASS.name, tokenizer_source=synthetic_tokenizer))
     load_start = _loadavg()
     t_load = time.perf_counter()
     llm = LLM(target, device=device, dtype=dtype, progress=False, draft_model=draft, prefix_cache=False)
@@ -188,7 +198,8 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
         p = "creative" if "creative" in prompts else prompts[0]
         table = []
         sampling_cases = [("target-only", None, 0.0)] + [
-            (f"{sampling_policy} TV={d:g}", sampling_policy, d) for d in tv_budgets] + [("draft-only", "draft-only", 0.0)]
+            (f"{policy} TV={d:g}", policy, d) for policy in sampling_policy.split("/") for d in tv_budgets] + [
+            ("draft-only", "draft-only", 0.0)]
         for label, policy, d in sampling_cases:
             row = bench.case(label, policy, ids[p], runs=runs, seeds=list(range(seeds)), temperature=temperature,
                              tv_budget=d)
@@ -197,7 +208,7 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
             print(f"sampling {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']}", flush=True)
         add_ratios(table)
         tables["sampling"] = table
-    settings = {"target": target, "draft": draft, "inference_device": device, "activation_dtype": dtype,
+    settings = {"target": target, "draft": draft, "synthetic_pair": synthetic_pair, "inference_device": device, "activation_dtype": dtype,
                 "max_tokens": max_tokens, "runs": runs, "seeds": seeds, "temperature_sampling": temperature,
                 "sampling_policy": sampling_policy, "tv_budgets": list(tv_budgets), "prompts": prompts,
                 "prompt_tokens": {p: len(v) for p, v in ids.items()}, "ignore_eos": True,

@@ -82,7 +82,13 @@ class SyntheticSpec:
 
 QWEN25_7B = SyntheticSpec(name="qwen2.5-7b-q4_k_m", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4,
                           d_ff=18944, vocab_size=152064)
-SPECS = {QWEN25_7B.name: QWEN25_7B}
+# A draft for the 7B, sized like Qwen2.5-0.5B (24 layers, 2 KV heads of 64, d_ff 4864)
+# but with d_model 1024 instead of 896: this generator writes k-quants only, whose rows
+# must be multiples of 256 (the real 0.5B's "Q4_K_M" falls back to Q5_0/Q8_0 there). Same
+# vocabulary rows as the 7B, so the two make a tokenizer-identical speculative pair.
+QWEN25_05B_CLASS = SyntheticSpec(name="qwen2.5-0.5b-class-q4_k_m", n_layers=24, d_model=1024, n_heads=16,
+                                 n_kv_heads=2, d_ff=4864, vocab_size=152064)
+SPECS = {QWEN25_7B.name: QWEN25_7B, QWEN25_05B_CLASS.name: QWEN25_05B_CLASS}
 
 
 @dataclass(frozen=True)

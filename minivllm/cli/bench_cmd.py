@@ -95,7 +95,11 @@ def add_bench_parser(subparsers) -> None:
     sp.add_argument("--cases", type=lambda v: v.split(","), default=None,
                     help="greedy cases to run besides target-only (default all): fixed-4, fixed-6, fixed-8, "
                          "acceptance-rate, accepted-length, adaptive, draft-only")
-    sp.add_argument("--sampling-policy", default="fixed:8", help="draft policy of the TV-budget rows")
+    sp.add_argument("--sampling-policy", default="fixed:8",
+                    help="draft policy of the TV-budget rows; several separated by / (fixed:4/fixed:8) each get every budget")
+    sp.add_argument("--synthetic-pair", action="store_true",
+                    help="synthetic Qwen2.5-7B Q4_K_M target + 0.5B-class draft, random weights (GPU cost study)")
+    sp.add_argument("--synthetic-tokenizer", default=None, help="GGUF to copy the synthetic models' tokenizer from")
     sp.add_argument("--tv-budgets", type=lambda v: tuple(float(x) for x in v.split(",")), default=(0.0, 0.5, 0.75, 1.0))
     sp.add_argument("--temperature", type=float, default=0.7)
     sp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -208,7 +212,8 @@ def _speculative(args: argparse.Namespace) -> int:
     run(args.model, args.draft_model, args.inference_device, args.activation_dtype, max_tokens=args.max_tokens,
         runs=args.runs, seeds=args.seeds, parts=args.parts, prompts=args.prompts, cases=args.cases,
         sampling_policy=args.sampling_policy, tv_budgets=args.tv_budgets, temperature=args.temperature,
-        engine_options=_options(args.option))
+        engine_options=_options(args.option), synthetic_pair=args.synthetic_pair,
+        synthetic_tokenizer=args.synthetic_tokenizer)
     return 0
 
 
