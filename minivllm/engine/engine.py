@@ -256,11 +256,13 @@ class LLMEngine:
                 # Every follower's first token comes from these same prompt logits (its
                 # own sampling settings and generator), at release: keep a copy.
                 self._flight_logits[req.id] = row_logits.clone()
-            event = self._sample_token(req, row_logits)
-            events.append(event)
             if not first and req.spec is not None:
+                # Counted before the token is appended: it may finish the request, whose
+                # stats then move into the engine's totals.
                 self.speculator.record_plain(req)
                 timed.append((req, None))
+            event = self._sample_token(req, row_logits)
+            events.append(event)
             if (first and not event.finished and req.id in self._flight_logits
                     and self.flights.release == "after_prefill"):
                 # The prompt is computed: publish its pages (whatever the publication

@@ -49,7 +49,8 @@ class Speculator:
                  kv_tokens: int, page_size: int, max_model_len: int, draft_name: str = "draft"):
         self.vocab = shared_vocab_size(target_tokenizer, draft_tokenizer, target_model.config, draft_model.config,
                                        draft_name=draft_name)
-        if draft_model.device != target_model.device:
+        d, t = draft_model.device, target_model.device
+        if d.type != t.type or (d.index or 0) != (t.index or 0):  # "cuda" means cuda:0 here
             from minivllm.errors import ConfigError
 
             raise ConfigError("draft_model", draft_name, f"is on {draft_model.device} but the target is on "
