@@ -540,11 +540,11 @@ def test_gate_pauses_after_failed_probe_and_resumes_after_pause_tokens():
     g.record_round(*SLOW_ROUND)
     assert g.state == "paused" and not g.speculating
     assert g.pauses == 1
-    assert g.pause == 16  # the first pause
+    assert g.pause == 32  # the first pause
     # rounds while paused are ignored
     g.record_round(*FAST_ROUND)
     assert g.state == "paused"
-    for _ in range(15):
+    for _ in range(31):
         g.record_plain(*PLAIN)
         assert g.state == "paused"
     g.record_plain(*PLAIN)
@@ -552,9 +552,9 @@ def test_gate_pauses_after_failed_probe_and_resumes_after_pause_tokens():
 
 
 def test_gate_second_failed_probe_doubles_pause_up_to_max():
-    """Each further failed probe doubles the pause (16 → 32 → 64), capped at max_pause."""
-    g = _gate_to_speculating(max_pause=100)
-    expected_pauses = [16, 32, 64, 100, 100]
+    """Each further failed probe grows the pause fourfold (32 → 128 → 512), capped at max_pause."""
+    g = _gate_to_speculating(max_pause=600)
+    expected_pauses = [32, 128, 512, 600, 600]
     for i, pause in enumerate(expected_pauses):
         for _ in range(3):
             g.record_round(*SLOW_ROUND)
@@ -569,15 +569,28 @@ def test_gate_second_failed_probe_doubles_pause_up_to_max():
 
 
 def test_gate_counts_paused_tokens_not_steps():
-    """The pause is measured in tokens: 4-token plain steps end a 16-token pause in 4 steps."""
+    """The pause is measured in tokens: 4-token plain steps end a 32-token pause in 8 steps."""
     g = _gate_to_speculating()
     for _ in range(3):
         g.record_round(*SLOW_ROUND)
     assert g.state == "paused"
-    for _ in range(3):
+    for _ in range(7):
         g.record_plain(4, 0.4)
     assert g.state == "paused"
     g.record_plain(4, 0.4)
+    assert g.state == "speculating"
+
+
+def test_gate_a_clear_loss_pauses_after_one_round():
+    """A probe round below abort_ratio x the plain rate (2 tok/s vs 10) pauses at once; after
+    the probe window (probe_rounds measured rounds) only the averaged comparison counts."""
+    g = _gate_to_speculating()
+    g.record_round(1, 0.5)
+    assert g.state == "paused" and g.pauses == 1
+    g = _gate_to_speculating()
+    for _ in range(g.probe_rounds):
+        g.record_round(*FAST_ROUND)
+    g.record_round(1, 0.5)  # one bad round after a paying probe: the average still pays
     assert g.state == "speculating"
 
 
@@ -633,7 +646,7 @@ def test_draft_controller_wanted_follows_gate():
         c.gate.record_round(*SLOW_ROUND)
     assert c.gate.state == "paused"
     assert c.wanted() == 0
-    for _ in range(16):
+    for _ in range(32):
         c.gate.record_plain(*PLAIN)
     assert c.wanted() == 3
     ungated = DraftController(FixedLength(6), None)

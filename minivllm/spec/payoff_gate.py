@@ -16,10 +16,14 @@ are not measured: they say more about the prompt than about speculation.
 
 States: baseline (the first `baseline_steps` decode steps run plain to measure the plain
 rate) -> speculating (after `probe_rounds` measured rounds, pause as soon as the
-speculative rate falls below the plain rate) -> paused (plain steps for `pause` tokens,
+speculative rate falls below the plain rate; a single round below `abort_ratio` of the
+plain rate is a clear loss and pauses at once) -> paused (plain steps for `pause` tokens,
 refreshing the plain rate) -> speculating again with fresh measurements. Each pause
-that follows a failed probe doubles, up to `max_pause`, so text where the draft never
-helps costs a few probe rounds per doubling window; a probe that pays resets it.
+that follows a failed probe grows `growth`-fold, up to `max_pause`, so text where the
+draft never helps costs a couple of rounds per probe and few probes; a probe that pays
+resets it. On the H200 a round that accepts nothing costs about five plain decode steps
+(an eager verification forward against a CUDA-graph decode step), which is what these
+defaults were tuned against (benchmarks/results/speculative-*synthetic*).
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ class _Rate:
 
 
 class PayoffGate:
-    def __init__(self, *, baseline_steps: int = 2, probe_rounds: int = 3, first_pause: int = 16,
-                 max_pause: int = 256, alpha: float = 0.3):
+    def __init__(self, *, baseline_steps: int = 2, probe_rounds: int = 3, abort_ratio: float = 0.5,
+                 first_pause: int = 32, growth: int = 4, max_pause: int = 1024, alpha: float = 0.3):
         self.baseline_steps = baseline_steps
         self.probe_rounds = probe_rounds
+        self.abort_ratio = abort_ratio
+        self.growth = growth
         self.first_pause = first_pause
         self.max_pause = max_pause
         self.alpha = alpha
@@ -77,14 +83,16 @@ class PayoffGate:
             return
         self.spec.add(tokens, seconds)
         plain, spec = self.plain.value, self.spec.value
-        if self.spec.samples < self.probe_rounds or plain is None or spec is None:
+        if plain is None or spec is None:
             return
-        if spec < plain:
+        probing = self.spec.samples <= self.probe_rounds
+        clear_loss = tokens / seconds < self.abort_ratio * plain
+        if (self.spec.samples >= self.probe_rounds and spec < plain) or (probing and clear_loss):
             self.state = "paused"
             self.paused_tokens = 0
             self.pauses += 1
-            if self.spec.samples == self.probe_rounds:  # it failed the probe itself: back off more
-                self.pause = min(self.pause * 2, self.max_pause) if self.pauses > 1 else self.pause
+            if probing and self.pauses > 1:  # the probe itself failed again: back off further
+                self.pause = min(self.pause * self.growth, self.max_pause)
         elif self.spec.samples == self.probe_rounds:
             self.pause = self.first_pause  # the probe paid: a later pause starts short again
 
