@@ -594,6 +594,19 @@ def test_gate_a_clear_loss_pauses_after_one_round():
     assert g.state == "speculating"
 
 
+def test_gate_an_unmeasured_probe_round_that_accepted_nothing_pauses():
+    """A probe round yielding one token is a loss whatever its time, measured or not; after
+    a paying probe such a round no longer decides alone."""
+    g = _gate_to_speculating()
+    g.record_round(1, 0.01, measured=False)
+    assert g.state == "paused"
+    g = _gate_to_speculating()
+    for _ in range(g.probe_rounds):
+        g.record_round(*FAST_ROUND)
+    g.record_round(1, 0.01, measured=False)
+    assert g.state == "speculating"
+
+
 def test_gate_fast_rounds_never_pause():
     """Rounds at 30 tok/s against 10 tok/s plain never pause."""
     g = _gate_to_speculating()
@@ -614,7 +627,7 @@ def test_gate_unmeasured_samples_do_not_count():
     g.record_plain(*PLAIN)
     assert g.state == "speculating"
     for _ in range(10):
-        g.record_round(1, 10.0, measured=False)  # 0.1 tok/s if it counted
+        g.record_round(2, 20.0, measured=False)  # 0.1 tok/s if it counted
     assert g.state == "speculating"
     g.record_round(*SLOW_ROUND)
     g.record_round(*SLOW_ROUND)

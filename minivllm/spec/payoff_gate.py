@@ -17,7 +17,8 @@ are not measured: they say more about the prompt than about speculation.
 States: baseline (the first `baseline_steps` decode steps run plain to measure the plain
 rate) -> speculating (after `probe_rounds` measured rounds, pause as soon as the
 speculative rate falls below the plain rate; a single round below `abort_ratio` of the
-plain rate is a clear loss and pauses at once) -> paused (plain steps for `pause` tokens,
+plain rate is a clear loss and pauses at once, and so does a probe round that accepted
+nothing even when its time is not measured) -> paused (plain steps for `pause` tokens,
 refreshing the plain rate) -> speculating again with fresh measurements. Each pause
 that follows a failed probe grows `growth`-fold, up to `max_pause`, so text where the
 draft never helps costs a couple of rounds per probe and few probes; a probe that pays
@@ -79,22 +80,31 @@ class PayoffGate:
                 self._start_probe()
 
     def record_round(self, tokens: int, seconds: float, *, measured: bool = True) -> None:
-        if self.state != "speculating" or not measured or seconds <= 0:
+        if self.state != "speculating":
+            return
+        probing = self.spec.samples < self.probe_rounds
+        if not measured or seconds <= 0:
+            # Its time says little, but a round that got a single token (nothing accepted)
+            # cost a plain step plus the draft's work whatever the time: a loss.
+            if probing and tokens <= 1:
+                self._pause(probing=True)
             return
         self.spec.add(tokens, seconds)
         plain, spec = self.plain.value, self.spec.value
         if plain is None or spec is None:
             return
-        probing = self.spec.samples <= self.probe_rounds
         clear_loss = tokens / seconds < self.abort_ratio * plain
         if (self.spec.samples >= self.probe_rounds and spec < plain) or (probing and clear_loss):
-            self.state = "paused"
-            self.paused_tokens = 0
-            self.pauses += 1
-            if probing and self.pauses > 1:  # the probe itself failed again: back off further
-                self.pause = min(self.pause * self.growth, self.max_pause)
+            self._pause(probing=probing or self.spec.samples == self.probe_rounds)
         elif self.spec.samples == self.probe_rounds:
             self.pause = self.first_pause  # the probe paid: a later pause starts short again
+
+    def _pause(self, *, probing: bool) -> None:
+        self.state = "paused"
+        self.paused_tokens = 0
+        self.pauses += 1
+        if probing and self.pauses > 1:  # the probe itself failed again: back off further
+            self.pause = min(self.pause * self.growth, self.max_pause)
 
     def _start_probe(self) -> None:
         self.state = "speculating"
