@@ -4,12 +4,8 @@
 # SmolLM2, run every CUDA test and the small-model benchmarks. Stage 3 ("7b"): the
 # synthetic Qwen2.5-7B Q4_K_M decode benchmark. Results go to $OUT.
 set -uo pipefail
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 MINIVLLM_CACHE=/root/mcache MINIVLLM_OFFLINE=1 \
-       MINIVLLM_TEST_SKIP_MISSING_MODELS=1 HF_HUB_OFFLINE=1
-unset TRITON_INTERPRET
+source "$(dirname "$0")/gpu_env.sh"
 stage=${1:-tests}
-touch /tmp/start-marker
-d=$MINIVLLM_CACHE/models/smollm2-135m; mkdir -p $d /root/gpu
 case $stage in
 stage)
   python3 -m pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1

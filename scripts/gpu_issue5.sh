@@ -4,12 +4,8 @@
 # CUDA tests and `bench prefix-cache` on it. Stage "7b PARTS": the same benchmark on the
 # synthetic Qwen2.5-7B Q4_K_M (written on first use). Results go to $OUT.
 set -uo pipefail
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 MINIVLLM_CACHE=/root/mcache MINIVLLM_OFFLINE=1 \
-       MINIVLLM_TEST_SKIP_MISSING_MODELS=1 HF_HUB_OFFLINE=1
-unset TRITON_INTERPRET
+source "$(dirname "$0")/gpu_env.sh"
 stage=${1:-tests}
-touch /tmp/start-marker
-d=$MINIVLLM_CACHE/models/smollm2-135m; mkdir -p $d /root/gpu
 case $stage in
 stage)
   python3 -m pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1

@@ -5,12 +5,8 @@
 # synthetic Qwen2.5-7B Q4_K_M target + 0.5B-class draft (written on first use). Results
 # go to $OUT.
 set -uo pipefail
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 MINIVLLM_CACHE=/root/mcache MINIVLLM_OFFLINE=1 \
-       MINIVLLM_TEST_SKIP_MISSING_MODELS=1 HF_HUB_OFFLINE=1
-unset TRITON_INTERPRET
+source "$(dirname "$0")/gpu_env.sh"
 stage=${1:-tests}
-touch /tmp/start-marker
-d=$MINIVLLM_CACHE/models/smollm2-135m; mkdir -p $d /root/gpu
 [ -d /root/site/gguf ] || python3 -m pip install -q --no-deps --no-index --target /root/site .whl/synth/*.whl 2>&1 | tail -1
 case $stage in
 stage)
