@@ -170,3 +170,29 @@ def test_decode_synthetic_model_is_refused_on_cpu(results_dir, tmp_path, monkeyp
 
     with pytest.raises(ConfigError, match="GPU"):
         run(devices=["cpu"], synthetic="qwen2.5-7b-q4_k_m")
+
+
+def test_speculative_driver(results_dir, tmp_path):
+    """Tiny target + a differently seeded tiny draft (same vocabulary): every table and case
+    runs, rows carry acceptance and ratios, and the texts are saved with the numbers."""
+    from synthetic_gguf import write_tiny_model
+
+    from minivllm.bench.speculative import run
+
+    target = write_tiny_model(tmp_path / "target.gguf", n_layers=2, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2,
+                              vocab_size=512, context_length=4096, seed=1)
+    draft = write_tiny_model(tmp_path / "draft.gguf", n_layers=1, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2,
+                             vocab_size=512, context_length=4096, seed=2)
+    tables = run(str(target), str(draft), max_tokens=6, runs=1, seeds=2, tv_budgets=(0.0, 1.0), prompts=["code"],
+                 engine_options={"gemv_max_rows": 0})
+    data = _load(results_dir, "speculative-")
+    assert {r["table"] for r in data["rows"]} == {"greedy", "sampling"}  # sampling on the one prompt given
+    greedy = [r for r in tables["greedy"] if r["prompt"] == "code"]
+    assert [r["case"] for r in greedy] == ["target-only", "fixed-4", "fixed-6", "fixed-8", "acceptance-rate",
+                                           "accepted-length", "adaptive", "draft-only"]
+    assert greedy[0]["speedup_e2e"] == 1.0 and greedy[0]["acceptance"] is None
+    assert greedy[1]["proposed"] > 0 and greedy[1]["rounds_per_request"] > 0
+    sampling = tables["sampling"]
+    tv1 = next(r for r in sampling if r["case"] == "fixed:8 TV=1")
+    assert tv1["acceptance"] == 1.0 and tv1["n"] == 2  # a TV budget of 1 accepts every draft token
+    assert all(r["texts"] for r in sampling) and "## Generated texts" in next(results_dir.glob("speculative-*.md")).read_text()

@@ -57,3 +57,22 @@ def test_generate_on_gpu_matches_cpu_greedy(smollm2_path):
 def test_models_list_names_the_default():
     r = _run("models", "list")
     assert r.returncode == 0 and "smollm2-135m *" in r.stdout and "qwen2.5-coder-0.5b" in r.stdout
+
+
+def test_generate_with_a_draft_model_prints_the_target_text_and_the_speculation_stats(smollm2_path):
+    """SmolLM2 drafting for itself: greedy output equal to the plain run's, 100% acceptance."""
+    from minivllm import LLM, SamplingParams
+
+    expected = LLM(str(smollm2_path), progress=False).generate(
+        "The capital of France is", SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    r = _run("generate", "--model", str(smollm2_path), "--draft-model", str(smollm2_path), "--draft-policy", "fixed:3",
+             "--max-tokens", "12", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "The capital of France is" + expected + "\n"
+    assert "[speculative: fixed:3, tv_budget 0.0]" in r.stderr and "(100.0%)" in r.stderr, r.stderr
+
+
+def test_a_draft_with_another_vocabulary_is_one_clear_line(smollm2_path, qwen05_path):
+    r = _run("generate", "--model", str(qwen05_path), "--draft-model", str(smollm2_path), "--max-tokens", "4",
+             "--quiet", "Hi")
+    assert r.returncode == 2 and "draft_model" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -176,7 +176,11 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
     llm = LLM(target, device=device, dtype=dtype, progress=False, draft_model=draft, prefix_cache=False)
     load_s = time.perf_counter() - t_load
     bench = Bench(llm, engine_options or {}, max_tokens)
-    ids = {p: llm.tokenizer.encode(llm.chat_prompt([{"role": "user", "content": prompt_text(p)}])) for p in prompts}
+    # Through the chat template, as a user would send them; a model without one (the
+    # tests' tiny models) gets the plain text.
+    chat = llm.tokenizer.chat_template is not None
+    ids = {p: llm.tokenizer.encode(llm.chat_prompt([{"role": "user", "content": prompt_text(p)}]) if chat
+                                   else prompt_text(p)) for p in prompts}
     tables: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     if "greedy" in parts:
@@ -211,7 +215,7 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
     settings = {"target": target, "draft": draft, "synthetic_pair": synthetic_pair, "inference_device": device, "activation_dtype": dtype,
                 "max_tokens": max_tokens, "runs": runs, "seeds": seeds, "temperature_sampling": temperature,
                 "sampling_policy": sampling_policy, "tv_budgets": list(tv_budgets), "prompts": prompts,
-                "prompt_tokens": {p: len(v) for p, v in ids.items()}, "ignore_eos": True,
+                "prompt_tokens": {p: len(v) for p, v in ids.items()}, "chat_template": chat, "ignore_eos": True,
                 "engine_options": bench.options, "torch_threads": torch.get_num_threads(),
                 "kernel_options": bench.engine(None).kernel_options.describe(), "load_s": round(load_s, 1),
                 "method": "one request at a time; fresh engine per case with a 16-token warm-up; prefix cache off"}
