@@ -589,7 +589,7 @@ def test_async_engine(llm, ref):
 
 # -- 10, 13: snapshots and logits rows ----------------------------------------------------------
 
-SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "prefix_cache", "counters"}
+SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "prefix_cache", "speculative", "counters"}
 PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_pages", "in_use_pages", "cached_tokens",
                "lookups", "hits", "hit_rate", "restored_tokens", "published_pages", "duplicate_pages", "evicted_pages",
                "flights", "released", "flight_counters"}
@@ -601,12 +601,12 @@ KV_KEYS = {"page_size", "total_pages", "free_pages", "available_pages", "used_pa
            "ref_counts"}
 LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows", "preempted", "kernel_paths",
                   "duration_s"}
-ROW_KEYS = {"id", "phase", "tokens"}
+ROW_KEYS = {"id", "phase", "tokens", "draft_tokens"}
 COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted",
                 "requests_finished", "finished_stop", "finished_length", "finished_abort", "finished_error",
                 "rejected"}
 REQUEST_KEYS = {"id", "status", "phase", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens",
-                "restored_tokens", "pages", "block_table", "preemptions", "flight", "waiting_on"}
+                "restored_tokens", "pages", "block_table", "preemptions", "flight", "waiting_on", "speculation"}
 
 
 def check_schema(snap: dict) -> None:
@@ -620,6 +620,7 @@ def check_schema(snap: dict) -> None:
     assert set(snap["kv"]) == KV_KEYS
     assert set(snap["kernels"]) == KERNEL_KEYS
     assert set(snap["prefix_cache"]) == PREFIX_KEYS
+    assert snap["speculative"] == {"enabled": False}  # no draft model (test_speculative.py checks the rest)
     assert len(snap["kv"]["page_states"]) == len(snap["kv"]["ref_counts"]) == snap["kv"]["total_pages"]
     assert set(snap["kv"]["page_states"]) <= {"free", "owned", "cached-idle", "shared"}
     assert set(snap["last_step"]) == LAST_STEP_KEYS
