@@ -653,8 +653,8 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     snap = engine.snapshot()
     check_schema(snap)
     last = snap["last_step"]
-    assert last["rows"] == [{"id": short, "phase": "decode", "tokens": 1},
-                            {"id": long, "phase": "prefill", "tokens": 7}]
+    assert last["rows"] == [{"id": short, "phase": "decode", "tokens": 1, "draft_tokens": 0},
+                            {"id": long, "phase": "prefill", "tokens": 7, "draft_tokens": 0}]
     assert last["decode_rows"] == 1 and last["prefill_tokens"] == 7
     assert last["logits_rows"] == 1 < len(last["rows"])  # the prefill chunk is not the prompt's end
     assert asked == [(8, [0], 1)]  # the forward computed logits for the decode row only

@@ -602,7 +602,7 @@ def test_a_page_aligned_repeated_prompt_still_computes_its_last_page(tiny, k):
     second = engine.add_request(ids, GREEDY)
     step(engine)
     assert engine.requests[second].restored_tokens == (k - 1) * ps
-    assert engine.last_step["rows"] == [{"id": second, "phase": "prefill", "tokens": ps}]
+    assert engine.last_step["rows"] == [{"id": second, "phase": "prefill", "tokens": ps, "draft_tokens": 0}]
     assert engine.last_step["logits_rows"] == 1 and len(engine.requests[second].output_ids) == 1
     run_to_end(engine)
     assert check_output(tiny, engine, second, ids, GREEDY) == check_output(tiny, engine, first, ids, GREEDY)
