@@ -1,0 +1,71 @@
+"""A worker's start-up calibration: a few timed engine steps that give its rates.
+
+Runs on the worker's own engine after warm-up, with random token ids (speed does not
+depend on which ids) and greedy sampling with EOS ignored, so lengths are exact:
+
+- prefill: one prompt of `prefill_tokens` tokens -> prompt tokens / summed step time;
+- decode: `decode_steps` decode-only steps at batch 1 and at batch B (min(4,
+  max_active_requests)) -> rows / step time, median over the steps.
+
+Afterwards the engine is left as a user would find it: the prefix cache emptied and the
+counters zeroed, since calibration is not traffic.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from minivllm.engine.engine import LLMEngine
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.serving.worker_rates import WorkerRates
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        steps.append(dict(engine.last_step))
+    for rid in rids:
+        engine.pop_output(rid)
+    return steps
+
+
+def _random_prompt(rng: random.Random, engine: LLMEngine, n: int) -> list[int]:
+    vocab = engine.model.config.vocab_size
+    return [rng.randrange(100, max(101, min(vocab, 30000))) for _ in range(n)]
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """First calls pay for allocator growth, Triton compiles and CUDA-graph capture."""
+    rng = random.Random(1)
+    _run(engine, [_random_prompt(rng, engine, 16)], max_tokens=4)
+    batch = min(4, engine.config.max_active_requests)
+    _run(engine, [_random_prompt(rng, engine, 8) for _ in range(batch)], max_tokens=4)
+
+
+def calibrate(engine: LLMEngine, *, prefill_tokens: int = 128, decode_steps: int = 8) -> WorkerRates:
+    rng = random.Random(0)
+    prefill_tokens = max(8, min(prefill_tokens, engine.max_model_len // 2, engine.config.max_batched_tokens * 4))
+    steps = _run(engine, [_random_prompt(rng, engine, prefill_tokens)], max_tokens=1)
+    prefill_time = sum(s["duration_s"] for s in steps if s["prefill_tokens"] > 0)
+    prefill_tps = prefill_tokens / prefill_time if prefill_time > 0 else None
+
+    decode_points: dict[int, float] = {}
+    for batch in sorted({1, min(4, engine.config.max_active_requests)}):
+        steps = _run(engine, [_random_prompt(rng, engine, 8) for _ in range(batch)], max_tokens=decode_steps + 1)
+        rates = [s["decode_rows"] / s["duration_s"] for s in steps
+                 if s["prefill_tokens"] == 0 and s["decode_rows"] == batch and s["duration_s"] > 0]
+        if rates:
+            decode_points[batch] = statistics.median(rates)
+
+    if engine.prefix is not None:
+        engine.prefix.clear()
+        for key in engine.prefix.counters:
+            engine.prefix.counters[key] = 0
+    for key in engine.counters:
+        engine.counters[key] = 0
+    return WorkerRates(prefill_tps=prefill_tps, decode_points=decode_points,
+                       source="calibration" if prefill_tps and decode_points else "none")

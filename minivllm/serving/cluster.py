@@ -1,0 +1,251 @@
+"""`Cluster`: worker processes behind a router, as a Python object for notebooks.
+
+    with Cluster(model="smollm2-135m", devices=["cpu", "gpu", "gpu"], router="cost") as cluster:
+        stream = cluster.submit("Explain KV caches.", SamplingParams(max_tokens=64))
+        for event in stream:
+            print(event.text, end="")
+        cluster.snapshot()   # every worker's engine snapshot + the router's decisions
+
+`submit` routes at once and returns a `RequestStream`; iterate it with `for`, or with
+`async for` when submitted from async code. The model file is resolved (downloaded if
+needed) once here, before any worker starts, so workers never race on a download.
+Routing decisions are serialised so each one sees the requests routed before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.inference_devices import parse_inference_devices
+from minivllm.serving.request_stream import RequestStream
+from minivllm.serving.router import IncomingRequest, NoWorkerAvailable, Router
+from minivllm.serving.worker_handle import WorkerHandle
+
+SCHEMA = "minivllm.cluster.snapshot/1"
+PREFIX_QUERY_TIMEOUT_S = 2.0
+
+
+class WorkerStartError(MinivllmError):
+    """A worker process could not load its model or device."""
+
+
+class Cluster:
+    def __init__(self, model: str = "smollm2-135m", devices: Sequence[str] | str = ("cpu",), *, router: str = "cost",
+                 dtype: str = "f32", draft_model: str | None = None, rates_profile: str | None = None,
+                 calibrate: bool = True, heartbeat_timeout_s: float = 60.0, ready_timeout_s: float = 1800.0,
+                 on_progress=None, progress: bool = False, **engine_options):
+        """`engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
+        state, stage)` is called while workers load (the widgets show it)."""
+        from minivllm.gguf.tokenizer import Tokenizer
+        from minivllm.models import resolve_model
+
+        EngineConfig(**engine_options)  # a bad option fails here, naming the field, before any process starts
+        self.devices = parse_inference_devices(devices)
+        self.router = Router(router)
+        self.model_path = resolve_model(model, progress=progress)
+        self.model_name = Path(model).stem if str(model).endswith(".gguf") else str(model)
+        self.draft_model_path = resolve_model(draft_model, progress=progress) if draft_model else None
+        self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        self.worker_config = {"model": str(self.model_path), "dtype": dtype,
+                              "draft_model": str(self.draft_model_path) if self.draft_model_path else None,
+                              "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile}
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.on_progress = on_progress
+        self.workers: dict[str, WorkerHandle] = {}
+        self._route_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:6]
+        self.started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _new_handle(self, device) -> WorkerHandle:
+        return WorkerHandle(device, self.worker_config, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                            on_progress=self.on_progress)
+
+    def start(self) -> "Cluster":
+        """Start every worker and wait until all are loaded, warmed up and calibrated."""
+        if self.started:
+            return self
+        self.workers = {d.name: self._new_handle(d) for d in self.devices}
+        for handle in self.workers.values():
+            handle.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        for handle in self.workers.values():
+            handle.wait_ready(max(0.0, deadline - time.monotonic()))
+        failed = [h for h in self.workers.values() if h.state != "ready"]
+        if failed:
+            message = "; ".join(f"{h.name}: {h.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}" for h in failed)
+            self.stop()
+            raise WorkerStartError(f"{len(failed)} of {len(self.workers)} workers did not start: {message}")
+        self.started = True
+        return self
+
+    def stop(self) -> None:
+        """Shut every worker down; requests still running end with an error event."""
+        with ThreadPoolExecutor(max_workers=max(1, len(self.workers))) as pool:
+            list(pool.map(lambda h: h.stop(), self.workers.values()))
+        self.started = False
+
+    def restart_worker(self, name: str) -> None:
+        """Replace one worker (dead or alive) with a fresh process; the others keep serving."""
+        old = self._worker(name)
+        old.stop()
+        handle = self._new_handle(old.device)
+        self.workers[name] = handle
+        handle.start()
+        if not handle.wait_ready(self.ready_timeout_s) or handle.state != "ready":
+            raise WorkerStartError(f"worker {name} did not restart: {handle.error}")
+
+    def kill_worker(self, name: str) -> None:
+        """SIGKILL one worker's process, as a crash would (fault drills, tests, the notebook)."""
+        self._worker(name).kill()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _worker(self, name: str) -> WorkerHandle:
+        if name not in self.workers:
+            raise ConfigError("worker", name, f"workers: {', '.join(self.workers) or '(none started)'}")
+        return self.workers[name]
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> tuple[str | None, list[int]]:
+        if messages is not None:
+            if prompt is not None:
+                raise ConfigError("messages", "<messages>", "give a prompt or messages, not both")
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ConfigError("prompt", type(prompt).__name__, "expected a string, a list of token ids, or messages=")
+
+    def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+               messages: list[dict] | None = None, request_id: str | None = None, worker: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Route one request and send it to its worker. `worker` bypasses the router
+        (the decision is still recorded, as forced). Raises ConfigError for a bad request
+        and NoWorkerAvailable when every worker is down."""
+        if not self.started:
+            raise ConfigError("cluster", "stopped", "call start() (or use `with Cluster(...)`) before submit()")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
+        text, prompt_ids = self.encode(prompt, messages)
+        self._validate(prompt_ids)
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+        rid = request_id or f"cmpl-{self._prefix}-{next(self._ids)}"
+        stream = RequestStream(rid, text, prompt_ids, loop=loop, on_cancel=self._cancel)
+        incoming = IncomingRequest(rid, len(prompt_ids), params.max_tokens)
+        with self._route_lock:
+            handles = list(self.workers.values())
+            cached = self._cached_tokens(handles, prompt_ids) if self.router.policy == "cost" or worker else {}
+            candidates = [h.candidate(cached.get(h.name, 0)) for h in handles]
+            rates = {h.name: h.rates for h in handles}
+            if worker is not None:
+                forced = Router(f"forced:{worker}")
+                decision = forced.choose(incoming, candidates, rates)
+                self.router.decisions.append(decision)
+            else:
+                decision = self.router.choose(incoming, candidates, rates)
+            chosen = self.workers[decision["chosen"]]
+            stream.worker, stream.decision = chosen.name, decision
+            estimate = next(c["cached_tokens"] for c in decision["candidates"] if c["worker"] == chosen.name)
+            chosen.submit(stream, prompt_ids, params, estimate)
+        return stream
+
+    def _validate(self, prompt_ids: list[int]) -> None:
+        """The checks every worker would make, done here so a bad request fails before routing."""
+        if not prompt_ids:
+            raise ConfigError("prompt", "", "must contain at least one token")
+        info = next((h.info for h in self.workers.values() if h.info), {})
+        vocab, limit = info.get("vocab_size"), info.get("max_model_len")
+        if vocab is not None:
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>", f"the prompt must be shorter than "
+                              f"max_model_len={limit}; shorten it or start the cluster with a larger max_model_len")
+
+    def _cached_tokens(self, handles: list[WorkerHandle], prompt_ids: list[int]) -> dict[str, int]:
+        """Ask every healthy worker at once how much of the prompt its prefix cache holds."""
+        live = [h for h in handles if h.healthy]
+        if not live:
+            return {}
+        with ThreadPoolExecutor(max_workers=len(live)) as pool:
+            answers = pool.map(lambda h: h.query("prefix_query", PREFIX_QUERY_TIMEOUT_S, prompt_ids=prompt_ids), live)
+            return {h.name: int(a["tokens"]) if a else 0 for h, a in zip(live, answers)}
+
+    def _cancel(self, request_id: str) -> None:
+        for handle in list(self.workers.values()):
+            handle.abort(request_id)
+
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Submit all prompts at once and wait for every output (in input order)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        streams = [self.submit(p, params) for p in prompts]
+        return [s.result() for s in streams]
+
+    # -- inspection ---------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        workers = [{"name": h.name, "device": h.device.torch_device, "state": h.state, "error": h.error,
+                    "pid": h.transport.pid if h.transport else None} for h in self.workers.values()]
+        up = sum(w["state"] == "ready" for w in workers)
+        status = "ok" if up == len(workers) and up else "degraded" if up else "down"
+        return {"status": status, "workers": workers}
+
+    def snapshot(self, fresh: bool = False) -> dict:
+        """Every worker's latest engine snapshot (sent by the worker every 0.25 s; `fresh`
+        asks each worker for a new one) plus the router's recent decisions."""
+        handles = list(self.workers.values())
+        if fresh:
+            for h in handles:
+                snap = h.query("snapshot", 10.0)
+                if snap is not None:
+                    with h.lock:
+                        h.snapshot = snap
+        return {"schema": SCHEMA, "time": time.time(), "model": self.model_name, "model_path": str(self.model_path),
+                "router": self.router.snapshot(), "health": self.health()["status"],
+                "workers": [h.describe() for h in handles]}
+
+    def rates_profile(self) -> dict:
+        """The workers' current (calibrated and corrected) rates, in the profile-file format."""
+        out = {}
+        for h in self.workers.values():
+            r = h.rates
+            if r.known:
+                out[h.name] = {"prefill_tps": r.prefill_rate(), "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points}}
+        return {"model": self.model_name, "workers": out}
+
+    def save_rates_profile(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.rates_profile(), indent=2))
+        return path
+
+
+__all__ = ["Cluster", "NoWorkerAvailable", "WorkerStartError"]

@@ -1,0 +1,110 @@
+"""`--inference-device` values: which worker processes a cluster starts, and where.
+
+    cpu        a CPU worker (torch threads: the machine's cores split between CPU workers)
+    cpu:N      a CPU worker with N torch threads
+    gpu        the next CUDA index no other entry has claimed (0, then 1, ...)
+    cuda       same as gpu
+    cuda:N     CUDA device N, claimed explicitly
+
+Explicit `cuda:N` entries are claimed first, so `gpu cuda:0` gives cuda:1 then cuda:0.
+Parsing happens in the controller, before any process starts, so a bad list fails fast
+with an error naming the entry.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from minivllm.errors import ConfigError, DeviceError
+
+_HELP = "expected cpu, cpu:THREADS, gpu, cuda or cuda:N"
+
+
+@dataclass(frozen=True)
+class InferenceDevice:
+    kind: str  # "cpu" or "cuda"
+    index: int | None = None  # CUDA index
+    threads: int | None = None  # torch threads (CPU workers; GPU workers use 1)
+    name: str = ""  # the worker's unique name: "cpu", "cpu#2", "cuda:0"
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "index": self.index, "threads": self.threads, "name": self.name,
+                "torch_device": self.torch_device}
+
+
+def _parse_one(text: str) -> tuple[str, int | None, int | None]:
+    spec = str(text).strip().lower()
+    if spec == "cpu":
+        return "cpu", None, None
+    if spec.startswith("cpu:"):
+        try:
+            threads = int(spec[4:])
+        except ValueError:
+            raise ConfigError("inference_device", text, f"{_HELP}; THREADS must be an integer") from None
+        if threads < 1:
+            raise ConfigError("inference_device", text, "the thread count must be >= 1")
+        return "cpu", None, threads
+    if spec in ("gpu", "cuda"):
+        return "cuda", None, None
+    if spec.startswith("cuda:"):
+        try:
+            index = int(spec[5:])
+        except ValueError:
+            raise ConfigError("inference_device", text, _HELP) from None
+        if index < 0:
+            raise ConfigError("inference_device", text, "a CUDA index is >= 0")
+        return "cuda", index, None
+    raise ConfigError("inference_device", text, _HELP)
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def parse_inference_devices(specs: list[str] | tuple[str, ...] | str, *, cuda_count: int | None = None,
+                            cpu_cores: int | None = None) -> list[InferenceDevice]:
+    """Resolve the whole list at once (claiming needs to see every entry)."""
+    if isinstance(specs, str):
+        specs = [specs]
+    specs = list(specs)
+    if not specs:
+        raise ConfigError("inference_device", specs, "give at least one device, e.g. --inference-device cpu")
+    parsed = [_parse_one(s) for s in specs]
+    wants_cuda = any(kind == "cuda" for kind, _, _ in parsed)
+    count = cuda_count if cuda_count is not None else (cuda_device_count() if wants_cuda else 0)
+    explicit = [idx for kind, idx, _ in parsed if kind == "cuda" and idx is not None]
+    for spec, (kind, idx, _) in zip(specs, parsed):
+        if kind == "cuda" and idx is not None and idx >= count:
+            raise DeviceError(f"inference device {spec!r} does not exist: this machine has "
+                              + (f"cuda:0..cuda:{count - 1}" if count else "no CUDA device") + "; use --inference-device cpu")
+    duplicates = {i for i in explicit if explicit.count(i) > 1}
+    if duplicates:
+        raise ConfigError("inference_device", f"cuda:{min(duplicates)}", "is listed twice; each GPU runs one worker")
+    claimed = set(explicit)
+    cpu_entries = sum(1 for kind, _, _ in parsed if kind == "cpu")
+    cores = cpu_cores or os.cpu_count() or 1
+    default_threads = max(1, cores // max(1, cpu_entries))
+    devices: list[InferenceDevice] = []
+    cpu_seen = 0
+    for spec, (kind, idx, threads) in zip(specs, parsed):
+        if kind == "cpu":
+            cpu_seen += 1
+            name = "cpu" if cpu_seen == 1 else f"cpu#{cpu_seen}"
+            devices.append(InferenceDevice("cpu", None, threads or default_threads, name))
+            continue
+        if idx is None:
+            free = [i for i in range(count) if i not in claimed]
+            if not free:
+                raise DeviceError(f"inference device {spec!r}: no unclaimed CUDA device left (this machine has "
+                                  f"{count}); remove a gpu entry or use --inference-device cpu")
+            idx = free[0]
+            claimed.add(idx)
+        devices.append(InferenceDevice("cuda", idx, 1, f"cuda:{idx}"))
+    return devices

@@ -1,0 +1,156 @@
+"""Which worker gets a request: the routing policies and their decision log.
+
+Policies (`--router`):
+    round-robin       the next healthy worker in turn
+    least-loaded      fewest requests in flight (active + queued), then least decode work
+    forced:<worker>   always that worker ("cpu", "cuda:1", ...); an error if it is down
+    cost              the lowest estimated time to work off everything it holds plus the
+                      incoming request (mini-vllm-rs's score, with measured rates):
+
+        score = prefill tokens / prefill_tps + decode tokens / decode_tps(concurrency)
+
+    where prefill tokens = existing work's remaining prompt tokens (queued requests keep
+    the cache estimate they were routed with) + the incoming prompt minus what this
+    worker's prefix cache holds of it; decode tokens = active requests' unused max_tokens
+    + queued requests' full budgets + the incoming budget; concurrency = min(max active,
+    requests it would hold). A worker without measured rates cannot be priced: then the
+    decision falls back to least-loaded and says so.
+
+Every decision keeps every candidate's inputs, terms and score, and the choice, in a ring
+buffer that `snapshot()` serves (the router widget draws it).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from dataclasses import asdict, dataclass
+
+from minivllm.errors import ConfigError, MinivllmError
+
+ROUTER_POLICIES = ("round-robin", "least-loaded", "forced:<worker>", "cost")
+
+
+class NoWorkerAvailable(MinivllmError):
+    """No healthy worker can take the request."""
+
+
+@dataclass
+class IncomingRequest:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class Candidate:
+    """One worker as the router sees it when a request arrives."""
+
+    worker: str
+    healthy: bool
+    active: int  # requests running (holding pages) or already producing tokens
+    queued: int  # routed here, not running yet
+    existing_prefill_tokens: int
+    existing_decode_tokens: int
+    max_active: int
+    cached_tokens: int = 0  # of the incoming prompt, held by this worker's prefix cache
+    prefill_tps: float | None = None
+    decode_tps: float | None = None  # at `concurrency`, filled in by the cost policy
+    concurrency: int = 1
+    incoming_prefill_tokens: int = 0
+    incoming_decode_tokens: int = 0
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    score: float | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.active + self.queued
+
+
+def parse_router_policy(policy: str) -> str:
+    if policy in ("round-robin", "least-loaded", "cost"):
+        return policy
+    if isinstance(policy, str) and policy.startswith("forced:") and len(policy) > len("forced:"):
+        return policy
+    raise ConfigError("router", policy, "allowed: round-robin, least-loaded, cost, forced:<worker> (e.g. forced:cuda:0)")
+
+
+class Router:
+    def __init__(self, policy: str = "cost", *, history: int = 256):
+        self.policy = parse_router_policy(policy)
+        self.decisions: collections.deque[dict] = collections.deque(maxlen=history)
+        self._turn = itertools.count()
+        self.counters = {"decisions": 0, "fallbacks": 0, "no_worker": 0}
+
+    def choose(self, incoming: IncomingRequest, candidates: list[Candidate], rates: dict | None = None) -> dict:
+        """Pick a worker; `rates` maps worker name -> WorkerRates (the cost policy's input).
+        Returns the decision record (also kept in `decisions`)."""
+        healthy = [c for c in candidates if c.healthy]
+        if not healthy:
+            self.counters["no_worker"] += 1
+            raise NoWorkerAvailable("no healthy worker can take the request: every worker is down or stopped; "
+                                    "restart the cluster or a worker (Cluster.restart_worker)")
+        for c in candidates:
+            c.incoming_prefill_tokens = max(0, incoming.prompt_tokens - c.cached_tokens)
+            c.incoming_decode_tokens = incoming.max_tokens
+        reason = self.policy
+        if self.policy == "round-robin":
+            chosen = self._round_robin(candidates)
+        elif self.policy == "least-loaded":
+            chosen = self._least_loaded(healthy)
+        elif self.policy.startswith("forced:"):
+            chosen = self._forced(candidates)
+        else:
+            chosen, reason = self._cost(healthy, rates or {})
+        record = {"request_id": incoming.request_id, "time": time.time(), "policy": self.policy, "reason": reason,
+                  "prompt_tokens": incoming.prompt_tokens, "max_tokens": incoming.max_tokens,
+                  "chosen": chosen.worker, "candidates": [asdict(c) for c in candidates]}
+        self.decisions.append(record)
+        self.counters["decisions"] += 1
+        return record
+
+    def _round_robin(self, candidates: list[Candidate]) -> Candidate:
+        # The cursor walks over all workers so a worker that comes back gets its turns again.
+        for _ in range(len(candidates)):
+            c = candidates[next(self._turn) % len(candidates)]
+            if c.healthy:
+                return c
+        raise AssertionError("unreachable: a healthy candidate exists")
+
+    @staticmethod
+    def _least_loaded(healthy: list[Candidate]) -> Candidate:
+        return min(healthy, key=lambda c: (c.in_flight, c.existing_decode_tokens))
+
+    def _forced(self, candidates: list[Candidate]) -> Candidate:
+        target = self.policy[len("forced:"):]
+        for c in candidates:
+            if c.worker == target:
+                if not c.healthy:
+                    self.counters["no_worker"] += 1
+                    raise NoWorkerAvailable(f"router forced:{target}: worker {target} is down; restart it or pick another policy")
+                return c
+        raise ConfigError("router", self.policy, f"no worker is named {target!r}; workers: "
+                          + ", ".join(c.worker for c in candidates))
+
+    def _cost(self, healthy: list[Candidate], rates: dict) -> tuple[Candidate, str]:
+        for c in healthy:
+            r = rates.get(c.worker)
+            c.concurrency = max(1, min(c.max_active, c.in_flight + 1))
+            if r is None or not r.known:
+                continue
+            c.prefill_tps = r.prefill_rate()
+            c.decode_tps = r.decode_rate(c.concurrency)
+            c.prefill_s = (c.existing_prefill_tokens + c.incoming_prefill_tokens) / c.prefill_tps
+            c.decode_s = (c.existing_decode_tokens + c.incoming_decode_tokens) / c.decode_tps
+            c.score = c.prefill_s + c.decode_s
+        priced = [c for c in healthy if c.score is not None]
+        if len(priced) < len(healthy):
+            self.counters["fallbacks"] += 1
+            unpriced = ", ".join(c.worker for c in healthy if c.score is None)
+            return self._least_loaded(healthy), f"least-loaded (no measured rates yet for {unpriced})"
+        return min(priced, key=lambda c: c.score), "cost"
+
+    def snapshot(self) -> dict:
+        return {"policy": self.policy, "counters": dict(self.counters), "decisions": list(self.decisions)}

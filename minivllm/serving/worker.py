@@ -1,0 +1,221 @@
+"""The worker process: one device, one engine, driven by messages from the controller.
+
+`python -m minivllm.serving.worker FD` is the process entry point (transport.py starts
+it); `worker_main(conn, config)` is importable, so any transport can host a worker.
+
+Threads inside the worker:
+- the step loop (main thread) owns the engine: it applies submissions and aborts between
+  steps, steps while anything is unfinished and sends token events after every step;
+- a receiver thread reads the pipe. It answers prefix-cache queries at once (a read-only
+  lookup, so routing never waits for a long prefill step) and queues everything else for
+  the step loop. When the controller goes away it stops the worker;
+- a heartbeat thread says "alive, and the step loop last turned N seconds ago", so the
+  controller can tell a dead or wedged worker from a busy one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+
+from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.protocol import event_to_wire, params_from_wire
+from minivllm.serving.transport import Endpoint, TransportClosed
+from minivllm.serving.worker_rates import WorkerRates, load_profile
+
+DEFAULT_STATE_INTERVAL_S = 0.25
+DEFAULT_HEARTBEAT_S = 0.5
+
+
+def worker_main(conn, config: dict | None = None) -> None:
+    """Serve on `conn` (a multiprocessing Connection); without `config`, the first
+    message on it is the config."""
+    endpoint = Endpoint(conn)
+    if config is None:
+        try:
+            config = endpoint.recv(None)
+        except TransportClosed:
+            return
+    try:
+        worker = Worker(config, endpoint)
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the controller
+        message = str(exc) if isinstance(exc, MinivllmError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        try:
+            endpoint.send({"op": "failed", "error": message})
+        except TransportClosed:
+            pass
+        return
+    worker.run()
+
+
+class Worker:
+    def __init__(self, config: dict, endpoint: Endpoint):
+        import torch
+
+        from minivllm.engine.llm import LLM
+        from minivllm.serving.calibration import calibrate, warm_up
+
+        self.endpoint = endpoint
+        self.config = config
+        device = config["device"]
+        self.name = device["name"]
+        torch.set_num_threads(int(device.get("threads") or 1))
+        endpoint.send({"op": "loading", "stage": "model"})
+        self.llm = LLM(config["model"], device=device["torch_device"], dtype=config.get("dtype") or "f32",
+                       progress=False, draft_model=config.get("draft_model"), **config.get("engine_options", {}))
+        self.engine = self.llm.engine
+        endpoint.send({"op": "loading", "stage": "warm-up"})
+        warm_up(self.engine)
+        if config.get("rates_profile"):
+            self.rates = load_profile(config["rates_profile"], self.name)
+        elif config.get("calibrate", True):
+            endpoint.send({"op": "loading", "stage": "calibration"})
+            self.rates = calibrate(self.engine)
+        else:
+            self.rates = WorkerRates()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        self.last_loop = time.monotonic()
+        self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
+        self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
+        info = {**self.llm.info(), "name": self.name, "pid": os.getpid(), "device_spec": device,
+                "vocab_size": self.llm.model.config.vocab_size, "max_active_requests": self.engine.config.max_active_requests}
+        endpoint.send({"op": "ready", "info": info, "rates": self.rates.as_dict()})
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        threading.Thread(target=self._receive, name="minivllm-worker-recv", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="minivllm-worker-heartbeat", daemon=True).start()
+        try:
+            self._loop()
+        except TransportClosed:
+            pass  # the controller is gone; nothing left to report to
+        finally:
+            self.stopping.set()
+
+    def _receive(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                msg = self.endpoint.recv(None)
+            except TransportClosed:
+                # The controller died or closed the pipe: nobody can receive our tokens.
+                self.stopping.set()
+                self.inbox.put({"op": "shutdown"})
+                return
+            if msg.get("op") == "prefix_query":
+                self._send({"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}})
+            else:
+                self.inbox.put(msg)
+
+    def _heartbeat(self) -> None:
+        while not self.stopping.wait(self.heartbeat_s):
+            self._send({"op": "heartbeat", "loop_age_s": time.monotonic() - self.last_loop})
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self.endpoint.send(msg)
+        except TransportClosed:
+            self.stopping.set()
+
+    # -- the step loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        last_state = 0.0
+        while not self.stopping.is_set():
+            self.last_loop = time.monotonic()
+            busy = engine.has_unfinished()
+            try:
+                msg = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
+                while True:
+                    if self._handle(msg) == "shutdown":
+                        self._send({"op": "bye"})
+                        return
+                    msg = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if engine.has_unfinished():
+                self._step()
+            now = time.monotonic()
+            if now - last_state >= self.state_interval:
+                self._send({"op": "state", "snapshot": engine.snapshot(), "rates": self.rates.as_dict()})
+                last_state = now
+
+    def _handle(self, msg: dict) -> str | None:
+        op = msg.get("op")
+        if op == "submit":
+            self._submit(msg)
+        elif op == "abort":
+            event = self.engine.abort(msg["request_id"])
+            if event is not None:
+                self._send_events([event])
+        elif op == "snapshot":
+            self._send({"op": "reply", "qid": msg["qid"], "result": self.engine.snapshot()})
+        elif op == "shutdown":
+            return "shutdown"
+        return None
+
+    def _submit(self, msg: dict) -> None:
+        rid = msg["request_id"]
+        try:
+            params = params_from_wire(msg["params"])
+            self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid)
+        except ConfigError as exc:
+            self._send({"op": "rejected", "request_id": rid, "field": exc.field, "error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - a bad request must not take the worker down
+            self._send({"op": "rejected", "request_id": rid, "field": None, "error": f"{type(exc).__name__}: {exc}"})
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            events = engine.step()
+        except Exception as exc:  # noqa: BLE001 - the engine contains its errors; this is the last net
+            # Finish everything still in flight with the error instead of dying with it.
+            message = f"worker {self.name}: engine step failed: {type(exc).__name__}: {exc}"
+            events = []
+            for rid in list(engine.requests):
+                event = engine.abort(rid)
+                if event is not None:
+                    event.finish_reason, event.error = "error", message
+                    events.append(event)
+        step = engine.last_step
+        if not any(row.get("draft_tokens") for row in step["rows"]):
+            self.rates.observe_step(step["prefill_tokens"], step["decode_rows"], step["duration_s"])
+        self._send_events(events)
+
+    def _send_events(self, events) -> None:
+        wire = []
+        for event in events:
+            metrics = None
+            if event.finished and event.request_id in self.engine.requests:
+                metrics = self.engine.pop_output(event.request_id).metrics.as_dict()
+            wire.append(event_to_wire(event, metrics))
+        if wire:
+            self._send({"op": "events", "events": wire})
+
+    def _cached_tokens(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of this prompt the prefix cache could restore now.
+
+        Called from the receiver thread while the step loop may be publishing: the
+        lookup only reads dicts (atomic under the GIL), so the worst case is a slightly
+        stale answer, which is all a routing estimate needs."""
+        index = self.engine.prefix
+        if index is None or not prompt_ids:
+            return 0
+        try:
+            blocks = index.match(prompt_ids, index.keys_for(prompt_ids, []))
+        except Exception:  # noqa: BLE001 - an estimate; never fail a route over it
+            return 0
+        # The engine always computes at least the last prompt token (its logits start decode).
+        return min(len(blocks) * index.page_size, len(prompt_ids) - 1)
+
+
+if __name__ == "__main__":
+    import sys
+    from multiprocessing.connection import Connection
+
+    worker_main(Connection(int(sys.argv[1])))

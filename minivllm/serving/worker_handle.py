@@ -1,0 +1,282 @@
+"""The controller's side of one worker: its process, its in-flight ledger, its health.
+
+A reader thread turns the worker's messages into stream events, snapshots and rates.
+It is also the death detector: a closed pipe (the process exited or was killed), a
+process that is no longer alive, or silence longer than `heartbeat_timeout_s` marks
+the worker dead, and every request it held ends at once with an error event naming
+the worker and the cause. The router skips dead workers from then on.
+
+The ledger (`in_flight`) is what the cost router reads: per request the prompt size,
+the cache estimate it was routed with, its budget and how many tokens it has produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.serving.inference_devices import InferenceDevice
+from minivllm.serving.protocol import event_from_wire, params_to_wire
+from minivllm.serving.request_stream import RequestStream
+from minivllm.serving.router import Candidate
+from minivllm.serving.transport import ProcessTransport, TransportClosed, WorkerTransport
+from minivllm.serving.worker_rates import WorkerRates
+
+STATES = ("starting", "ready", "failed", "dead", "stopped")
+
+
+@dataclass
+class InFlight:
+    stream: RequestStream
+    prompt_tokens: int
+    cached_estimate: int  # routing-time prefix-cache estimate; kept while queued
+    max_tokens: int
+    routed_at: float = field(default_factory=time.monotonic)
+    output_tokens: int = 0
+
+
+class WorkerHandle:
+    def __init__(self, device: InferenceDevice, config: dict, *, heartbeat_timeout_s: float = 60.0,
+                 on_progress=None, transport_factory=ProcessTransport):
+        self.device = device
+        self.name = device.name
+        self.config = {**config, "device": device.as_dict()}
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.on_progress = on_progress
+        self.transport_factory = transport_factory
+        self.transport: WorkerTransport | None = None
+        self.state = "starting"
+        self.stage = "spawning"
+        self.error: str | None = None
+        self.info: dict = {}
+        self.rates = WorkerRates()
+        self.rates_wire: dict = {}
+        self.snapshot: dict | None = None
+        self.in_flight: dict[str, InFlight] = {}
+        self.lock = threading.RLock()
+        self.last_message = time.monotonic()
+        self.loop_age_s = 0.0
+        self.started_at = time.time()
+        self.counters = {"routed": 0, "finished": 0, "errors": 0, "rejected": 0}
+        self._ready = threading.Event()
+        self._replies: dict[int, tuple[threading.Event, list]] = {}
+        self._qids = itertools.count()
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.transport = self.transport_factory("minivllm.serving.worker", self.config, name=self.name)
+        self.last_message = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name=f"minivllm-reader-{self.name}", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "ready"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.transport is None:
+            return
+        try:
+            self.transport.send({"op": "shutdown"})
+        except TransportClosed:
+            pass
+        self.transport.close(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._mark_down("stopped", f"worker {self.name} was stopped")
+
+    def kill(self) -> None:
+        """Kill the process (tests and fault drills); the reader notices and fails its requests."""
+        if self.transport is not None:
+            self.transport.kill()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, cached_estimate: int) -> None:
+        with self.lock:
+            if not self.healthy:
+                stream.fail(f"worker {self.name} is {self.state}: {self.error or 'not ready'}")
+                return
+            self.in_flight[stream.request_id] = InFlight(stream, len(prompt_ids), cached_estimate, params.max_tokens)
+            self.counters["routed"] += 1
+        try:
+            self.transport.send({"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
+                                 "prompt": stream.prompt, "params": params_to_wire(params)})
+        except TransportClosed as exc:
+            self._mark_down("dead", f"worker {self.name} is unreachable: {exc}")
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            known = request_id in self.in_flight
+        if known and self.healthy:
+            try:
+                self.transport.send({"op": "abort", "request_id": request_id})
+            except TransportClosed:
+                pass
+
+    def query(self, op: str, timeout: float, **payload):
+        """A round trip (prefix_query, snapshot); None if no answer in time or the worker is down."""
+        if not self.healthy:
+            return None
+        qid = next(self._qids)
+        done, box = threading.Event(), []
+        self._replies[qid] = (done, box)
+        try:
+            self.transport.send({"op": op, "qid": qid, **payload})
+            done.wait(timeout)
+        except TransportClosed:
+            pass
+        finally:
+            self._replies.pop(qid, None)
+        return box[0] if box else None
+
+    # -- what the router sees ------------------------------------------------------------------------
+
+    def candidate(self, cached_tokens: int = 0) -> Candidate:
+        with self.lock:
+            flights = list(self.in_flight.items())
+            snapshot = self.snapshot
+        running = {}
+        if snapshot is not None:
+            running = {r["id"]: r["computed_tokens"] for r in snapshot["queues"]["running"]}
+        active = queued = prefill = decode = 0
+        for rid, f in flights:
+            if f.output_tokens > 0:
+                active += 1
+                decode += max(0, f.max_tokens - f.output_tokens)
+            elif rid in running:
+                active += 1
+                prefill += max(0, f.prompt_tokens - max(running[rid], f.cached_estimate))
+                decode += f.max_tokens
+            else:
+                queued += 1
+                prefill += max(0, f.prompt_tokens - f.cached_estimate)
+                decode += f.max_tokens
+        return Candidate(worker=self.name, healthy=self.healthy, active=active, queued=queued,
+                         existing_prefill_tokens=prefill, existing_decode_tokens=decode,
+                         max_active=int(self.info.get("max_active_requests", 1)), cached_tokens=cached_tokens)
+
+    def describe(self) -> dict:
+        with self.lock:
+            in_flight = [{"request_id": rid, "prompt_tokens": f.prompt_tokens, "cached_estimate": f.cached_estimate,
+                          "max_tokens": f.max_tokens, "output_tokens": f.output_tokens} for rid, f in self.in_flight.items()]
+        return {"name": self.name, "device": self.device.torch_device, "threads": self.device.threads,
+                "state": self.state, "stage": self.stage, "error": self.error,
+                "pid": self.transport.pid if self.transport is not None else None,
+                "last_message_age_s": time.monotonic() - self.last_message, "loop_age_s": self.loop_age_s,
+                "rates": self.rates_wire, "counters": dict(self.counters), "in_flight": in_flight,
+                "info": self.info, "snapshot": self.snapshot}
+
+    # -- the reader thread ----------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.transport.recv(0.5)
+            except TransportClosed:
+                code = self.transport.exit_code() if self.transport is not None else None
+                if not self._stopping:
+                    self._mark_down("dead" if self.state != "starting" else "failed",
+                                    self.error or f"worker {self.name} exited (exit code {code})")
+                return
+            now = time.monotonic()
+            if msg is None:
+                if self._stopping:
+                    return
+                if not self.transport.alive():
+                    self._mark_down("dead", f"worker {self.name} exited (exit code {self.transport.exit_code()})")
+                    return
+                if self.state == "ready" and now - self.last_message > self.heartbeat_timeout_s:
+                    self._mark_down("dead", f"worker {self.name} sent nothing for {now - self.last_message:.1f} s "
+                                            f"(heartbeat timeout {self.heartbeat_timeout_s} s); killed it")
+                    self.transport.kill()
+                    return
+                continue
+            self.last_message = now
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "events":
+            for wire in msg["events"]:
+                self._deliver(wire)
+        elif op == "state":
+            with self.lock:
+                self.snapshot = msg["snapshot"]
+                self.rates_wire = msg["rates"]
+                self.rates = WorkerRates.from_dict(msg["rates"])
+        elif op == "heartbeat":
+            self.loop_age_s = msg.get("loop_age_s", 0.0)
+        elif op == "reply":
+            waiter = self._replies.get(msg["qid"])
+            if waiter is not None:
+                waiter[1].append(msg["result"])
+                waiter[0].set()
+        elif op == "rejected":
+            with self.lock:
+                flight = self.in_flight.pop(msg["request_id"], None)
+                self.counters["rejected"] += 1
+            if flight is not None:
+                flight.stream.fail(msg["error"], rejected=True, rejected_field=msg.get("field"))
+        elif op == "loading":
+            self.stage = msg["stage"]
+            self._progress()
+        elif op == "ready":
+            self.info = msg["info"]
+            self.rates_wire = msg["rates"]
+            self.rates = WorkerRates.from_dict(msg["rates"])
+            self.state, self.stage = "ready", "ready"
+            self._ready.set()
+            self._progress()
+        elif op == "failed":
+            self.error = f"worker {self.name} failed to start: {msg['error']}"
+            self._mark_down("failed", self.error)
+        elif op == "bye":
+            self._stopping = True
+
+    def _deliver(self, wire: dict) -> None:
+        event = event_from_wire(wire)
+        with self.lock:
+            flight = self.in_flight.get(event.request_id)
+            if flight is None:
+                return
+            if event.token_id >= 0:
+                flight.output_tokens += 1
+            if event.finished:
+                del self.in_flight[event.request_id]
+                self.counters["finished"] += 1
+                self.counters["errors"] += event.finish_reason == "error"
+        flight.stream.push(event, wire.get("metrics"))
+
+    def _mark_down(self, state: str, reason: str) -> None:
+        with self.lock:
+            if self.state in ("dead", "stopped", "failed") and state != "stopped":
+                return
+            self.state = state
+            if state != "stopped":
+                self.error = reason
+            flights = list(self.in_flight.values())
+            self.in_flight.clear()
+        for done, _ in list(self._replies.values()):
+            done.set()
+        self._ready.set()
+        for f in flights:
+            f.stream.fail(reason)
+        self._progress()
+
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            try:
+                self.on_progress(self.name, self.state, self.stage)
+            except Exception:  # noqa: BLE001 - a widget callback must not break the reader
+                pass

@@ -1,0 +1,130 @@
+"""A worker's processing rates: what the cost router divides remaining work by.
+
+Two numbers per worker, both *aggregate* throughput of the worker (tokens per second of
+wall time, all requests together), because the router's score asks "how long until this
+worker has worked off everything it holds", not how fast one request runs alone:
+
+- prefill_tps: prompt tokens computed per second;
+- decode_tps(batch): decode tokens per second with `batch` requests decoding together.
+  Batched decode is memory-bound, so batch 4 yields several times batch 1's tokens/s; the
+  model keeps one measured point per calibrated batch size and interpolates between them.
+
+Sources, in order: a profile file (`load_profile`), a short calibration when the worker
+starts (worker.py), and then online correction: every engine step is a measurement. A
+decode-only step with b rows and duration t observed b/t tokens/s at batch b; a step
+with P prefill tokens observed P / (t - decode share). Each observation nudges a
+multiplicative correction (EWMA, alpha 0.2) on the calibrated curve, so one odd step
+cannot swing routing but a machine that got busier is noticed within a few steps.
+(The original used fixed profiles; per-request rates under batching would understate a
+worker's throughput, which is why the steps, not the requests, are the measurements.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minivllm.errors import ConfigError
+
+ALPHA = 0.2
+# Corrections stay within this factor of the calibration: a step that stalled on a page
+# fault or a GC pause must not make a device look 100x slower.
+CLAMP = 8.0
+MIN_STEP_S = 1e-4
+
+
+@dataclass
+class WorkerRates:
+    prefill_tps: float | None = None
+    decode_points: dict[int, float] = field(default_factory=dict)  # batch -> decode tokens/s
+    source: str = "none"  # "calibration", "profile" or "none"
+    prefill_correction: float = 1.0
+    decode_correction: float = 1.0
+    observations: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+
+    @property
+    def known(self) -> bool:
+        return self.prefill_tps is not None and bool(self.decode_points)
+
+    def prefill_rate(self) -> float | None:
+        return None if self.prefill_tps is None else self.prefill_tps * self.prefill_correction
+
+    def decode_rate(self, batch: int = 1) -> float | None:
+        base = self._decode_base(batch)
+        return None if base is None else base * self.decode_correction
+
+    def _decode_base(self, batch: int) -> float | None:
+        if not self.decode_points:
+            return None
+        points = sorted(self.decode_points.items())
+        batch = max(1, batch)
+        if batch <= points[0][0]:
+            return points[0][1]
+        for (b0, r0), (b1, r1) in zip(points, points[1:]):
+            if b0 <= batch <= b1:
+                return r0 + (r1 - r0) * (batch - b0) / (b1 - b0)
+        return points[-1][1]  # beyond the largest measured batch: no extrapolation
+
+    # -- online correction ---------------------------------------------------------------
+
+    def observe_step(self, prefill_tokens: int, decode_rows: int, duration_s: float) -> None:
+        """One engine step's counts and wall time (speculative rounds excluded by the caller)."""
+        if duration_s < MIN_STEP_S or not self.known:
+            return
+        if prefill_tokens == 0 and decode_rows > 0:
+            observed = decode_rows / duration_s
+            self.decode_correction = self._nudge(self.decode_correction, observed / self._decode_base(decode_rows))
+            self.observations["decode"] += 1
+        elif prefill_tokens > 0:
+            decode_share = decode_rows / self.decode_rate(decode_rows) if decode_rows else 0.0
+            prefill_time = duration_s - decode_share
+            if prefill_time < MIN_STEP_S:
+                return
+            observed = prefill_tokens / prefill_time
+            self.prefill_correction = self._nudge(self.prefill_correction, observed / self.prefill_tps)
+            self.observations["prefill"] += 1
+
+    @staticmethod
+    def _nudge(current: float, ratio: float) -> float:
+        if not math.isfinite(ratio) or ratio <= 0:
+            return current
+        updated = (1 - ALPHA) * current + ALPHA * ratio
+        return min(CLAMP, max(1 / CLAMP, updated))
+
+    # -- wire format ------------------------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        return {"prefill_tps": self.prefill_rate(), "decode_tps": {str(b): self.decode_rate(b) for b in sorted(self.decode_points)},
+                "calibrated": {"prefill_tps": self.prefill_tps, "decode_tps": {str(b): r for b, r in sorted(self.decode_points.items())}},
+                "prefill_correction": self.prefill_correction, "decode_correction": self.decode_correction,
+                "observations": dict(self.observations), "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "WorkerRates":
+        """Rebuild from `as_dict()` (as the controller receives it): the corrected rates
+        become the new base so `decode_rate(b)` is what the worker currently measures."""
+        if not d or d.get("prefill_tps") is None:
+            return cls()
+        return cls(prefill_tps=float(d["prefill_tps"]), decode_points={int(b): float(r) for b, r in d["decode_tps"].items()},
+                   source=d.get("source", "profile"), observations=dict(d.get("observations", {})))
+
+
+def load_profile(path: str | Path, worker: str) -> WorkerRates:
+    """Rates for `worker` (a name like "cpu" or "cuda:0") from a profile file:
+    {"workers": {"cpu": {"prefill_tps": 73, "decode_tps": {"1": 45, "4": 120}}, ...}}."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        entry = data["workers"][worker]
+        rates = WorkerRates(prefill_tps=float(entry["prefill_tps"]),
+                            decode_points={int(b): float(r) for b, r in entry["decode_tps"].items()}, source="profile")
+    except FileNotFoundError:
+        raise ConfigError("rates_profile", str(path), "no such file; write one with Cluster.save_rates_profile()") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError("rates_profile", str(path), f"has no valid entry for worker {worker!r} ({exc!r}); expected "
+                          '{"workers": {"<worker>": {"prefill_tps": float, "decode_tps": {"<batch>": float}}}}') from None
+    if rates.prefill_tps <= 0 or not rates.decode_points or min(rates.decode_points.values()) <= 0:
+        raise ConfigError("rates_profile", str(path), f"rates for {worker!r} must be positive")
+    return rates
