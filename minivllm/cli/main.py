@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minivllm.cli.diverge_cmd import add_diverge_parser
     from minivllm.cli.generate_cmd import add_generate_parser
     from minivllm.cli.models_cmd import add_models_parser
+    from minivllm.cli.serve_cmd import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="minivllm", description="A Jupyter-first LLM inference workbench.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_diverge_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

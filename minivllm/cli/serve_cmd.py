@@ -1,0 +1,67 @@
+"""`minivllm serve`: worker processes behind a router, served over the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minivllm.cli.generate_cmd import (add_kernel_arguments, add_prefix_cache_arguments, add_speculative_arguments,
+                                       kernel_options_from, prefix_cache_options_from, speculative_options_from)
+from minivllm.devices import DTYPE_CHOICES
+from minivllm.models import DEFAULT_MODEL
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """What every command that starts a Cluster takes (serve, smoke)."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name or .gguf path (default {DEFAULT_MODEL})")
+    p.add_argument("--inference-device", action="append", default=None,
+                   help="repeatable: cpu, cpu:THREADS, gpu (next unclaimed CUDA index) or cuda:N; one worker "
+                        "process per entry (default: one cpu worker)")
+    p.add_argument("--activation-dtype", default="f32", choices=DTYPE_CHOICES)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-active-requests", type=int, default=16, help="per worker")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--rates-profile", default=None,
+                   help="JSON file with each worker's prefill/decode rates, instead of calibrating at start")
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API over one worker per device")
+    add_cluster_arguments(p)
+    p.add_argument("--router", default="cost",
+                   help="round-robin, least-loaded, cost (default) or forced:<worker> (e.g. forced:cuda:0)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    add_kernel_arguments(p)
+    add_prefix_cache_arguments(p)
+    add_speculative_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
+def cluster_kwargs(args: argparse.Namespace) -> dict:
+    return {"devices": args.inference_device or ["cpu"], "dtype": args.activation_dtype,
+            "max_model_len": args.max_model_len, "max_active_requests": args.max_active_requests,
+            "page_size": args.page_size, "rates_profile": args.rates_profile}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from minivllm.serving import Cluster
+    from minivllm.serving.http_server import serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+
+    def progress(name, state, stage):
+        print(f"[{name}] {state}: {stage}", file=sys.stderr)
+
+    cluster = Cluster(args.model, router=args.router, on_progress=progress, progress=True, **cluster_kwargs(args),
+                      **kernel_options_from(args), **prefix_cache_options_from(args), **speculative_options_from(args))
+    with cluster:
+        for w in cluster.snapshot()["workers"]:
+            r = w["rates"]
+            print(f"[{w['name']}] ready: prefill {r.get('prefill_tps') or 0:.1f} tok/s, decode "
+                  + ", ".join(f"batch {b}: {v:.1f}" for b, v in (r.get("decode_tps") or {}).items()) + " tok/s",
+                  file=sys.stderr)
+        serve(cluster, host=args.host, port=args.port, api_key=args.api_key)
+    return 0

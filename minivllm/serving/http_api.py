@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP API over a `Cluster` (FastAPI).
+
+    GET  /health                 worker states; 503 when no worker is up (never needs a key)
+    GET  /v1/models              the served model
+    POST /v1/completions         text completion, JSON or SSE stream
+    POST /v1/chat/completions    chat completion through the model's own chat template
+    GET  /v1/cluster/snapshot    every worker's engine snapshot + the router's decisions
+    GET  /metrics                Prometheus text format
+
+Streams follow OpenAI's SSE format: one `data: {chunk}` per token event, a last chunk
+with finish_reason, an optional usage chunk (stream_options.include_usage), then
+`data: [DONE]`. Every response carries a `minivllm` extension object with the request's
+timing (TTFT, prefill and decode tok/s, the worker, tokens restored from the prefix
+cache). A client that disconnects, streaming or not, cancels its request, which frees
+its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from minivllm.errors import ConfigError
+from minivllm.serving.metrics import ServingMetrics
+from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
+from minivllm.serving.request_stream import RequestStream
+from minivllm.serving.router import NoWorkerAvailable
+
+CHAT_DEFAULT_MAX_TOKENS = 256
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+_OPEN_PATHS = ("/health",)
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def timing_extension(stream: RequestStream) -> dict:
+    m = stream.metrics or {}
+    return {"worker": stream.worker, "route_reason": (stream.decision or {}).get("reason"),
+            "ttft_s": m.get("time_to_first_token_s"), "queue_time_s": m.get("queue_time_s"), "e2e_s": m.get("e2e_s"),
+            "prefill_tokens_per_s": m.get("prefill_tokens_per_s"), "decode_tokens_per_s": m.get("decode_tokens_per_s"),
+            "restored_tokens": m.get("cached_prompt_tokens"), "preemptions": m.get("preemptions"),
+            "speculation": m.get("speculation")}
+
+
+def usage(stream: RequestStream) -> dict:
+    prompt, completion = len(stream.prompt_token_ids), len(stream.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(cluster, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    app = FastAPI(title="minivllm", version="0.1.0",
+                  description="OpenAI-compatible API over minivllm's device workers and router.")
+    model_name = served_model_name or cluster.model_name
+    metrics = ServingMetrics(cluster)
+    app.state.cluster, app.state.metrics = cluster, metrics
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if api_key is not None and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        metrics.rejected.labels("validation").inc()
+        return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'bad value')}",
+                              "invalid_request_error", where)
+
+    @app.get("/health")
+    async def health():
+        h = cluster.health()
+        return JSONResponse(h, status_code=200 if h["status"] != "down" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "minivllm", "root": str(cluster.model_path)}]}
+
+    @app.get("/v1/cluster/snapshot")
+    async def cluster_snapshot():
+        return await asyncio.to_thread(cluster.snapshot)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body = await asyncio.to_thread(metrics.render)
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def start(request: Request, body, *, prompt=None, messages=None, default_max_tokens: int):
+        """Validate and route; returns a stream or an error response."""
+        if body.model not in (None, model_name):
+            metrics.rejected.labels("model").inc()
+            return error_response(404, f"model {body.model!r} is not served here; this server serves {model_name!r} "
+                                       "(see /v1/models)", "invalid_request_error", "model")
+        try:
+            params = body.sampling_params(default_max_tokens)
+            loop = asyncio.get_running_loop()
+            stream = await asyncio.to_thread(cluster.submit, prompt, params, messages=messages, loop=loop)
+        except ConfigError as exc:
+            metrics.rejected.labels("invalid").inc()
+            return error_response(400, str(exc), "invalid_request_error", exc.field)
+        except NoWorkerAvailable as exc:
+            return error_response(503, str(exc), "service_unavailable")
+        return stream
+
+    def record(stream: RequestStream, arrival: float, first: float | None, gaps: list[float]) -> None:
+        worker = stream.worker or "none"
+        if first is not None:
+            metrics.ttft.labels(worker).observe(first - arrival)
+        for g in gaps:
+            metrics.itl.labels(worker).observe(g)
+        metrics.e2e.labels(worker).observe(time.monotonic() - arrival)
+        metrics.requests.labels(worker, stream.finish_reason or "unknown").inc()
+        metrics.prompt_tokens.labels(worker).inc(len(stream.prompt_token_ids))
+        metrics.generation_tokens.labels(worker).inc(len(stream.token_ids))
+
+    async def run(request: Request, body, *, chat: bool, prompt=None, messages=None):
+        arrival = time.monotonic()
+        started = await start(request, body, prompt=prompt, messages=messages,
+                              default_max_tokens=CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS)
+        if isinstance(started, JSONResponse):
+            return started
+        stream: RequestStream = started
+        events = stream.__aiter__()
+        # Wait for the first event before answering, so a request its worker refuses
+        # still gets a 4xx instead of a 200 stream carrying an error.
+        try:
+            first_event = await _next_or_disconnect(events, request, stream)
+        except _Disconnected:
+            return PlainTextResponse("", status_code=499)
+        first_time = time.monotonic()
+        if stream.rejected is not None:
+            metrics.rejected.labels("worker").inc()
+            return error_response(400, stream.rejected["error"], "invalid_request_error", stream.rejected["field"])
+        rid = stream.request_id
+        kind = "chat.completion" if chat else "text_completion"
+        if not body.stream:
+            last, gaps = first_time, []
+            event = first_event
+            try:
+                while not event.finished:
+                    event = await _next_or_disconnect(events, request, stream)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+            except _Disconnected:
+                record(stream, arrival, first_time, gaps)
+                return PlainTextResponse("", status_code=499)
+            record(stream, arrival, first_time, gaps)
+            if stream.finish_reason == "error":
+                return error_response(503 if "worker" in (stream.error or "") else 500, stream.error or "generation failed",
+                                      "server_error")
+            choice = ({"index": 0, "message": {"role": "assistant", "content": stream.text},
+                       "finish_reason": stream.finish_reason, "logprobs": None} if chat else
+                      {"index": 0, "text": stream.text, "finish_reason": stream.finish_reason, "logprobs": None})
+            return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
+                    "usage": usage(stream), "minivllm": timing_extension(stream)}
+
+        async def sse():
+            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            created_at = int(time.time())
+
+            def chunk(text: str | None, finish: str | None, first_chunk: bool = False) -> str:
+                if chat:
+                    delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                payload = {"id": rid, "object": chunk_kind, "created": created_at, "model": model_name, "choices": [choice]}
+                if finish is not None:
+                    payload["minivllm"] = timing_extension(stream)
+                return f"data: {json.dumps(payload)}\n\n"
+
+            last, gaps = first_time, []
+            event = first_event
+            first_chunk = True
+            finished_normally = False
+            try:
+                while True:
+                    if event.finished:
+                        if event.finish_reason == "error":
+                            err = {"error": {"message": event.error or "generation failed", "type": "server_error",
+                                             "param": None, "code": None}}
+                            yield f"data: {json.dumps(err)}\n\n"
+                        else:
+                            yield chunk(event.text, event.finish_reason, first_chunk)
+                        break
+                    if event.text or first_chunk:
+                        yield chunk(event.text, None, first_chunk)
+                        first_chunk = False
+                    event = await events.__anext__()
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+                if body.include_usage:
+                    payload = {"id": rid, "object": chunk_kind, "created": created_at, "model": model_name,
+                               "choices": [], "usage": usage(stream), "minivllm": timing_extension(stream)}
+                    yield f"data: {json.dumps(payload)}\n\n"
+                yield "data: [DONE]\n\n"
+                finished_normally = True
+            finally:
+                # A disconnect closes this generator mid-stream: cancel the request.
+                if not finished_normally:
+                    stream.cancel()
+                    try:
+                        await events.aclose()
+                    except (RuntimeError, asyncio.CancelledError):
+                        pass
+                record(stream, arrival, first_time, gaps)
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        try:
+            prompt = body.prompt_input()
+        except ConfigError as exc:
+            metrics.rejected.labels("invalid").inc()
+            return error_response(400, str(exc), "invalid_request_error", exc.field)
+        return await run(request, body, chat=False, prompt=prompt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        try:
+            messages = body.chat_messages()
+        except ConfigError as exc:
+            metrics.rejected.labels("invalid").inc()
+            return error_response(400, str(exc), "invalid_request_error", exc.field)
+        return await run(request, body, chat=True, messages=messages)
+
+    return app
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _next_or_disconnect(events, request: Request, stream: RequestStream, poll_s: float = 0.25):
+    """The next event, or cancel the request if the client went away while we waited."""
+    task = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                stream.cancel()
+                raise _Disconnected()
+    except BaseException:
+        if not task.done():
+            task.cancel()
+        raise

@@ -1,0 +1,79 @@
+"""Prometheus metrics for `/metrics`, through prometheus_client.
+
+Two kinds, kept apart on purpose:
+- per-request latency histograms (TTFT, inter-token latency, e2e) and request/token
+  counters, observed by the HTTP layer as each request streams;
+- engine state (running/waiting requests, KV use, worker up) and the engines' own
+  cumulative counters (prefix-cache queries/hits, speculative proposals/acceptances),
+  read from the cluster snapshot at scrape time by a custom collector, so they are never
+  stale and the engine needs no knowledge of Prometheus.
+
+Each server has its own CollectorRegistry, so several servers (tests, notebooks) can live
+in one process. Names follow Prometheus conventions with a `minivllm_` prefix and mirror
+vLLM's metric set.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class ServingMetrics:
+    def __init__(self, cluster):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("minivllm_time_to_first_token_seconds", "Arrival to first token, per request",
+                              ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("minivllm_inter_token_latency_seconds", "Gap between consecutive token events",
+                             ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("minivllm_e2e_request_latency_seconds", "Arrival to last token, per request",
+                             ["worker"], buckets=_E2E_BUCKETS, registry=r)
+        self.requests = Counter("minivllm_requests", "Finished requests", ["worker", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("minivllm_prompt_tokens", "Prompt tokens of finished requests", ["worker"], registry=r)
+        self.generation_tokens = Counter("minivllm_generation_tokens", "Generated tokens", ["worker"], registry=r)
+        self.rejected = Counter("minivllm_rejected_requests", "Requests refused with a 4xx", ["reason"], registry=r)
+        r.register(_EngineStateCollector(cluster))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStateCollector:
+    """Gauges and engine counters straight from the cluster snapshot."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def describe(self):
+        return []  # unchecked collector: families are only known at collect time
+
+    def collect(self):
+        up = GaugeMetricFamily("minivllm_worker_up", "1 when the worker is ready", labels=["worker"])
+        running = GaugeMetricFamily("minivllm_num_requests_running", "Requests holding KV pages", labels=["worker"])
+        waiting = GaugeMetricFamily("minivllm_num_requests_waiting", "Requests waiting or preempted", labels=["worker"])
+        kv = GaugeMetricFamily("minivllm_kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", labels=["worker"])
+        queries = CounterMetricFamily("minivllm_prefix_cache_queries", "Prefix-cache lookups at admission", labels=["worker"])
+        hits = CounterMetricFamily("minivllm_prefix_cache_hits", "Lookups that restored at least one page", labels=["worker"])
+        proposed = CounterMetricFamily("minivllm_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=["worker"])
+        accepted = CounterMetricFamily("minivllm_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["worker"])
+        for w in self.cluster.snapshot()["workers"]:
+            name = w["name"]
+            up.add_metric([name], 1.0 if w["state"] == "ready" else 0.0)
+            snap = w["snapshot"]
+            if snap is None:
+                continue
+            queues, pages = snap["queues"], snap["kv"]
+            running.add_metric([name], len(queues["running"]))
+            waiting.add_metric([name], len(queues["waiting"]) + len(queues["preempted"]))
+            kv.add_metric([name], pages["used_pages"] / pages["total_pages"] if pages["total_pages"] else 0.0)
+            queries.add_metric([name], snap["prefix_cache"]["lookups"])
+            hits.add_metric([name], snap["prefix_cache"]["hits"])
+            spec = snap["speculative"]
+            proposed.add_metric([name], spec.get("proposed", 0))
+            accepted.add_metric([name], spec.get("accepted", 0))
+        yield from (up, running, waiting, kv, queries, hits, proposed, accepted)

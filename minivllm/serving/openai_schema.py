@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models (they also make the
+server's OpenAPI schema), and their translation into `SamplingParams`.
+
+Fields the engine cannot honour (n > 1, best_of, echo, logprobs on chat) are refused with
+a 400 naming the field rather than silently ignored. minivllm extensions (top_k, min_p,
+repetition_penalty, ignore_eos) are accepted like vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.errors import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, description="tokens to generate (default 16 for completions, 256 for chat)")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.n != 1:
+            raise ConfigError("n", self.n, "only n=1 is supported; send several requests instead")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
+                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                              max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] = Field(description="a string, a list of token ids, or a list with one string")
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        if self.echo:
+            raise ConfigError("echo", self.echo, "echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ConfigError("best_of", self.best_of, "only best_of=1 is supported")
+        if self.logprobs is not None:
+            raise ConfigError("logprobs", self.logprobs, "logprobs are not served over HTTP yet; use the Python API")
+        if self.suffix:
+            raise ConfigError("suffix", self.suffix, "suffix is not supported")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ConfigError("prompt", f"<{len(prompt)} prompts>", "send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str) and not prompt:
+            raise ConfigError("prompt", "", "must not be empty")
+        if isinstance(prompt, list) and not prompt:
+            raise ConfigError("prompt", [], "must contain at least one token")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def chat_messages(self) -> list[dict]:
+        if self.logprobs:
+            raise ConfigError("logprobs", self.logprobs, "logprobs are not served over HTTP yet; use the Python API")
+        if not self.messages:
+            raise ConfigError("messages", [], "give at least one message")
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise ConfigError(f"messages[{i}].role", m.role, f"allowed: {', '.join(ROLES)}")
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ConfigError(f"messages[{i}].content", part.get("type"), "only text parts are supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            out.append({"role": m.role, "content": content or ""})
+        if not any(m["content"] for m in out):
+            raise ConfigError("messages", "<all empty>", "at least one message needs content")
+        return out
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: Literal["invalid_request_error", "authentication_error", "server_error", "service_unavailable"]
+    param: str | None = None
+    code: str | None = None
