@@ -106,6 +106,33 @@ def add_bench_parser(subparsers) -> None:
                     help="engine option for every case (repeatable), e.g. gemv_max_rows=16")
     sp.set_defaults(func=_speculative)
 
+    ro = sub.add_parser("routing", help="routing policies on a burst with a warm shared prefix: forced onto the fastest "
+                        "worker vs round-robin vs cost (completion time, throughput, TTFT, per-worker counts)")
+    ro.add_argument("--model", default="smollm2-135m",
+                    help="model name or path (default smollm2-135m; the article used qwen2.5-coder-0.5b)")
+    ro.add_argument("--inference-device", action="append", default=None,
+                    help="repeatable: cpu, cpu:THREADS, gpu, cuda:N (default: cpu:1 twice)")
+    ro.add_argument("--bursts", type=_ints, default=None, help="comma list of burst sizes (default 8,48)")
+    ro.add_argument("--policies", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=None,
+                    help="comma list: forced-fastest, round-robin, least-loaded, cost, forced:<worker> "
+                         "(default forced-fastest,round-robin,cost)")
+    ro.add_argument("--runs", type=int, default=None, help="runs per (policy, burst) (default 3)")
+    ro.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 128)")
+    ro.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default 516)")
+    ro.add_argument("--prefix-tokens", type=int, default=None,
+                    help="shared, seeded prefix; a whole number of KV pages (default 496 = 31 pages of 16)")
+    ro.add_argument("--arrival-ms", type=float, default=50.0, help="time between submissions (default 50)")
+    ro.add_argument("--max-active", type=int, default=4, help="max_active_requests of every worker (default 4)")
+    ro.add_argument("--dtype", "--activation-dtype", dest="dtype", default="f32", help="f32, f16, bf16")
+    ro.add_argument("--fresh-per-run", action=argparse.BooleanOptionalAction, default=True,
+                    help="a fresh cluster for every run (default; independent runs) or one per (policy, burst), "
+                         "re-seeded per run (quicker; runs inherit rates, cursor and caches)")
+    ro.add_argument("--quick", action="store_true",
+                    help="tiny sizes for tests: bursts 4, 1 run, 8 output tokens, 64-token prompts, 48 shared")
+    ro.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for every worker (repeatable), e.g. page_size=16, enforce_eager=true")
+    ro.set_defaults(func=_routing)
+
     s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
     _common(s)
     s.add_argument("--policies", type=lambda v: v.split(","), default=None,
@@ -214,6 +241,16 @@ def _speculative(args: argparse.Namespace) -> int:
         sampling_policy=args.sampling_policy, tv_budgets=args.tv_budgets, temperature=args.temperature,
         engine_options=_options(args.option), synthetic_pair=args.synthetic_pair,
         synthetic_tokenizer=args.synthetic_tokenizer)
+    return 0
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from minivllm.bench.routing import run
+
+    run(args.model, args.inference_device, args.dtype, bursts=args.bursts, policies=args.policies, runs=args.runs,
+        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, prefix_tokens=args.prefix_tokens,
+        arrival_ms=args.arrival_ms, max_active=args.max_active, fresh_per_run=args.fresh_per_run, quick=args.quick,
+        engine_options=_options(args.option))
     return 0
 
 

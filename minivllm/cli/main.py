@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minivllm.cli.generate_cmd import add_generate_parser
     from minivllm.cli.models_cmd import add_models_parser
     from minivllm.cli.serve_cmd import add_serve_parser
+    from minivllm.cli.smoke_cmd import add_smoke_parser
 
     parser = argparse.ArgumentParser(prog="minivllm", description="A Jupyter-first LLM inference workbench.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_diverge_parser(sub)
+    add_smoke_parser(sub)
     add_serve_parser(sub)
     return parser
 

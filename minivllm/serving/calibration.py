@@ -8,7 +8,8 @@ depend on which ids) and greedy sampling with EOS ignored, so lengths are exact:
   max_active_requests)) -> rows / step time, median over the steps.
 
 Afterwards the engine is left as a user would find it: the prefix cache emptied and the
-counters zeroed, since calibration is not traffic.
+counters zeroed, since neither warm-up nor calibration is traffic (warm-up resets too, so
+a worker that skips calibration or reads a rates profile starts as clean).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def warm_up(engine: LLMEngine) -> None:
     _run(engine, [_random_prompt(rng, engine, 16)], max_tokens=4)
     batch = min(4, engine.config.max_active_requests)
     _run(engine, [_random_prompt(rng, engine, 8) for _ in range(batch)], max_tokens=4)
+    _reset(engine)
 
 
 def calibrate(engine: LLMEngine, *, prefill_tokens: int = 128, decode_steps: int = 8) -> WorkerRates:
@@ -61,11 +63,16 @@ def calibrate(engine: LLMEngine, *, prefill_tokens: int = 128, decode_steps: int
         if rates:
             decode_points[batch] = statistics.median(rates)
 
+    _reset(engine)
+    return WorkerRates(prefill_tps=prefill_tps, decode_points=decode_points,
+                       source="calibration" if prefill_tps and decode_points else "none")
+
+
+def _reset(engine: LLMEngine) -> None:
+    """Forget the synthetic requests: empty the prefix cache, zero the counters."""
     if engine.prefix is not None:
         engine.prefix.clear()
         for key in engine.prefix.counters:
             engine.prefix.counters[key] = 0
     for key in engine.counters:
         engine.counters[key] = 0
-    return WorkerRates(prefill_tps=prefill_tps, decode_points=decode_points,
-                       source="calibration" if prefill_tps and decode_points else "none")

@@ -151,7 +151,7 @@ class Cluster:
         if not isinstance(params, SamplingParams):
             raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
         text, prompt_ids = self.encode(prompt, messages)
-        self._validate(prompt_ids)
+        self._validate(prompt_ids, params)
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -177,8 +177,10 @@ class Cluster:
             chosen.submit(stream, prompt_ids, params, estimate)
         return stream
 
-    def _validate(self, prompt_ids: list[int]) -> None:
-        """The checks every worker would make, done here so a bad request fails before routing."""
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks every worker would make, done here so a bad request fails before routing.
+        Stricter than the engine in one way, as OpenAI's API is: prompt + max_tokens must fit
+        the context (the engine alone would silently stop at max_model_len)."""
         if not prompt_ids:
             raise ConfigError("prompt", "", "must contain at least one token")
         info = next((h.info for h in self.workers.values() if h.info), {})
@@ -190,6 +192,9 @@ class Cluster:
         if limit is not None and len(prompt_ids) >= limit:
             raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>", f"the prompt must be shorter than "
                               f"max_model_len={limit}; shorten it or start the cluster with a larger max_model_len")
+        if limit is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise ConfigError("max_tokens", params.max_tokens, f"the prompt has {len(prompt_ids)} tokens, so at most "
+                              f"{limit - len(prompt_ids)} more fit in max_model_len={limit}; lower max_tokens")
 
     def _cached_tokens(self, handles: list[WorkerHandle], prompt_ids: list[int]) -> dict[str, int]:
         """Ask every healthy worker at once how much of the prompt its prefix cache holds."""

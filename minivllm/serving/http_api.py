@@ -22,7 +22,7 @@ import json
 import secrets
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -56,21 +56,24 @@ def usage(stream: RequestStream) -> dict:
 
 
 def create_app(cluster, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
-    app = FastAPI(title="minivllm", version="0.1.0",
+    async def require_key(request: Request) -> None:
+        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps
+        # `receive`, and then `request.is_disconnected()` never sees a client leave.
+        if api_key is not None and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise _Unauthorized()
+
+    app = FastAPI(title="minivllm", version="0.1.0", dependencies=[Depends(require_key)],
                   description="OpenAI-compatible API over minivllm's device workers and router.")
     model_name = served_model_name or cluster.model_name
     metrics = ServingMetrics(cluster)
     app.state.cluster, app.state.metrics = cluster, metrics
     created = int(time.time())
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      "authentication_error")
-        return await call_next(request)
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized):
+        return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
@@ -123,9 +126,28 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         for g in gaps:
             metrics.itl.labels(worker).observe(g)
         metrics.e2e.labels(worker).observe(time.monotonic() - arrival)
-        metrics.requests.labels(worker, stream.finish_reason or "unknown").inc()
+        # A request whose client left is cancelled; its abort event may not be back yet.
+        metrics.requests.labels(worker, stream.finish_reason or "abort").inc()
         metrics.prompt_tokens.labels(worker).inc(len(stream.prompt_token_ids))
         metrics.generation_tokens.labels(worker).inc(len(stream.token_ids))
+
+    async def complete(stream: RequestStream, events, event, arrival: float, first_time: float, chat: bool):
+        last, gaps = first_time, []
+        while not event.finished:
+            event = await events.__anext__()
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        record(stream, arrival, first_time, gaps)
+        if stream.finish_reason == "error":
+            return error_response(503 if "worker" in (stream.error or "") else 500, stream.error or "generation failed",
+                                  "server_error")
+        choice = ({"index": 0, "message": {"role": "assistant", "content": stream.text},
+                   "finish_reason": stream.finish_reason, "logprobs": None} if chat else
+                  {"index": 0, "text": stream.text, "finish_reason": stream.finish_reason, "logprobs": None})
+        return {"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice],
+                "usage": usage(stream), "minivllm": timing_extension(stream)}
 
     async def run(request: Request, body, *, chat: bool, prompt=None, messages=None):
         arrival = time.monotonic()
@@ -135,40 +157,22 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             return started
         stream: RequestStream = started
         events = stream.__aiter__()
-        # Wait for the first event before answering, so a request its worker refuses
-        # still gets a 4xx instead of a 200 stream carrying an error.
+        # Until the response starts streaming, a watcher cancels the request if the client
+        # leaves (StreamingResponse watches for that itself afterwards).
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
         try:
-            first_event = await _next_or_disconnect(events, request, stream)
-        except _Disconnected:
-            return PlainTextResponse("", status_code=499)
-        first_time = time.monotonic()
-        if stream.rejected is not None:
-            metrics.rejected.labels("worker").inc()
-            return error_response(400, stream.rejected["error"], "invalid_request_error", stream.rejected["field"])
+            # Wait for the first event before answering, so a request its worker refuses
+            # still gets a 4xx instead of a 200 stream carrying an error.
+            first_event = await events.__anext__()
+            first_time = time.monotonic()
+            if stream.rejected is not None:
+                metrics.rejected.labels("worker").inc()
+                return error_response(400, stream.rejected["error"], "invalid_request_error", stream.rejected["field"])
+            if not body.stream:
+                return await complete(stream, events, first_event, arrival, first_time, chat)
+        finally:
+            watcher.cancel()
         rid = stream.request_id
-        kind = "chat.completion" if chat else "text_completion"
-        if not body.stream:
-            last, gaps = first_time, []
-            event = first_event
-            try:
-                while not event.finished:
-                    event = await _next_or_disconnect(events, request, stream)
-                    now = time.monotonic()
-                    gaps.append(now - last)
-                    last = now
-            except _Disconnected:
-                record(stream, arrival, first_time, gaps)
-                return PlainTextResponse("", status_code=499)
-            record(stream, arrival, first_time, gaps)
-            if stream.finish_reason == "error":
-                return error_response(503 if "worker" in (stream.error or "") else 500, stream.error or "generation failed",
-                                      "server_error")
-            choice = ({"index": 0, "message": {"role": "assistant", "content": stream.text},
-                       "finish_reason": stream.finish_reason, "logprobs": None} if chat else
-                      {"index": 0, "text": stream.text, "finish_reason": stream.finish_reason, "logprobs": None})
-            return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
-                    "usage": usage(stream), "minivllm": timing_extension(stream)}
-
         async def sse():
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             created_at = int(time.time())
@@ -245,22 +249,13 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     return app
 
 
-class _Disconnected(Exception):
+class _Unauthorized(Exception):
     pass
 
 
-async def _next_or_disconnect(events, request: Request, stream: RequestStream, poll_s: float = 0.25):
-    """The next event, or cancel the request if the client went away while we waited."""
-    task = asyncio.ensure_future(events.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                stream.cancel()
-                raise _Disconnected()
-    except BaseException:
-        if not task.done():
-            task.cancel()
-        raise
+async def _cancel_on_disconnect(request: Request, stream: RequestStream, poll_s: float = 0.2) -> None:
+    while not stream.finished:
+        if await request.is_disconnected():
+            stream.cancel()
+            return
+        await asyncio.sleep(poll_s)
