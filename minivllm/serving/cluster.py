@@ -111,6 +111,13 @@ class Cluster:
         if not handle.wait_ready(self.ready_timeout_s) or handle.state != "ready":
             raise WorkerStartError(f"worker {name} did not restart: {handle.error}")
 
+    def set_router(self, policy: str) -> None:
+        """Switch the routing policy; later requests use it (decisions so far are kept)."""
+        router = Router(policy)
+        with self._route_lock:
+            router.decisions.extend(self.router.decisions)
+            self.router = router
+
     def kill_worker(self, name: str) -> None:
         """SIGKILL one worker's process, as a crash would (fault drills, tests, the notebook)."""
         self._worker(name).kill()

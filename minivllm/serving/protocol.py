@@ -14,6 +14,7 @@ worker -> controller
     {"op": "events", "events": [event]}             token events in step order
     {"op": "rejected", "request_id", "field", "error"}
     {"op": "reply", "qid", "result"}
+    {"op": "progress", "running": {request_id: prompt tokens computed}}   after a step that changed it
     {"op": "state", "snapshot", "rates"}            every state_interval_s while busy, and when idle
     {"op": "heartbeat", "loop_age_s"}               from a side thread, every heartbeat_s
     {"op": "bye"}

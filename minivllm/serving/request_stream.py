@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 from minivllm.engine.outputs import RequestMetrics, RequestOutput, TokenEvent
 
@@ -34,6 +35,11 @@ class RequestStream:
         self._async_events: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._done = threading.Event()
         self._on_cancel = on_cancel
+        # Client-side timestamps (time.perf_counter()): benchmarks measure TTFT and e2e
+        # from these, as a client of the cluster would see them.
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -44,10 +50,14 @@ class RequestStream:
     def push(self, event: TokenEvent, metrics: dict | None = None) -> None:
         if self._done.is_set():
             return  # exactly one terminal event per request
+        now = time.perf_counter()
         if event.token_id >= 0:
             self.token_ids.append(event.token_id)
+            if self.first_token_at is None:
+                self.first_token_at = now
         self.text += event.text
         if event.finished:
+            self.finished_at = now
             self.finish_reason = event.finish_reason
             self.error = event.error
             self.metrics = metrics

@@ -79,6 +79,7 @@ class Worker:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = threading.Event()
         self.last_loop = time.monotonic()
+        self._last_running: dict[str, int] = {}
         self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
         self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
         info = {**self.llm.info(), "name": self.name, "pid": os.getpid(), "device_spec": device,
@@ -186,6 +187,12 @@ class Worker:
         if not any(row.get("draft_tokens") for row in step["rows"]):
             self.rates.observe_step(step["prefill_tokens"], step["decode_rows"], step["duration_s"])
         self._send_events(events)
+        # Which requests hold pages now, and how far their prompts are: a few ids per step,
+        # so the router's active/queued split lags by one step, not by a state interval.
+        running = {r.id: min(r.num_computed, len(r.prompt_ids)) for r in engine.scheduler.running}
+        if running != self._last_running:
+            self._send({"op": "progress", "running": running})
+            self._last_running = running
 
     def _send_events(self, events) -> None:
         wire = []

@@ -55,6 +55,7 @@ class WorkerHandle:
         self.rates = WorkerRates()
         self.rates_wire: dict = {}
         self.snapshot: dict | None = None
+        self.running: dict[str, int] = {}  # request id -> prompt tokens computed, after the worker's last step
         self.in_flight: dict[str, InFlight] = {}
         self.lock = threading.RLock()
         self.last_message = time.monotonic()
@@ -145,10 +146,7 @@ class WorkerHandle:
     def candidate(self, cached_tokens: int = 0) -> Candidate:
         with self.lock:
             flights = list(self.in_flight.items())
-            snapshot = self.snapshot
-        running = {}
-        if snapshot is not None:
-            running = {r["id"]: r["computed_tokens"] for r in snapshot["queues"]["running"]}
+            running = dict(self.running)
         active = queued = prefill = decode = 0
         for rid, f in flights:
             if f.output_tokens > 0:
@@ -215,6 +213,9 @@ class WorkerHandle:
                 self.snapshot = msg["snapshot"]
                 self.rates_wire = msg["rates"]
                 self.rates = WorkerRates.from_dict(msg["rates"])
+        elif op == "progress":
+            with self.lock:
+                self.running = msg["running"]
         elif op == "heartbeat":
             self.loop_age_s = msg.get("loop_age_s", 0.0)
         elif op == "reply":
