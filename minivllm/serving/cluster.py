@@ -69,6 +69,7 @@ class Cluster:
         self._route_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
+        self._query_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="minivllm-prefix-query")
         self.started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -208,9 +209,8 @@ class Cluster:
         live = [h for h in handles if h.healthy]
         if not live:
             return {}
-        with ThreadPoolExecutor(max_workers=len(live)) as pool:
-            answers = pool.map(lambda h: h.query("prefix_query", PREFIX_QUERY_TIMEOUT_S, prompt_ids=prompt_ids), live)
-            return {h.name: int(a["tokens"]) if a else 0 for h, a in zip(live, answers)}
+        answers = self._query_pool.map(lambda h: h.query("prefix_query", PREFIX_QUERY_TIMEOUT_S, prompt_ids=prompt_ids), live)
+        return {h.name: int(a["tokens"]) if a else 0 for h, a in zip(live, answers)}
 
     def _cancel(self, request_id: str) -> None:
         for handle in list(self.workers.values()):

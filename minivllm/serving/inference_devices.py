@@ -1,6 +1,9 @@
 """`--inference-device` values: which worker processes a cluster starts, and where.
 
-    cpu        a CPU worker (torch threads: the machine's cores split between CPU workers)
+    cpu        a CPU worker; torch threads: the cores left after one per GPU worker (it
+               spins a core waiting on its GPU) and, on 8+ cores, one for the controller,
+               minus those given as cpu:N, split between the other CPU workers. Oversubscribing cores is far worse than
+               using fewer: every parallel region waits for its slowest thread
     cpu:N      a CPU worker with N torch threads
     gpu        the next CUDA index no other entry has claimed (0, then 1, ...)
     cuda       same as gpu
@@ -62,6 +65,13 @@ def _parse_one(text: str) -> tuple[str, int | None, int | None]:
     raise ConfigError("inference_device", text, _HELP)
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # respects container CPU sets
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def cuda_device_count() -> int:
     import torch
 
@@ -89,8 +99,12 @@ def parse_inference_devices(specs: list[str] | tuple[str, ...] | str, *, cuda_co
         raise ConfigError("inference_device", f"cuda:{min(duplicates)}", "is listed twice; each GPU runs one worker")
     claimed = set(explicit)
     cpu_entries = sum(1 for kind, _, _ in parsed if kind == "cpu")
-    cores = cpu_cores or os.cpu_count() or 1
-    default_threads = max(1, cores // max(1, cpu_entries))
+    cores = cpu_cores or available_cores()
+    gpu_entries = len(parsed) - cpu_entries
+    reserved = gpu_entries + (1 if cores >= 8 else 0)
+    pinned = sum(threads for kind, _, threads in parsed if kind == "cpu" and threads)
+    unpinned = sum(1 for kind, _, threads in parsed if kind == "cpu" and not threads)
+    default_threads = max(1, (cores - reserved - pinned) // max(1, unpinned))
     devices: list[InferenceDevice] = []
     cpu_seen = 0
     for spec, (kind, idx, threads) in zip(specs, parsed):
