@@ -103,33 +103,46 @@ def article_rates() -> dict[str, WorkerRates]:
             "cuda:0": WorkerRates(prefill_tps=GPU_RATES["prefill"], decode_points={1: GPU_RATES["decode"]})}
 
 
-def article_candidates(gpu_queued: int, gpu_prefill: int, gpu_decode: int) -> list[Candidate]:
+def article_candidates(gpu_queued: int, gpu_active_left: int, max_active: int = 16) -> list[Candidate]:
+    """The article's state: 4 active GPU requests with `gpu_active_left` decode tokens
+    left in all (spread evenly), `gpu_queued` queued 516-token prompts holding 496
+    cached tokens and a 128-token budget each; the CPU idle."""
+    active = [(0, gpu_active_left // 4)] * 4
+    queued = [(20, 128)] * gpu_queued
+    work = active + queued
     return [Candidate("cpu", True, active=0, queued=0, existing_prefill_tokens=0, existing_decode_tokens=0,
-                      max_active=16, cached_tokens=496),
-            Candidate("cuda:0", True, active=4, queued=gpu_queued, existing_prefill_tokens=gpu_prefill,
-                      existing_decode_tokens=gpu_decode, max_active=16, cached_tokens=496)]
+                      max_active=max_active, cached_tokens=496),
+            Candidate("cuda:0", True, active=4, queued=gpu_queued, existing_prefill_tokens=sum(p for p, _ in work),
+                      existing_decode_tokens=sum(d for _, d in work), max_active=max_active, cached_tokens=496,
+                      active_work=active, queued_work=queued)]
 
 
-def check_priced(record: dict, expected: dict[str, tuple[float, float, float, float, int]]) -> None:
-    """expected: worker -> (prefill_s, decode_s, prefill_tps, decode_tps, concurrency)."""
+def check_priced(record: dict, expected: dict[str, tuple[float, float, float, float, int, float]]) -> None:
+    """expected: worker -> (prefill_s, decode_s, prefill_tps, decode_tps, concurrency, finish_s)."""
     by_name = {c["worker"]: c for c in record["candidates"]}
     assert set(by_name) == set(expected)
-    for name, (prefill_s, decode_s, ptps, dtps, conc) in expected.items():
+    for name, (prefill_s, decode_s, ptps, dtps, conc, finish_s) in expected.items():
         c = by_name[name]
         assert rel(c["prefill_s"], prefill_s), (name, c["prefill_s"], prefill_s)
         assert rel(c["decode_s"], decode_s), (name, c["decode_s"], decode_s)
-        assert rel(c["score"], prefill_s + decode_s), (name, c["score"], prefill_s + decode_s)
+        assert rel(c["drain_s"], prefill_s + decode_s), (name, c["drain_s"])
+        assert rel(c["finish_s"], finish_s), (name, c["finish_s"], finish_s)
+        assert rel(c["score"], max(prefill_s + decode_s, finish_s)), (name, c["score"])
         assert c["prefill_tps"] == ptps and c["decode_tps"] == dtps and c["concurrency"] == conc
 
 
 def test_cost_article_request_7_goes_to_gpu():
     router = Router("cost")
     rec = router.choose(IncomingRequest("req-7", prompt_tokens=516, max_tokens=128),
-                        article_candidates(gpu_queued=2, gpu_prefill=40, gpu_decode=752), article_rates())
+                        article_candidates(gpu_queued=2, gpu_active_left=496), article_rates())
     cpu = (20 / 73, 128 / 45)
     gpu = (60 / 2551, 880 / 293)
     assert round(sum(cpu), 3) == 3.118 and round(sum(gpu), 3) == 3.027  # the article's printed scores
-    check_priced(rec, {"cpu": (*cpu, 73.0, 45.0, 1), "cuda:0": (*gpu, 2551.0, 293.0, 7)})
+    # With 16 slots nothing waits for a slot: finish = own prefill + 128 tokens at the
+    # per-request rate decode_tps / concurrency (7 requests share the GPU's 293 tok/s).
+    cpu_finish = 20 / 73 + 128 / 45
+    gpu_finish = 20 / 2551 + 128 / (293 / 7)
+    check_priced(rec, {"cpu": (*cpu, 73.0, 45.0, 1, cpu_finish), "cuda:0": (*gpu, 2551.0, 293.0, 7, gpu_finish)})
     assert rec["chosen"] == "cuda:0" and rec["reason"] == "cost" and rec["policy"] == "cost"
     assert rec["request_id"] == "req-7" and rec["prompt_tokens"] == 516 and rec["max_tokens"] == 128
     by_name = {c["worker"]: c for c in rec["candidates"]}
@@ -142,12 +155,43 @@ def test_cost_article_request_7_goes_to_gpu():
 def test_cost_article_request_8_goes_to_cpu():
     router = Router("cost")
     rec = router.choose(IncomingRequest("req-8", prompt_tokens=516, max_tokens=128),
-                        article_candidates(gpu_queued=3, gpu_prefill=60, gpu_decode=872), article_rates())
+                        article_candidates(gpu_queued=3, gpu_active_left=488), article_rates())
     cpu = (20 / 73, 128 / 45)
     gpu = (80 / 2551, 1000 / 293)
     assert round(sum(cpu), 3) == 3.118 and round(sum(gpu), 3) == 3.444
-    check_priced(rec, {"cpu": (*cpu, 73.0, 45.0, 1), "cuda:0": (*gpu, 2551.0, 293.0, 8)})
+    check_priced(rec, {"cpu": (*cpu, 73.0, 45.0, 1, sum(cpu)),
+                       "cuda:0": (*gpu, 2551.0, 293.0, 8, 20 / 2551 + 128 / (293 / 8))})
     assert rec["chosen"] == "cpu" and rec["reason"] == "cost"
+
+
+def test_cost_full_slots_delay_the_incoming_request():
+    # The article's real limit was 4 active per worker: request 7 then waits for a GPU
+    # slot. Each active request has 124 tokens left at 293/4 tok/s per request; the two
+    # queued requests take the first two slots, request 7 the third.
+    rec = Router("cost").choose(IncomingRequest("req-7", prompt_tokens=516, max_tokens=128),
+                                article_candidates(gpu_queued=2, gpu_active_left=496, max_active=4), article_rates())
+    per_request = 293 / 4
+    slot_free = 124 / per_request
+    gpu_finish = slot_free + 20 / 2551 + 128 / per_request
+    gpu = {c["worker"]: c for c in rec["candidates"]}["cuda:0"]
+    assert rel(gpu["drain_s"], 60 / 2551 + 880 / 293)  # unchanged: 3.027 s
+    assert rel(gpu["finish_s"], gpu_finish) and round(gpu_finish, 3) == 3.448
+    assert rel(gpu["score"], gpu_finish)
+    assert rec["chosen"] == "cpu"  # 3.118 s beats waiting 1.69 s for a slot
+
+
+def test_cost_finish_replays_queued_requests_in_slot_order():
+    rates = {"w": WorkerRates(prefill_tps=100.0, decode_points={1: 10.0, 2: 20.0})}
+    # 2 slots, per-request rate 20/2 = 10 tok/s. Active: 10 and 30 tokens left (1 s, 3 s).
+    # Queued A (50 prefill, 20 decode: 0.5 + 2 s) takes the slot free at 1 s -> 3.5 s;
+    # queued B (0, 10: 1 s) takes the slot free at 3 s -> 4 s; incoming takes 3.5 s.
+    c = Candidate("w", True, active=2, queued=2, existing_prefill_tokens=50, existing_decode_tokens=70, max_active=2,
+                  active_work=[(0, 10), (0, 30)], queued_work=[(50, 20), (0, 10)])
+    rec = Router("cost").choose(IncomingRequest("r", prompt_tokens=10, max_tokens=5), [c], rates)
+    (got,) = rec["candidates"]
+    assert rel(got["finish_s"], 3.5 + 10 / 100 + 5 / 10)
+    assert rel(got["drain_s"], 60 / 100 + 75 / 20)
+    assert rel(got["score"], max(got["drain_s"], got["finish_s"]))
 
 
 def test_cost_prompt_shorter_than_cache_estimate_costs_no_prefill():
@@ -187,10 +231,14 @@ def test_cost_uses_concurrency_min_max_active_in_flight_plus_one():
     expected = {"a": (1, 10.0), "b": (2, 20.0), "c": (3, 30.0), "d": (8, 40.0)}
     for name, (conc, rate) in expected.items():
         assert by[name]["concurrency"] == conc and by[name]["decode_tps"] == rate, (name, by[name])
-    assert rel(by["a"]["score"], 50 / 100 + 20 / 10)
-    assert rel(by["b"]["score"], 50 / 100 + 50 / 20)
-    assert rel(by["c"]["score"], 60 / 100 + 220 / 30)
-    assert rel(by["d"]["score"], 50 / 100 + 120 / 40)
+    assert rel(by["a"]["drain_s"], 50 / 100 + 20 / 10)
+    assert rel(by["b"]["drain_s"], 50 / 100 + 50 / 20)
+    assert rel(by["c"]["drain_s"], 60 / 100 + 220 / 30)
+    assert rel(by["d"]["drain_s"], 50 / 100 + 120 / 40)
+    for name, (conc, rate) in expected.items():
+        # no per-request work listed: every slot is free, finish = own prefill + own decode
+        assert rel(by[name]["finish_s"], 50 / 100 + 20 / (rate / conc)), name
+        assert rel(by[name]["score"], max(by[name]["drain_s"], by[name]["finish_s"])), name
     assert rec["chosen"] == "a"
 
 
@@ -291,29 +339,31 @@ def test_observe_decode_step_nudges_correction():
     r = WorkerRates(prefill_tps=100.0, decode_points={1: 10.0, 4: 40.0})
     # batch 4 at twice the calibrated 40 tok/s: 4 rows in 0.05 s
     r.observe_step(prefill_tokens=0, decode_rows=4, duration_s=4 / 80.0)
-    assert math.isclose(r.decode_correction, 0.8 * 1.0 + 0.2 * 2.0, rel_tol=1e-12)  # 1.2
+    assert math.isclose(r.decode_correction_at(4), 0.8 * 1.0 + 0.2 * 2.0, rel_tol=1e-12)  # 1.2
+    assert r.decode_correction_at(1) == r.decode_correction_at(4)  # unobserved: borrows the nearest
     assert r.prefill_correction == 1.0 and r.observations == {"prefill": 0, "decode": 1}
     assert math.isclose(r.decode_rate(4), 48.0, rel_tol=1e-12) and math.isclose(r.decode_rate(2), 24.0, rel_tol=1e-12)
     # again at 2x: 0.8 * 1.2 + 0.4
-    r.observe_step(0, 1, 1 / 20.0)
-    assert math.isclose(r.decode_correction, 0.8 * 1.2 + 0.2 * 2.0, rel_tol=1e-12)
+    r.observe_step(0, 1, 1 / 20.0)  # batch 1 starts from its neighbour's 1.2
+    assert math.isclose(r.decode_correction_at(1), 0.8 * 1.2 + 0.2 * 2.0, rel_tol=1e-12)
+    assert math.isclose(r.decode_correction_at(4), 1.2, rel_tol=1e-12)  # kept per batch size
     # a too-short step and an unknown-rate worker are ignored
-    before = r.decode_correction
+    before = dict(r.decode_corrections)
     r.observe_step(0, 4, 1e-6)
-    assert r.decode_correction == before and r.observations["decode"] == 2
+    assert r.decode_corrections == before and r.observations["decode"] == 2
     blank = WorkerRates()
     blank.observe_step(0, 4, 0.1)
-    assert blank.decode_correction == 1.0 and blank.observations == {"prefill": 0, "decode": 0}
+    assert blank.decode_corrections == {} and blank.observations == {"prefill": 0, "decode": 0}
 
 
 def test_corrections_are_clamped():
     r = WorkerRates(prefill_tps=100.0, decode_points={1: 10.0})
     for _ in range(200):
         r.observe_step(0, 1, 1 / 1000.0)  # 100x faster than calibrated
-    assert r.decode_correction == CLAMP
+    assert r.decode_correction_at(1) == CLAMP
     for _ in range(200):
         r.observe_step(0, 1, 100.0)  # 1000x slower
-    assert r.decode_correction == 1 / CLAMP
+    assert r.decode_correction_at(1) == 1 / CLAMP
     for _ in range(200):
         r.observe_step(10_000, 0, 1e-3)  # 10^7 tok/s prefill
     assert r.prefill_correction == CLAMP
@@ -325,7 +375,7 @@ def test_mixed_step_prefill_correction_subtracts_decode_share():
     # tokens at 2x (200 tok/s) take 0.5 s.
     r.observe_step(prefill_tokens=100, decode_rows=2, duration_s=0.6)
     assert math.isclose(r.prefill_correction, 1.2, rel_tol=1e-12)
-    assert r.decode_correction == 1.0 and r.observations == {"prefill": 1, "decode": 0}
+    assert r.decode_corrections == {} and r.observations == {"prefill": 1, "decode": 0}
     # prefill-only step: no decode share
     r2 = WorkerRates(prefill_tps=100.0, decode_points={1: 10.0})
     r2.observe_step(50, 0, 1.0)  # 50 tok/s = 0.5x

@@ -5,7 +5,8 @@ depend on which ids) and greedy sampling with EOS ignored, so lengths are exact:
 
 - prefill: one prompt of `prefill_tokens` tokens -> prompt tokens / summed step time;
 - decode: `decode_steps` decode-only steps at batch 1 and at batch B (min(4,
-  max_active_requests)) -> rows / step time, median over the steps.
+  max_active_requests)), each request with a `prefill_tokens` context -> rows / step
+  time, median over the steps.
 
 Afterwards the engine is left as a user would find it: the prefix cache emptied and the
 counters zeroed, since neither warm-up nor calibration is traffic (warm-up resets too, so
@@ -57,7 +58,10 @@ def calibrate(engine: LLMEngine, *, prefill_tokens: int = 128, decode_steps: int
 
     decode_points: dict[int, float] = {}
     for batch in sorted({1, min(4, engine.config.max_active_requests)}):
-        steps = _run(engine, [_random_prompt(rng, engine, 8) for _ in range(batch)], max_tokens=decode_steps + 1)
+        # Decode at a realistic context (prefill_tokens), not a toy one: attention over the
+        # context is a real share of a CPU decode step.
+        steps = _run(engine, [_random_prompt(rng, engine, prefill_tokens) for _ in range(batch)],
+                     max_tokens=decode_steps + 1)
         rates = [s["decode_rows"] / s["duration_s"] for s in steps
                  if s["prefill_tokens"] == 0 and s["decode_rows"] == batch and s["duration_s"] > 0]
         if rates:

@@ -4,17 +4,27 @@ Policies (`--router`):
     round-robin       the next healthy worker in turn
     least-loaded      fewest requests in flight (active + queued), then least decode work
     forced:<worker>   always that worker ("cpu", "cuda:1", ...); an error if it is down
-    cost              the lowest estimated time to work off everything it holds plus the
-                      incoming request (mini-vllm-rs's score, with measured rates):
+    cost              the lowest estimated time until the incoming request would be done:
 
-        score = prefill tokens / prefill_tps + decode tokens / decode_tps(concurrency)
+        drain  = prefill tokens / prefill_tps + decode tokens / decode_tps(concurrency)
+        finish = when a slot frees for it + its own prefill + max_tokens / per-request rate
+        score  = max(drain, finish)
 
-    where prefill tokens = existing work's remaining prompt tokens (queued requests keep
-    the cache estimate they were routed with) + the incoming prompt minus what this
-    worker's prefix cache holds of it; decode tokens = active requests' unused max_tokens
-    + queued requests' full budgets + the incoming budget; concurrency = min(max active,
-    requests it would hold). A worker without measured rates cannot be priced: then the
-    decision falls back to least-loaded and says so.
+    `drain` is mini-vllm-rs's score (with measured rates): prefill tokens = existing
+    work's remaining prompt tokens (queued requests keep the cache estimate they were
+    routed with) + the incoming prompt minus what this worker's prefix cache holds of it;
+    decode tokens = active requests' unused max_tokens + queued requests' full budgets +
+    the incoming budget; concurrency = min(max active, requests it would hold).
+
+    `finish` is beyond the original. `drain` assumes the incoming request can use the
+    worker's whole throughput, but a request runs at the per-request rate
+    decode_tps(c) / c and, when every slot (max_active_requests) is taken, only starts
+    when one frees. `finish` replays the worker's FCFS slots: active requests free their
+    slots after their remaining work, queued requests take the earliest slots in order,
+    then the incoming request. On the H200 box, pricing by `drain` alone sent a request to
+    a CPU worker whose 4 slots were full; it finished seconds after the GPU had drained
+    everything else. A worker without measured rates cannot be priced: then the decision
+    falls back to least-loaded and says so.
 
 Every decision keeps every candidate's inputs, terms and score, and the choice, in a ring
 buffer that `snapshot()` serves (the router widget draws it).
@@ -23,9 +33,10 @@ buffer that `snapshot()` serves (the router widget draws it).
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from minivllm.errors import ConfigError, MinivllmError
 
@@ -60,8 +71,13 @@ class Candidate:
     concurrency: int = 1
     incoming_prefill_tokens: int = 0
     incoming_decode_tokens: int = 0
-    prefill_s: float | None = None
-    decode_s: float | None = None
+    # Per request, in FCFS order: [remaining prefill tokens, remaining decode tokens].
+    active_work: list[list[int]] = field(default_factory=list)
+    queued_work: list[list[int]] = field(default_factory=list)
+    prefill_s: float | None = None  # drain's prefill term
+    decode_s: float | None = None  # drain's decode term
+    drain_s: float | None = None
+    finish_s: float | None = None
     score: float | None = None
 
     @property
@@ -144,7 +160,9 @@ class Router:
             c.decode_tps = r.decode_rate(c.concurrency)
             c.prefill_s = (c.existing_prefill_tokens + c.incoming_prefill_tokens) / c.prefill_tps
             c.decode_s = (c.existing_decode_tokens + c.incoming_decode_tokens) / c.decode_tps
-            c.score = c.prefill_s + c.decode_s
+            c.drain_s = c.prefill_s + c.decode_s
+            c.finish_s = incoming_finish_s(c)
+            c.score = max(c.drain_s, c.finish_s)
         priced = [c for c in healthy if c.score is not None]
         if len(priced) < len(healthy):
             self.counters["fallbacks"] += 1
@@ -154,3 +172,19 @@ class Router:
 
     def snapshot(self) -> dict:
         return {"policy": self.policy, "counters": dict(self.counters), "decisions": list(self.decisions)}
+
+
+def incoming_finish_s(c: Candidate) -> float:
+    """When the incoming request would be done on this worker: its FCFS slots replayed
+    at the per-request decode rate decode_tps / concurrency."""
+    per_request = c.decode_tps / c.concurrency
+
+    def duration(prefill: int, decode: int) -> float:
+        return prefill / c.prefill_tps + decode / per_request
+
+    slots = [duration(p, d) for p, d in c.active_work]
+    slots += [0.0] * max(0, c.max_active - len(slots))
+    heapq.heapify(slots)
+    for p, d in c.queued_work:
+        heapq.heappush(slots, heapq.heappop(slots) + duration(p, d))
+    return heapq.heappop(slots) + duration(c.incoming_prefill_tokens, c.incoming_decode_tokens)

@@ -147,22 +147,19 @@ class WorkerHandle:
         with self.lock:
             flights = list(self.in_flight.items())
             running = dict(self.running)
-        active = queued = prefill = decode = 0
+        active, queued = [], []  # [remaining prefill, remaining decode] per request, FCFS (JSON-friendly lists)
         for rid, f in flights:
             if f.output_tokens > 0:
-                active += 1
-                decode += max(0, f.max_tokens - f.output_tokens)
+                active.append([0, max(0, f.max_tokens - f.output_tokens)])
             elif rid in running:
-                active += 1
-                prefill += max(0, f.prompt_tokens - max(running[rid], f.cached_estimate))
-                decode += f.max_tokens
+                active.append([max(0, f.prompt_tokens - max(running[rid], f.cached_estimate)), f.max_tokens])
             else:
-                queued += 1
-                prefill += max(0, f.prompt_tokens - f.cached_estimate)
-                decode += f.max_tokens
-        return Candidate(worker=self.name, healthy=self.healthy, active=active, queued=queued,
-                         existing_prefill_tokens=prefill, existing_decode_tokens=decode,
-                         max_active=int(self.info.get("max_active_requests", 1)), cached_tokens=cached_tokens)
+                queued.append([max(0, f.prompt_tokens - f.cached_estimate), f.max_tokens])
+        work = active + queued
+        return Candidate(worker=self.name, healthy=self.healthy, active=len(active), queued=len(queued),
+                         existing_prefill_tokens=sum(p for p, _ in work), existing_decode_tokens=sum(d for _, d in work),
+                         max_active=int(self.info.get("max_active_requests", 1)), cached_tokens=cached_tokens,
+                         active_work=active, queued_work=queued)
 
     def describe(self) -> dict:
         with self.lock:

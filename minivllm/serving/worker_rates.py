@@ -13,8 +13,13 @@ Sources, in order: a profile file (`load_profile`), a short calibration when the
 starts (worker.py), and then online correction: every engine step is a measurement. A
 decode-only step with b rows and duration t observed b/t tokens/s at batch b; a step
 with P prefill tokens observed P / (t - decode share). Each observation nudges a
-multiplicative correction (EWMA, alpha 0.2) on the calibrated curve, so one odd step
-cannot swing routing but a machine that got busier is noticed within a few steps.
+multiplicative correction (EWMA, alpha 0.2), so one odd step cannot swing routing but a
+machine that got busier is noticed within a few steps. Decode corrections are kept per
+batch size, because calibration and traffic disagree differently at different batch
+sizes (on the H200 box the CPU's batch-4 rate under a burst of 516-token prompts was 0.7x
+its calibration while batch 1 matched); a batch size not yet observed borrows the
+nearest observed one's correction. The corrected curve is the calibrated points and the
+observed batch sizes, each base rate times its correction, interpolated linearly.
 (The original used fixed profiles; per-request rates under batching would understate a
 worker's throughput, which is why the steps, not the requests, are the measurements.)
 """
@@ -41,7 +46,7 @@ class WorkerRates:
     decode_points: dict[int, float] = field(default_factory=dict)  # batch -> decode tokens/s
     source: str = "none"  # "calibration", "profile" or "none"
     prefill_correction: float = 1.0
-    decode_correction: float = 1.0
+    decode_corrections: dict[int, float] = field(default_factory=dict)  # batch -> correction
     observations: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
 
     @property
@@ -51,21 +56,28 @@ class WorkerRates:
     def prefill_rate(self) -> float | None:
         return None if self.prefill_tps is None else self.prefill_tps * self.prefill_correction
 
+    def decode_correction_at(self, batch: int) -> float:
+        if not self.decode_corrections:
+            return 1.0
+        if batch in self.decode_corrections:
+            return self.decode_corrections[batch]
+        nearest = min(self.decode_corrections, key=lambda b: (abs(b - batch), b))
+        return self.decode_corrections[nearest]
+
+    def corrected_decode_points(self) -> dict[int, float]:
+        keys = sorted(set(self.decode_points) | set(self.decode_corrections))
+        return {b: self._decode_base(b) * self.decode_correction_at(b) for b in keys}
+
     def decode_rate(self, batch: int = 1) -> float | None:
-        base = self._decode_base(batch)
-        return None if base is None else base * self.decode_correction
+        if not self.decode_points:
+            return None
+        return _interpolate(self.corrected_decode_points(), batch)
 
     def _decode_base(self, batch: int) -> float | None:
         if not self.decode_points:
             return None
-        points = sorted(self.decode_points.items())
-        batch = max(1, batch)
-        if batch <= points[0][0]:
-            return points[0][1]
-        for (b0, r0), (b1, r1) in zip(points, points[1:]):
-            if b0 <= batch <= b1:
-                return r0 + (r1 - r0) * (batch - b0) / (b1 - b0)
-        return points[-1][1]  # beyond the largest measured batch: no extrapolation
+        return _interpolate(self.decode_points, batch)
+
 
     # -- online correction ---------------------------------------------------------------
 
@@ -75,7 +87,8 @@ class WorkerRates:
             return
         if prefill_tokens == 0 and decode_rows > 0:
             observed = decode_rows / duration_s
-            self.decode_correction = self._nudge(self.decode_correction, observed / self._decode_base(decode_rows))
+            current = self.decode_correction_at(decode_rows)  # a new batch size starts from its neighbour's
+            self.decode_corrections[decode_rows] = self._nudge(current, observed / self._decode_base(decode_rows))
             self.observations["decode"] += 1
         elif prefill_tokens > 0:
             decode_share = decode_rows / self.decode_rate(decode_rows) if decode_rows else 0.0
@@ -96,9 +109,11 @@ class WorkerRates:
     # -- wire format ------------------------------------------------------------------------
 
     def as_dict(self) -> dict:
-        return {"prefill_tps": self.prefill_rate(), "decode_tps": {str(b): self.decode_rate(b) for b in sorted(self.decode_points)},
+        return {"prefill_tps": self.prefill_rate(),
+                "decode_tps": {str(b): r for b, r in self.corrected_decode_points().items()},
                 "calibrated": {"prefill_tps": self.prefill_tps, "decode_tps": {str(b): r for b, r in sorted(self.decode_points.items())}},
-                "prefill_correction": self.prefill_correction, "decode_correction": self.decode_correction,
+                "prefill_correction": self.prefill_correction,
+                "decode_corrections": {str(b): c for b, c in sorted(self.decode_corrections.items())},
                 "observations": dict(self.observations), "source": self.source}
 
     @classmethod
@@ -109,6 +124,18 @@ class WorkerRates:
             return cls()
         return cls(prefill_tps=float(d["prefill_tps"]), decode_points={int(b): float(r) for b, r in d["decode_tps"].items()},
                    source=d.get("source", "profile"), observations=dict(d.get("observations", {})))
+
+
+def _interpolate(points: dict[int, float], batch: int) -> float:
+    """Linear between measured batch sizes; flat beyond the ends (no extrapolation)."""
+    ordered = sorted(points.items())
+    batch = max(1, batch)
+    if batch <= ordered[0][0]:
+        return ordered[0][1]
+    for (b0, r0), (b1, r1) in zip(ordered, ordered[1:]):
+        if b0 <= batch <= b1:
+            return r0 + (r1 - r0) * (batch - b0) / (b1 - b0)
+    return ordered[-1][1]
 
 
 def load_profile(path: str | Path, worker: str) -> WorkerRates:
