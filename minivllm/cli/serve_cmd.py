@@ -17,7 +17,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference-device", action="append", default=None,
                    help="repeatable: cpu, cpu:THREADS, gpu (next unclaimed CUDA index) or cuda:N; one worker "
                         "process per entry (default: one cpu worker)")
-    p.add_argument("--activation-dtype", default="f32", choices=DTYPE_CHOICES)
+    p.add_argument("--activation-dtype", default="auto", choices=("auto",) + DTYPE_CHOICES,
+                   help="auto (default): f32 on CPU workers, f16 on GPU workers")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-active-requests", type=int, default=16, help="per worker")
     p.add_argument("--page-size", type=int, default=16)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from minivllm.devices import resolve_dtype
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
@@ -46,13 +47,16 @@ class Cluster:
                  dtype: str = "f32", draft_model: str | None = None, rates_profile: str | None = None,
                  calibrate: bool = True, heartbeat_timeout_s: float = 60.0, ready_timeout_s: float = 1800.0,
                  on_progress=None, progress: bool = False, **engine_options):
-        """`engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        """`dtype` is the activation dtype of every worker, or "auto" (f32 on CPU workers,
+        f16 on GPU workers). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it)."""
         from minivllm.gguf.tokenizer import Tokenizer
         from minivllm.models import resolve_model
 
         EngineConfig(**engine_options)  # a bad option fails here, naming the field, before any process starts
+        if dtype != "auto":
+            resolve_dtype(dtype)
         self.devices = parse_inference_devices(devices)
         self.router = Router(router)
         self.model_path = resolve_model(model, progress=progress)

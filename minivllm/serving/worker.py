@@ -64,7 +64,10 @@ class Worker:
         self.name = device["name"]
         torch.set_num_threads(int(device.get("threads") or 1))
         endpoint.send({"op": "loading", "stage": "model"})
-        self.llm = LLM(config["model"], device=device["torch_device"], dtype=config.get("dtype") or "f32",
+        dtype = config.get("dtype") or "f32"
+        if dtype == "auto":  # f32 where it is fast (CPU), f16 on GPUs (a T4 has no bf16)
+            dtype = "f32" if device["kind"] == "cpu" else "f16"
+        self.llm = LLM(config["model"], device=device["torch_device"], dtype=dtype,
                        progress=False, draft_model=config.get("draft_model"), **config.get("engine_options", {}))
         self.engine = self.llm.engine
         endpoint.send({"op": "loading", "stage": "warm-up"})
