@@ -1,0 +1,205 @@
+"""The notebook layer without a browser: view models from real engine snapshots, the PNG
+page grid decoded pixel by pixel, and the publisher's message budget.
+
+Messages are counted at `Widget._send`, the one place ipywidgets hands a message to the
+comm, so the bound holds for whatever the panels do internally.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+W = pytest.importorskip("ipywidgets")
+
+from minivllm.engine.llm import LLM
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm_widgets import Publisher, Workbench
+from minivllm_widgets.page_grid import COLOURS, grid_shape, render_page_grid
+from minivllm_widgets.panel_state import ThroughputTracker, kv_view, queues_view, router_view
+from minivllm_widgets.panels import default_panels
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """An independent reader for the 8-bit RGB, filter-0 PNGs the grid writes."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    width = height = None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, tag
+        if tag == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+            assert (depth, colour) == (8, 2)
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    rows = [raw[y * (3 * width + 1):(y + 1) * (3 * width + 1)] for y in range(height)]
+    assert all(r[0] == 0 for r in rows)
+    return np.frombuffer(b"".join(r[1:] for r in rows), dtype=np.uint8).reshape(height, width, 3)
+
+
+def test_page_grid_pixels_follow_page_states():
+    states = ["free", "owned", "cached-idle", "shared", "shared"] + ["free"] * 20
+    refs = [0, 1, 1, 2, 5] + [0] * 20
+    img = decode_png(render_page_grid(states, refs, cell=4, columns=10))
+    rows, cols = grid_shape(len(states), 10)
+    assert img.shape == (rows * 5 + 1, cols * 5 + 1, 3)
+
+    def centre(i):
+        r, c = divmod(i, cols)
+        return tuple(int(v) for v in img[r * 5 + 3, c * 5 + 3])
+
+    assert centre(0) == COLOURS["free"] and centre(1) == COLOURS["owned"] and centre(2) == COLOURS["cached-idle"]
+    assert centre(3) == COLOURS["shared"]  # two holders: the base colour
+    assert sum(centre(4)) < sum(centre(3))  # five holders: darker
+    assert tuple(int(v) for v in img[0, 0]) == (255, 255, 255)  # the gap between cells
+
+
+def fake_cluster_snapshot(llm: LLM, t: float, decisions=()) -> dict:
+    return {"schema": "minivllm.cluster.snapshot/1", "time": t,
+            "router": {"policy": "cost", "counters": {}, "decisions": list(decisions)},
+            "workers": [{"name": "cpu", "device": "cpu", "state": "ready", "snapshot": llm.snapshot()}]}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(str(smollm2_path), progress=False, max_model_len=256)
+
+
+def test_views_follow_a_real_engine_snapshot(llm):
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("A fairly long prompt about caches " * 6)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8))
+    waiting = queues_view(fake_cluster_snapshot(llm, 1.0))["cpu"]["requests"]
+    assert [(r["id"], r["queue"], r["progress"]) for r in waiting] == [(rid, "waiting", 0.0)]
+    engine.step()
+    engine.step()
+    snap = fake_cluster_snapshot(llm, 2.0)
+    (row,) = queues_view(snap)["cpu"]["requests"]
+    req = engine.requests[rid]
+    assert row["queue"] == "running" and row["phase"] == "decode"
+    assert row["output_tokens"] == len(req.output_ids) and row["progress"] == round(len(req.output_ids) / 8, 2)
+    kv = kv_view(snap)["cpu"]
+    # published full pages are "shared" (the prefix cache holds them too), the tail page "owned"
+    assert kv["counts"].get("owned", 0) + kv["counts"].get("shared", 0) == len(req.block_table)
+    assert kv["counts"].get("shared", 0) == len(req.prompt_ids) // engine.pool.page_size
+    assert sum(kv["counts"].values()) == kv["total"] == engine.pool.num_pages
+    engine.abort(rid)
+    engine.requests.pop(rid)
+
+
+def test_router_view_keeps_terms_and_choice():
+    decision = {"request_id": "r1", "policy": "cost", "reason": "cost", "chosen": "b", "candidates": [
+        {"worker": "a", "healthy": True, "active": 1, "queued": 0, "cached_tokens": 16, "prefill_s": 0.1,
+         "decode_s": 2.0, "finish_s": 2.5, "score": 2.5},
+        {"worker": "b", "healthy": True, "active": 0, "queued": 0, "cached_tokens": 0, "prefill_s": 0.01,
+         "decode_s": 0.5, "finish_s": 0.51, "score": 0.51}]}
+    view = router_view({"router": {"policy": "cost", "decisions": [decision] * 20}, "workers": []}, last=12)
+    assert len(view["decisions"]) == 12
+    a, b = view["decisions"][0]["candidates"]
+    assert (a["prefill_s"], a["decode_s"], a["score"]) == (0.1, 2.0, 2.5) and b["score"] == 0.51
+
+
+def test_throughput_tracker_differences_counters():
+    tr = ThroughputTracker()
+    snap = lambda t, d, p: {"time": t, "workers": [{"name": "w", "snapshot": {"counters": {"decode_tokens": d, "prefill_tokens": p}}}]}
+    assert tr.update(snap(0.0, 0, 0)) == {}
+    assert tr.update(snap(2.0, 100, 50)) == {"w": [(2.0, 50.0, 25.0)]}
+    assert tr.update(snap(3.0, 10, 0))["w"] == [(2.0, 50.0, 25.0)]  # counters reset (restart): skipped
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """Every message a widget hands to its comm."""
+    messages = []
+    original = W.Widget._send
+
+    def counting(self, msg, buffers=None):
+        messages.append((type(self).__name__, msg.get("method"), len(buffers or [])))
+        return original(self, msg, buffers)
+
+    monkeypatch.setattr(W.Widget, "_send", counting)
+    return messages
+
+
+def test_publisher_sends_nothing_when_nothing_changed_and_only_what_changed(llm, sent):
+    panels = default_panels()
+    current = {"snap": fake_cluster_snapshot(llm, 1.0)}
+    pub = Publisher(lambda: current["snap"], panels, max_hz=20)
+    assert pub.poll_once() == len(panels)  # first poll renders everything
+    sent.clear()
+    assert pub.poll_once() == 0 and sent == []  # same snapshot: not one message
+    changed = fake_cluster_snapshot(llm, 1.0)
+    kv = changed["workers"][0]["snapshot"]["kv"]
+    kv["page_states"] = list(kv["page_states"])
+    kv["page_states"][0] = "owned" if kv["page_states"][0] != "owned" else "free"
+    current["snap"] = changed
+    assert pub.poll_once() == 1  # only the KV panel
+    assert [name for name, _, _ in sent] == ["HTML", "Image"]  # caption + one binary PNG
+    assert sent[1][2] == 1  # the PNG travels as a binary buffer, not JSON
+
+
+def test_publisher_rate_is_bounded(llm, sent):
+    panels = default_panels()
+    counter = iter(range(10**9))
+
+    def source():  # a snapshot that changes on every poll
+        snap = fake_cluster_snapshot(llm, float(next(counter)))
+        snap["workers"][0]["snapshot"]["kv"]["page_states"][0] = "owned" if snap["time"] % 2 else "free"
+        return snap
+
+    pub = Publisher(source, panels, max_hz=20).start()
+    time.sleep(1.0)
+    pub.stop()
+    assert pub.polls <= 22
+    # per poll at most one message per widget the panels own (queues, KV caption + image,
+    # router, speculative, throughput): far below Jupyter's ~1000 messages/s
+    assert len(sent) <= pub.polls * 6 and len(sent) / 1.0 < 200
+    with pytest.raises(ValueError, match="max_hz"):
+        Publisher(source, panels, max_hz=60)
+
+
+def test_workbench_launch_errors_show_in_the_form(sent):
+    wb = Workbench(model="no-such-model-anywhere", devices=["cpu"])
+    wb.runner.launch(wb.launcher.options())
+    deadline = time.monotonic() + 30
+    while wb.runner.phase == "starting" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert wb.runner.phase == "failed" and "no-such-model-anywhere" in wb.runner.error
+    wb.publisher.poll_once()
+    assert "failed" in wb.launcher.status.value and "no-such-model-anywhere" in wb.launcher.status.value
+    assert "Traceback" not in wb.launcher.status.value
+    assert wb.static_html() == "<i>no cluster running</i>"
+    wb.close()
+
+
+def test_divergence_explorer_shows_both_sides_and_topk(llm):
+    from minivllm_widgets import DivergenceExplorer, report_html
+    from minivllm_widgets.divergence import parse_options
+
+    assert parse_options("gemv_max_rows=0, batch_invariant=true") == {"gemv_max_rows": 0, "batch_invariant": True}
+    assert parse_options('{"gemv_max_rows": 4096}') == {"gemv_max_rows": 4096}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_options("gemv_max_rows")
+    ex = DivergenceExplorer(llm, prompt="The capital of France is", a={"gemv_max_rows": 0},
+                            b={"gemv_max_rows": 0}, max_tokens=6)
+    report = ex.run()
+    assert report is not None and not report.diverged  # identical settings never split
+    assert "no divergence" in ex.tokens.value
+    for rec in report.records:
+        assert rec.a.text.replace("\n", "") in ex.tokens.value.replace("\n", "") or rec.a.text.strip() == ""
+    assert ex.position.max == len(report.records) - 1
+    ex.position.value = ex.position.max
+    last = report.records[-1].a
+    assert f"chose {last.text!r}".replace("'", "&#x27;") in ex.topk.value
+    assert "<svg" in ex.margins.value and "<svg" in report_html(report)
+    ex.a.value = "gemv_max_rows"
+    assert ex.run() is None and "KEY=VALUE" in ex.status.value  # a bad option is shown, not raised

@@ -1,0 +1,119 @@
+"""HTML for each panel's view model. The live widgets and the static fallback (nbconvert,
+Kaggle "Save & Run All") use the same functions, so both show the same thing."""
+
+from __future__ import annotations
+
+import html
+
+from minivllm_widgets.page_grid import COLOURS, LEGEND, png_data_uri, render_page_grid
+
+_TABLE = "border-collapse:collapse;font:12px monospace"
+_CELL = "padding:2px 6px;border-bottom:1px solid #ddd;text-align:left"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f'<th style="{_CELL}">{html.escape(h)}</th>' for h in header)
+    body = "".join("<tr>" + "".join(f'<td style="{_CELL}">{c}</td>' for c in row) + "</tr>" for row in rows)
+    return f'<table style="{_TABLE}"><tr>{head}</tr>{body}</table>'
+
+
+def _bar(fraction: float, colour: str = "#4285f4", width: int = 80) -> str:
+    w = int(max(0.0, min(1.0, fraction)) * width)
+    return (f'<span style="display:inline-block;width:{width}px;height:8px;background:#eee">'
+            f'<span style="display:block;width:{w}px;height:8px;background:{colour}"></span></span>')
+
+
+def _fmt(v, spec: str = ".3f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def queues_html(view: dict) -> str:
+    parts = []
+    for name, w in view.items():
+        counts = {q: sum(r["queue"] == q for r in w["requests"]) for q in ("running", "waiting", "preempted")}
+        title = (f"<b>{html.escape(name)}</b> ({html.escape(w['device'])}, {html.escape(w['state'])}): "
+                 f"{counts['running']} running, {counts['waiting']} waiting, {counts['preempted']} preempted")
+        rows = [[html.escape(r["id"]), r["queue"], r["phase"],
+                 _bar(r["progress"], "#34a853" if r["phase"] == "decode" else "#4285f4") + f" {r['progress']:.0%}",
+                 str(r["prompt_tokens"]), str(r["restored_tokens"]), str(r["output_tokens"]), str(r["flight"] or "")]
+                for r in w["requests"][:24]]
+        more = f"<div>… {len(w['requests']) - 24} more</div>" if len(w["requests"]) > 24 else ""
+        table = _table(["request", "queue", "phase", "progress", "prompt", "restored", "output", "flight"], rows) if rows else "<i>idle</i>"
+        parts.append(f"<div style='margin-bottom:8px'>{title}{table}{more}</div>")
+    return "".join(parts) or "<i>no workers</i>"
+
+
+def kv_caption_html(name: str, w: dict | None) -> str:
+    if w is None:
+        return f"<b>{html.escape(name)}</b>: no snapshot yet"
+    counts = ", ".join(f"{w['counts'].get(s, 0)} {s}" for s in COLOURS)
+    hit = f"{w['hits']}/{w['lookups']} prefix hits, {w['restored_tokens']} tokens restored"
+    flights = f", {w['flights']} open flights" if w["flights"] else ""
+    return f"<b>{html.escape(name)}</b>: {w['total']} pages ({counts}); {hit}{flights}"
+
+
+def kv_legend_html() -> str:
+    swatches = "".join(f'<span style="display:inline-block;width:10px;height:10px;background:rgb{c};margin:0 4px 0 10px">'
+                       f'</span>{html.escape(LEGEND[s])}' for s, c in COLOURS.items())
+    return f"<div style='font:12px sans-serif'>{swatches}</div>"
+
+
+def kv_static_html(view: dict) -> str:
+    parts = [kv_legend_html()]
+    for name, w in view.items():
+        parts.append(f"<div>{kv_caption_html(name, w)}</div>")
+        if w is not None:
+            parts.append(f'<img src="{png_data_uri(render_page_grid(w["states"], w["ref_counts"]))}"/>')
+    return "".join(parts)
+
+
+def router_html(view: dict) -> str:
+    rows = []
+    for d in reversed(view["decisions"]):
+        cells = []
+        for c in d["candidates"]:
+            mark = "✔ " if c["worker"] == d["chosen"] else ""
+            state = "" if c["healthy"] else " (down)"
+            cells.append(f"{mark}{html.escape(c['worker'])}{state}: {c['active']}/{c['queued']} act/queued, "
+                         f"cached {c['cached']}, prefill {_fmt(c['prefill_s'])} + decode {_fmt(c['decode_s'])}"
+                         f" (finish {_fmt(c['finish_s'])}) → <b>{_fmt(c['score'])}</b>")
+        rows.append([html.escape(d["request_id"]), html.escape(d["reason"]), "<br>".join(cells), html.escape(d["chosen"])])
+    table = _table(["request", "reason", "candidates (score s = max(prefill + decode, finish))", "chosen"], rows)
+    return f"<div>router: <b>{html.escape(view['policy'])}</b></div>" + (table if rows else "<i>no decisions yet</i>")
+
+
+def speculative_html(view: dict) -> str:
+    parts = []
+    for name, s in view.items():
+        if s is None:
+            parts.append(f"<div><b>{html.escape(name)}</b>: no draft model</div>")
+            continue
+        bars = "".join(
+            f'<span title="round: {a}/{p} accepted" style="display:inline-block;width:4px;margin-right:1px;'
+            f'height:{4 + 24 * (a / p if p else 0):.0f}px;background:#34a853;vertical-align:bottom"></span>'
+            for p, a in s["recent"])
+        hist = ", ".join(f"k={k}: {n}" for k, n in sorted(s["histogram"].items(), key=lambda kv: int(kv[0])))
+        parts.append(f"<div><b>{html.escape(name)}</b>: acceptance {s['acceptance_rate']:.1%} "
+                     f"({s['accepted']}/{s['proposed']}); draft lengths {hist or '–'}<br>{bars}</div>")
+    return "".join(parts)
+
+
+def throughput_svg(series: dict, width: int = 420, height: int = 90) -> str:
+    """Decode tok/s per worker over the last polls, as an inline SVG line chart."""
+    palette = ["#4285f4", "#ea4335", "#34a853", "#fbbc05", "#9c27b0"]
+    points = [v for s in series.values() for _, v, _ in s]
+    if not points:
+        return "<i>no throughput yet</i>"
+    top = max(points) or 1.0
+    t0 = min(t for s in series.values() for t, _, _ in s)
+    t1 = max(t for s in series.values() for t, _, _ in s)
+    span = (t1 - t0) or 1.0
+    lines, legend = [], []
+    for i, (name, s) in enumerate(series.items()):
+        colour = palette[i % len(palette)]
+        xy = " ".join(f"{(t - t0) / span * (width - 10) + 5:.1f},{height - 5 - v / top * (height - 15):.1f}" for t, v, _ in s)
+        lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{xy}"/>')
+        last = s[-1][1] if s else 0.0
+        legend.append(f'<span style="color:{colour}">■ {html.escape(name)} {last:.1f} tok/s</span>')
+    return (f'<div style="font:12px sans-serif">decode tokens/s (max {top:.1f}) {" ".join(legend)}</div>'
+            f'<svg width="{width}" height="{height}" style="background:#fafafa">{"".join(lines)}</svg>')

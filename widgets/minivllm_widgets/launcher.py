@@ -1,0 +1,130 @@
+"""The launcher form: what a Cluster is started with, as widgets.
+
+`options()` turns the form into `Cluster(...)` keyword arguments. Launch runs
+`Cluster.start()` on a background thread (loading can take minutes on a T4) and records
+progress and errors in plain state that the publisher shows; an error appears as one
+line in the form, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as W
+
+
+def detected_devices() -> list[str]:
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        gpus = 0
+    return ["cpu"] + [f"cuda:{i}" for i in range(gpus)]
+
+
+class Launcher:
+    def __init__(self, model: str = "smollm2-135m", devices: list[str] | None = None, **defaults):
+        found = detected_devices()
+        chosen = set(devices or found[:1])
+        self.model = W.Text(value=model, description="model", placeholder="name, .gguf path or hub id")
+        self.devices = {d: W.Checkbox(value=d in chosen, description=d, indent=False) for d in found}
+        self.dtype = W.Dropdown(options=["auto", "f32", "f16", "bf16"], value=defaults.get("dtype", "auto"),
+                                description="activations")
+        self.kv_mode = W.Dropdown(options=["paged", "contiguous"], value="paged", description="KV mode")
+        self.page_size = W.BoundedIntText(value=16, min=1, max=4096, description="page size")
+        self.max_model_len = W.BoundedIntText(value=defaults.get("max_model_len", 2048), min=16, max=131072,
+                                              description="max len")
+        self.prefix_cache = W.Checkbox(value=True, description="prefix cache", indent=False)
+        self.publication = W.Dropdown(options=["incremental", "at_completion"], value="incremental", description="publish")
+        self.single_flight = W.Dropdown(options=["off", "at_completion", "after_prefill"], value="off",
+                                        description="single-flight")
+        self.draft_model = W.Text(value="", description="draft", placeholder="optional draft model")
+        self.draft_policy = W.Text(value="fixed", description="policy")
+        self.tv_budget = W.BoundedFloatText(value=0.0, min=0.0, max=1.0, step=0.05, description="TV budget")
+        self.router = W.Dropdown(options=["cost", "round-robin", "least-loaded"], value="cost", description="router")
+        self.batch_invariant = W.Checkbox(value=False, description="batch-invariant", indent=False)
+        self.launch = W.Button(description="Launch", button_style="success")
+        self.stop = W.Button(description="Stop", button_style="warning")
+        self.status = W.HTML("<i>not running</i>")
+        self.widget = W.VBox([
+            W.HBox([self.model, self.dtype]),
+            W.HBox([W.Label("devices")] + list(self.devices.values())),
+            W.HBox([self.kv_mode, self.page_size, self.max_model_len]),
+            W.HBox([self.prefix_cache, self.publication, self.single_flight]),
+            W.HBox([self.draft_model, self.draft_policy, self.tv_budget]),
+            W.HBox([self.router, self.batch_invariant]),
+            W.HBox([self.launch, self.stop]), self.status])
+
+    def options(self) -> dict:
+        devices = [d for d, box in self.devices.items() if box.value]
+        paged = self.kv_mode.value == "paged"
+        opts = {"model": self.model.value.strip(), "devices": devices, "dtype": self.dtype.value,
+                "router": self.router.value, "kv_mode": self.kv_mode.value, "page_size": self.page_size.value,
+                "max_model_len": self.max_model_len.value, "batch_invariant": self.batch_invariant.value,
+                "prefix_cache": self.prefix_cache.value and paged, "publication": self.publication.value,
+                "single_flight": self.single_flight.value if self.prefix_cache.value and paged else "off"}
+        if self.draft_model.value.strip():
+            opts.update(draft_model=self.draft_model.value.strip(), draft_policy=self.draft_policy.value.strip(),
+                        tv_budget=self.tv_budget.value)
+        return opts
+
+
+class ClusterRunner:
+    """Starts and stops a Cluster off the kernel's thread; state for the status panel."""
+
+    def __init__(self):
+        self.cluster = None
+        self.phase = "idle"  # idle, starting, running, stopping, failed
+        self.error: str | None = None
+        self.progress: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def launch(self, options: dict) -> None:
+        with self._lock:
+            if self.phase in ("starting", "running", "stopping"):
+                return
+            self.phase, self.error, self.progress = "starting", None, {}
+        threading.Thread(target=self._start, args=(dict(options),), name="minivllm-launch", daemon=True).start()
+
+    def _start(self, options: dict) -> None:
+        from minivllm.errors import MinivllmError
+        from minivllm.serving import Cluster
+
+        try:
+            if not options.get("devices"):
+                raise ValueError("tick at least one device")
+            model = options.pop("model")
+            devices = options.pop("devices")
+            cluster = Cluster(model, devices, on_progress=self._on_progress, **options)
+            self.cluster = cluster
+            cluster.start()
+            self.phase = "running"
+        except (MinivllmError, ValueError) as exc:
+            self.phase, self.error, self.cluster = "failed", str(exc), None
+        except Exception as exc:  # noqa: BLE001 - shown in the form, not as a traceback
+            self.phase, self.error, self.cluster = "failed", f"{type(exc).__name__}: {exc}", None
+
+    def _on_progress(self, worker: str, state: str, stage: str) -> None:
+        self.progress[worker] = f"{state}: {stage}"
+
+    def stop(self) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            return
+        self.phase = "stopping"
+
+        def run():
+            cluster.stop()
+            self.cluster, self.phase = None, "idle"
+
+        threading.Thread(target=run, name="minivllm-stop", daemon=True).start()
+
+    def snapshot(self) -> dict | None:
+        cluster = self.cluster
+        if cluster is None or self.phase != "running":
+            return None
+        return cluster.snapshot()
+
+    def status_view(self) -> tuple:
+        return (self.phase, self.error, tuple(sorted(self.progress.items())))

@@ -1,0 +1,99 @@
+"""Cluster snapshot -> one small, comparable view model per panel.
+
+Pure functions over `Cluster.snapshot()` (minivllm's public contract): no widgets here, so
+they are tested without a browser, and the publisher sends a panel only when its view
+model changed. Each view model is plain data; equal data means nothing to send.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def queues_view(snapshot: dict) -> dict:
+    """Per worker: waiting / running / preempted requests with phase and progress."""
+    out = {}
+    for w in snapshot["workers"]:
+        snap = w.get("snapshot")
+        rows = []
+        if snap is not None:
+            for queue in ("running", "waiting", "preempted"):
+                for r in snap["queues"][queue]:
+                    prompt = max(1, r["prompt_tokens"])
+                    progress = (min(r["computed_tokens"], prompt) / prompt if r["phase"] == "prefill"
+                                else r["output_tokens"] / max(1, r["max_tokens"]))
+                    rows.append({"id": r["id"], "queue": queue, "phase": r["phase"], "progress": round(progress, 2),
+                                 "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
+                                 "restored_tokens": r["restored_tokens"], "flight": r.get("flight")})
+        out[w["name"]] = {"state": w["state"], "device": w["device"], "requests": rows}
+    return out
+
+
+def kv_view(snapshot: dict) -> dict:
+    """Per worker: page states and ref counts (for the grid) plus counts per state."""
+    out = {}
+    for w in snapshot["workers"]:
+        snap = w.get("snapshot")
+        if snap is None:
+            out[w["name"]] = None
+            continue
+        kv, cache = snap["kv"], snap["prefix_cache"]
+        out[w["name"]] = {"states": list(kv["page_states"]), "ref_counts": list(kv["ref_counts"]),
+                          "counts": dict(Counter(kv["page_states"])), "total": kv["total_pages"],
+                          "hits": cache["hits"], "lookups": cache["lookups"], "restored_tokens": cache["restored_tokens"],
+                          "flights": len(cache["flights"])}
+    return out
+
+
+def router_view(snapshot: dict, last: int = 12) -> dict:
+    """The latest decisions: each candidate's score split into prefill and decode terms."""
+    rows = []
+    for d in snapshot["router"]["decisions"][-last:]:
+        rows.append({"request_id": d["request_id"], "policy": d["policy"], "reason": d["reason"], "chosen": d["chosen"],
+                     "candidates": [{"worker": c["worker"], "healthy": c["healthy"], "active": c["active"],
+                                     "queued": c["queued"], "cached": c["cached_tokens"],
+                                     "prefill_s": c.get("prefill_s"), "decode_s": c.get("decode_s"),
+                                     "finish_s": c.get("finish_s"), "score": c.get("score")}
+                                    for c in d["candidates"]]})
+    return {"policy": snapshot["router"]["policy"], "decisions": rows}
+
+
+def speculative_view(snapshot: dict) -> dict:
+    out = {}
+    for w in snapshot["workers"]:
+        snap = w.get("snapshot")
+        spec = snap["speculative"] if snap is not None else {"enabled": False}
+        if not spec.get("enabled"):
+            out[w["name"]] = None
+            continue
+        out[w["name"]] = {"acceptance_rate": spec["acceptance_rate"], "proposed": spec["proposed"],
+                          "accepted": spec["accepted"], "histogram": dict(spec["draft_length_histogram"]),
+                          "recent": [(r["proposed"], r["accepted"]) for r in spec["recent_rounds"][-64:]]}
+    return out
+
+
+class ThroughputTracker:
+    """Tokens/s per worker over time, from the engines' cumulative counters between polls."""
+
+    def __init__(self, window: int = 120):
+        self.window = window
+        self._last: dict[str, tuple[float, int, int]] = {}
+        self.series: dict[str, list[tuple[float, float, float]]] = {}  # (t, decode tok/s, prefill tok/s)
+
+    def update(self, snapshot: dict) -> dict:
+        t = snapshot["time"]
+        for w in snapshot["workers"]:
+            snap = w.get("snapshot")
+            if snap is None:
+                continue
+            c = snap["counters"]
+            decode, prefill = c["decode_tokens"], c["prefill_tokens"]
+            prev = self._last.get(w["name"])
+            self._last[w["name"]] = (t, decode, prefill)
+            if prev is None or t <= prev[0] or decode < prev[1]:
+                continue  # first sight, or the worker restarted (counters reset)
+            dt = t - prev[0]
+            series = self.series.setdefault(w["name"], [])
+            series.append((t, (decode - prev[1]) / dt, (prefill - prev[2]) / dt))
+            del series[:-self.window]
+        return {name: list(s) for name, s in self.series.items()}

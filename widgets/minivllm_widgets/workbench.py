@@ -1,0 +1,110 @@
+"""`Workbench()`: launch workers, watch the engine live, send requests, in one widget.
+
+    from minivllm_widgets import Workbench
+    wb = Workbench(model="smollm2-135m")     # a form; Launch starts a Cluster
+    wb                                       # displays it and starts the publisher
+    wb.static_html()                         # the same views as plain HTML (nbconvert, Kaggle)
+
+Every live view is fed by one publisher thread (publisher.py) from `Cluster.snapshot()`,
+minivllm's public contract; nothing here reaches into the engine.
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+
+from minivllm_widgets import html_views, panel_state
+from minivllm_widgets.composer import Composer, composer_html
+from minivllm_widgets.launcher import ClusterRunner, Launcher
+from minivllm_widgets.panels import Panel, default_panels
+from minivllm_widgets.publisher import Publisher
+
+
+class _StatusPanel(Panel):
+    def __init__(self, runner: ClusterRunner, target: W.HTML):
+        self.runner, self.target = runner, target
+        super().__init__()
+
+    def build(self):
+        return self.target
+
+    def view(self, snapshot):
+        return self.runner.status_view()
+
+    def render(self, view) -> None:
+        phase, error, progress = view
+        lines = [f"<b>{html.escape(phase)}</b>"]
+        if error:
+            lines.append(f"<span style='color:#c00'>{html.escape(error)}</span>")
+        lines += [f"{html.escape(w)}: {html.escape(p)}" for w, p in progress]
+        self.widget.value = "<br>".join(lines)
+
+
+class _ComposerPanel(Panel):
+    def __init__(self, composer: Composer):
+        self.composer = composer
+        super().__init__()
+
+    def view(self, snapshot):
+        return self.composer.view()
+
+    def render(self, view) -> None:
+        self.widget.value = composer_html(view)
+
+
+class Workbench:
+    def __init__(self, model: str = "smollm2-135m", devices: list[str] | None = None, *, cluster=None,
+                 max_hz: float = 10.0, **defaults):
+        """`cluster`: show an already started Cluster instead of launching one."""
+        self.runner = ClusterRunner()
+        if cluster is not None:
+            self.runner.cluster, self.runner.phase = cluster, "running"
+        self.launcher = Launcher(model, devices, **defaults)
+        self.launcher.launch.on_click(lambda _: self.runner.launch(self.launcher.options()))
+        self.launcher.stop.on_click(lambda _: self.runner.stop())
+        self.composer = Composer(self.runner)
+        self.panels = default_panels()
+        composer_panel = _ComposerPanel(self.composer)
+        extra = [_StatusPanel(self.runner, self.launcher.status), composer_panel]
+        self.publisher = Publisher(self.runner.snapshot, self.panels + extra, max_hz=max_hz)
+        dashboard = W.VBox([W.VBox([W.HTML(f"<h4>{p.title}</h4>"), p.widget]) for p in self.panels])
+        self.widget = W.Tab(children=[self.launcher.widget, dashboard, W.VBox([self.composer.widget, composer_panel.widget])])
+        for i, title in enumerate(["Launch", "Dashboard", "Requests"]):
+            self.widget.set_title(i, title)
+
+    @property
+    def cluster(self):
+        return self.runner.cluster
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+        self.publisher.start()
+
+    def static_html(self) -> str:
+        """The dashboard as self-contained HTML (page grids inlined as PNG data URIs), for
+        places where widgets cannot render: nbconvert, a Kaggle "Save & Run All" commit."""
+        snapshot = self.runner.snapshot()
+        if snapshot is None:
+            return "<i>no cluster running</i>"
+        throughput = self.panels[-1].tracker.series if hasattr(self.panels[-1], "tracker") else {}
+        return "".join([
+            "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
+            "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
+            "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
+            "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),
+            "<h4>Throughput</h4>", html_views.throughput_svg(throughput)])
+
+    def show_static(self) -> None:
+        from IPython.display import HTML, display
+
+        display(HTML(self.static_html()))
+
+    def close(self, stop_cluster: bool = True) -> None:
+        self.publisher.stop()
+        if stop_cluster and self.runner.cluster is not None:
+            self.runner.cluster.stop()
+            self.runner.cluster, self.runner.phase = None, "idle"
