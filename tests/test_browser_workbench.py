@@ -69,7 +69,7 @@ def jupyter_lab(tmp_path, smollm2_path):
     log = open(tmp_path / "jupyter.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
                              f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root}",
-                             "--ServerApp.disable_check_xsrf=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+                             "--ServerApp.disable_check_xsrf=True", "--allow-root", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=root)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

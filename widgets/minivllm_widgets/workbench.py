@@ -73,6 +73,8 @@ class Workbench:
         self.widget = W.Tab(children=[self.launcher.widget, dashboard, W.VBox([self.composer.widget, composer_panel.widget])])
         for i, title in enumerate(["Launch", "Dashboard", "Requests"]):
             self.widget.set_title(i, title)
+        if cluster is not None:
+            self.widget.selected_index = 1  # already running: open on the dashboard
 
     @property
     def cluster(self):
