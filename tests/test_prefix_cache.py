@@ -386,6 +386,10 @@ def test_random_reuse_programs_keep_pages_consistent(tiny):
     preemptions must all have happened (else the programs are too tame to mean much)."""
     model, tokenizer = tiny
     seen: Counter = Counter()
+    # Unseeded sampled requests draw from torch's global generator, so without this the
+    # programs (when EOS comes, hence what is live to abort) depend on which tests ran
+    # before: the coverage check below then passed alone and failed in the full suite.
+    torch.manual_seed(1234)
 
     # Derandomized: CI sees the same programs every run (see test_engine.py).
     @settings(max_examples=20, deadline=None, derandomize=True, phases=[Phase.generate],
