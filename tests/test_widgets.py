@@ -203,3 +203,14 @@ def test_divergence_explorer_shows_both_sides_and_topk(llm):
     assert "<svg" in ex.margins.value and "<svg" in report_html(report)
     ex.a.value = "gemv_max_rows"
     assert ex.run() is None and "KEY=VALUE" in ex.status.value  # a bad option is shown, not raised
+
+
+def test_throughput_tracker_records_step_latency():
+    tr = ThroughputTracker()
+    snap = lambda t, d, idx, dur: {"time": t, "workers": [{"name": "w", "snapshot": {
+        "counters": {"decode_tokens": d, "prefill_tokens": 0}, "last_step": {"index": idx, "duration_s": dur}}}]}
+    tr.update(snap(0.0, 0, 0, 0.0))  # no step yet: nothing
+    tr.update(snap(1.0, 10, 5, 0.02))
+    tr.update(snap(2.0, 10, 5, 0.02))  # idle: the same step again is not a new measurement
+    tr.update(snap(3.0, 30, 9, 0.05))
+    assert tr.step_ms == {"w": [(1.0, 20.0), (3.0, 50.0)]}

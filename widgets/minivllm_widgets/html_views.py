@@ -98,8 +98,10 @@ def speculative_html(view: dict) -> str:
     return "".join(parts)
 
 
-def throughput_svg(series: dict, width: int = 420, height: int = 90) -> str:
-    """Decode tok/s per worker over the last polls, as an inline SVG line chart."""
+def throughput_svg(series: dict, width: int = 420, height: int = 90, *, label: str = "decode tokens/s",
+                   unit: str = "tok/s") -> str:
+    """Decode tok/s per worker over the last polls (or any (t, value, _) series), as an
+    inline SVG line chart."""
     palette = ["#4285f4", "#ea4335", "#34a853", "#fbbc05", "#9c27b0"]
     points = [v for s in series.values() for _, v, _ in s]
     if not points:
@@ -114,6 +116,15 @@ def throughput_svg(series: dict, width: int = 420, height: int = 90) -> str:
         xy = " ".join(f"{(t - t0) / span * (width - 10) + 5:.1f},{height - 5 - v / top * (height - 15):.1f}" for t, v, _ in s)
         lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{xy}"/>')
         last = s[-1][1] if s else 0.0
-        legend.append(f'<span style="color:{colour}">■ {html.escape(name)} {last:.1f} tok/s</span>')
-    return (f'<div style="font:12px sans-serif">decode tokens/s (max {top:.1f}) {" ".join(legend)}</div>'
+        legend.append(f'<span style="color:{colour}">■ {html.escape(name)} {last:.1f} {unit}</span>')
+    return (f'<div style="font:12px sans-serif">{html.escape(label)} (max {top:.1f}) {" ".join(legend)}</div>'
             f'<svg width="{width}" height="{height}" style="background:#fafafa">{"".join(lines)}</svg>')
+
+
+def latency_svg(step_ms: dict, width: int = 420, height: int = 70) -> str:
+    """Each worker's step time in ms over the last polls: the latency between two tokens
+    of every request running there."""
+    series = {name: [(t, v, 0.0) for t, v in s] for name, s in step_ms.items() if s}
+    if not series:
+        return ""
+    return throughput_svg(series, width=width, height=height, label="step latency (ms)", unit="ms")

@@ -73,12 +73,15 @@ def speculative_view(snapshot: dict) -> dict:
 
 
 class ThroughputTracker:
-    """Tokens/s per worker over time, from the engines' cumulative counters between polls."""
+    """Tokens/s per worker over time, from the engines' cumulative counters between polls,
+    and step latency (the last step's wall time: what every running request waited for
+    its next token)."""
 
     def __init__(self, window: int = 120):
         self.window = window
         self._last: dict[str, tuple[float, int, int]] = {}
         self.series: dict[str, list[tuple[float, float, float]]] = {}  # (t, decode tok/s, prefill tok/s)
+        self.step_ms: dict[str, list[tuple[float, float]]] = {}  # (t, last step's duration in ms)
 
     def update(self, snapshot: dict) -> dict:
         t = snapshot["time"]
@@ -90,6 +93,11 @@ class ThroughputTracker:
             decode, prefill = c["decode_tokens"], c["prefill_tokens"]
             prev = self._last.get(w["name"])
             self._last[w["name"]] = (t, decode, prefill)
+            step = snap.get("last_step") or {"index": 0}
+            if step["index"] and (prev is None or decode != prev[1] or prefill != prev[2]):
+                lat = self.step_ms.setdefault(w["name"], [])
+                lat.append((t, 1000.0 * step["duration_s"]))
+                del lat[:-self.window]
             if prev is None or t <= prev[0] or decode < prev[1]:
                 continue  # first sight, or the worker restarted (counters reset)
             dt = t - prev[0]

@@ -73,23 +73,26 @@ class SpeculativePanel(_HTMLPanel):
 
 
 class ThroughputPanel(_HTMLPanel):
-    title = "Throughput"
+    title = "Throughput and latency"
 
     def __init__(self):
         self.tracker = panel_state.ThroughputTracker()
         self._seen_time = None
+        self._latest: dict = {}
         super().__init__()
 
-    def view(self, snapshot):
-        if snapshot is None:
-            return None
+    def _series(self, snapshot):
         if snapshot["time"] != self._seen_time:  # a repeated snapshot is not a new measurement
             self._seen_time = snapshot["time"]
-            return self.tracker.update(snapshot)
-        return self.last_view
+            self._latest = self.tracker.update(snapshot)
+        return self._latest
+
+    def view(self, snapshot):
+        return None if snapshot is None else (self._series(snapshot), {k: list(v) for k, v in self.tracker.step_ms.items()})
 
     def to_html(self, view):
-        return html_views.throughput_svg(view)
+        series, step_ms = view
+        return html_views.throughput_svg(series) + html_views.latency_svg(step_ms)
 
 
 class KVPanel(Panel):

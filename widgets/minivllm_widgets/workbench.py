@@ -92,13 +92,15 @@ class Workbench:
         snapshot = self.runner.snapshot()
         if snapshot is None:
             return "<i>no cluster running</i>"
-        throughput = self.panels[-1].tracker.series if hasattr(self.panels[-1], "tracker") else {}
+        tracker = getattr(self.panels[-1], "tracker", None)
+        throughput = tracker.series if tracker is not None else {}
+        step_ms = tracker.step_ms if tracker is not None else {}
         return "".join([
             "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
             "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
             "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
             "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),
-            "<h4>Throughput</h4>", html_views.throughput_svg(throughput)])
+            "<h4>Throughput and latency</h4>", html_views.throughput_svg(throughput), html_views.latency_svg(step_ms)])
 
     def show_static(self) -> None:
         from IPython.display import HTML, display
