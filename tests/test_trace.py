@@ -294,3 +294,17 @@ def test_nvtx_scopes_on_gpu(tmp_path):
     assert y.shape == (256, 256)
     events = _complete(_load(flush_trace()))
     assert len(events) == 12
+
+
+def test_every_scope_kind_the_code_opens_is_allowed():
+    # An unknown kind raises ValueError at run time, and only with tracing on: speculative
+    # decoding's "draft"/"verify" scopes once broke `generate --trace-directory --draft-model`.
+    import re
+    from pathlib import Path
+
+    from minivllm.obs.trace import _NVTX_COLORS, SCOPE_KINDS
+
+    root = Path(__file__).resolve().parents[1] / "minivllm"
+    used = {m for f in root.rglob("*.py") for m in re.findall(r'trace_scope\(\s*"([a-z_]+)"', f.read_text())}
+    assert used and used <= SCOPE_KINDS, used - SCOPE_KINDS
+    assert set(_NVTX_COLORS) == SCOPE_KINDS

@@ -64,11 +64,14 @@ __all__ = [
 ]
 
 SCOPE_KINDS: frozenset[str] = frozenset(
-    {"step", "model", "layer", "attn", "mlp", "qmatmul", "sample", "prefill", "decode", "schedule"}
+    {"step", "model", "layer", "attn", "mlp", "qmatmul", "sample", "prefill", "decode", "schedule",
+     "draft", "verify"}  # the last two: speculative decoding's proposal and verification
 )
 
 # One ARGB colour per kind, so Nsight Systems tells the kinds apart at a glance.
 _NVTX_COLORS: dict[str, int] = {
+    "draft": 0xFF86BCB6,  # light teal
+    "verify": 0xFFD37295,  # rose
     "step": 0xFF4E79A7,  # blue
     "model": 0xFF59A14F,  # green
     "layer": 0xFFB07AA1,  # purple
