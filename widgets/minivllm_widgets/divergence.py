@@ -164,8 +164,12 @@ class DivergenceExplorer:
         except (MinivllmError, ValueError) as exc:
             self.status.value = f"<span style='color:#c00'>{html.escape(str(exc))}</span>"
             return None
-        report = self.report
         self.status.value = "done"
+        return self.show(self.report)
+
+    def show(self, report):
+        """Draw an existing report (from `compare`, or loaded) without running it again."""
+        self.report = report
         self.tokens.value = tokens_html(report)
         self.margins.value = margins_html(report)
         self.layers.value = layers_html(report)
