@@ -382,8 +382,8 @@ def test_random_reuse_programs_keep_pages_consistent(tiny):
     and both publications. References: engine_invariants.check_invariants after every
     operation (refcounts recomputed from block tables + index), free_equals_total at the
     end, and the single-sequence reference for every greedy or seeded request that
-    finished. Across the examples, hits, evictions, followers, promotions and
-    preemptions must all have happened (else the programs are too tame to mean much)."""
+    finished. Across the examples, hits, evictions, followers and preemptions must all
+    have happened (else the programs are too tame to mean much)."""
     model, tokenizer = tiny
     seen: Counter = Counter()
     # Unseeded sampled requests draw from torch's global generator, so without this the
@@ -470,7 +470,11 @@ def test_random_reuse_programs_keep_pages_consistent(tiny):
                 assert engine.output(rid).finish_reason in ("stop", "length")
 
     program()
-    assert all(seen[k] > 0 for k in ("hits", "evictions", "preemptions", "followers", "promotions")), seen
+    # Promotions (a leader cancelled mid-prefill) are not required here: whether a random
+    # program hits that window changed between this file alone and the full suite even
+    # with the generator seeded. test_cancelling_the_leader_mid_prefill_promotes_the_oldest_follower
+    # pins them deterministically; these programs still check invariants when they occur.
+    assert all(seen[k] > 0 for k in ("hits", "evictions", "preemptions", "followers")), seen
 
 
 # -- 4: eviction under pressure never takes a page in use ---------------------------------------
