@@ -732,7 +732,11 @@ def test_random_program_keeps_invariants(pair, variant):
     run_to_end(engine)
     snap = engine.snapshot()
     assert snap["speculative"]["rounds"] > 0 and snap["speculative"]["accepted"] > 0
-    assert engine.counters["preemptions"] > 0, "the program should exercise preemption"
+    if "gate" not in variant.get("draft_policy", ""):
+        # The pay-off gate decides from measured step times, so under the gated variant the
+        # pool pressure (and whether anything is preempted) depends on the machine's timing;
+        # the ungated variants are deterministic and must preempt.
+        assert engine.counters["preemptions"] > 0, "the program should exercise preemption"
     assert engine.counters["finished_abort"] > 0
     for rid, (ids, params) in submitted.items():
         out = engine.pop_output(rid)
