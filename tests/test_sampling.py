@@ -526,3 +526,22 @@ def test_bad_requests_do_not_break_the_engine(llms, greedy_ref):
     assert out.token_ids == greedy_ref.token_ids[:6] and out.finish_reason == "length"
     with pytest.raises(ConfigError, match="max_model_len"):
         LLM(str(llm.model_path), progress=False, max_model_len=1)
+
+
+def test_extreme_but_valid_settings_still_give_a_distribution():
+    """Found by schema fuzzing: repetition_penalty=5e-324 overflowed the penalised logits to
+    inf and the softmax to NaN; a tiny temperature did the same. Both must still sample,
+    and a vanishing temperature must pick the argmax as greedy does."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 0.5, 2.9])
+    tiny = SamplingParams(temperature=1e-30, seed=1)
+    probs = filtered_probs(logits.clone(), tiny)
+    assert torch.isfinite(probs).all() and probs[1] == 1.0
+    extreme = SamplingParams(temperature=1.0, repetition_penalty=5e-324, seed=2)
+    penalized = apply_penalties(logits.clone(), [0, 1, 2], [], extreme)
+    assert torch.isfinite(penalized).all()
+    # a penalty below 1 favours seen tokens: positive seen logits become huge, the negative one tiny
+    assert penalized[1] == penalized[0] == torch.finfo(torch.float32).max and penalized[2] > -1e-30
+    probs = filtered_probs(penalized, extreme)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
+    token = sample(logits.clone(), [0, 1, 2], [], extreme, make_generator(extreme, logits.device))
+    assert token in (0, 1)

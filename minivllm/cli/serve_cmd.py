@@ -9,6 +9,8 @@ from minivllm.cli.generate_cmd import (add_kernel_arguments, add_prefix_cache_ar
                                        kernel_options_from, prefix_cache_options_from, speculative_options_from)
 from minivllm.devices import DTYPE_CHOICES
 from minivllm.models import DEFAULT_MODEL
+from minivllm.serving.http_guards import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
+from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +26,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--rates-profile", default=None,
                    help="JSON file with each worker's prefill/decode rates, instead of calibrating at start")
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                   help="seconds of silence after which a worker is declared dead and killed "
+                        f"(default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                   help="seconds a worker's step loop may stay stuck while its heartbeat goes on before it is "
+                        f"declared hung and killed (default {DEFAULT_STALL_TIMEOUT_S:g})")
 
 
 def add_serve_parser(subparsers) -> None:
@@ -34,6 +42,11 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                   help="generation requests at once, streams included; more get a 429 "
+                        f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
     add_kernel_arguments(p)
     add_prefix_cache_arguments(p)
     add_speculative_arguments(p)
@@ -43,15 +56,19 @@ def add_serve_parser(subparsers) -> None:
 def cluster_kwargs(args: argparse.Namespace) -> dict:
     return {"devices": args.inference_device or ["cpu"], "dtype": args.activation_dtype,
             "max_model_len": args.max_model_len, "max_active_requests": args.max_active_requests,
-            "page_size": args.page_size, "rates_profile": args.rates_profile}
+            "page_size": args.page_size, "rates_profile": args.rates_profile,
+            "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout}
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from minivllm.serving import Cluster
+    from minivllm.serving.http_guards import ServerLimits
     from minivllm.serving.http_server import serve
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_concurrent_requests=args.max_concurrent_requests)
 
     def progress(name, state, stage):
         print(f"[{name}] {state}: {stage}", file=sys.stderr)
@@ -64,5 +81,5 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"[{w['name']}] ready: prefill {r.get('prefill_tps') or 0:.1f} tok/s, decode "
                   + ", ".join(f"batch {b}: {v:.1f}" for b, v in (r.get("decode_tps") or {}).items()) + " tok/s",
                   file=sys.stderr)
-        serve(cluster, host=args.host, port=args.port, api_key=args.api_key)
+        serve(cluster, host=args.host, port=args.port, api_key=args.api_key, limits=limits)
     return 0

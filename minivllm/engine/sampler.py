@@ -19,7 +19,11 @@ def apply_penalties(logits: torch.Tensor, context_ids: list[int], output_ids: li
         ids = torch.tensor(sorted(set(window)), device=logits.device)
         seen = logits[ids]
         # Divide positive logits, multiply negative ones: both make the token less likely.
-        logits[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        penalized = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        # An extreme (but finite, valid) penalty like 1e-300 overflows to inf; keep the
+        # order it means without an inf that would turn the softmax into NaN.
+        big = torch.finfo(logits.dtype).max
+        logits[ids] = penalized.nan_to_num(posinf=big, neginf=-big)
     if (p.presence_penalty or p.frequency_penalty) and output_ids:
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
@@ -28,7 +32,10 @@ def apply_penalties(logits: torch.Tensor, context_ids: list[int], output_ids: li
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from (float32, sums to 1)."""
-    logits = logits.float() / p.temperature
+    logits = logits.float()
+    # Shift so the largest logit is 0 before dividing: the softmax is the same, and a tiny
+    # temperature (1e-30) then sends the others to -inf instead of everything to +inf / NaN.
+    logits = (logits - logits.max()) / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -6,6 +6,8 @@ value raises `ConfigError` naming the field and the allowed range.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from minivllm.errors import ConfigError
@@ -34,6 +36,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            # NaN slips through every comparison below and inf through some; neither is a setting.
+            self._check(name, isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                        "must be a finite number")
         self._check("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)")
         if self.top_k == -1:
             self.top_k = 0
@@ -46,7 +53,8 @@ class SamplingParams:
         self._check("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]")
         self._check("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]")
         self._check("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1")
-        self._check("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be None or an integer >= 0")
+        self._check("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                    "must be None or an integer in [0, 2**63)")
         self._check("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                     "must be None or an integer in [0, 20]")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings")

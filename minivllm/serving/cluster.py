@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import itertools
+import os
+import signal
 import json
 import time
 import uuid
@@ -30,9 +32,10 @@ from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.serving.inference_devices import parse_inference_devices
+from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import IncomingRequest, NoWorkerAvailable, Router
-from minivllm.serving.worker_handle import WorkerHandle
+from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
 
 SCHEMA = "minivllm.cluster.snapshot/1"
 PREFIX_QUERY_TIMEOUT_S = 2.0
@@ -45,10 +48,12 @@ class WorkerStartError(MinivllmError):
 class Cluster:
     def __init__(self, model: str = "smollm2-135m", devices: Sequence[str] | str = ("cpu",), *, router: str = "cost",
                  dtype: str = "f32", draft_model: str | None = None, rates_profile: str | None = None,
-                 calibrate: bool = True, heartbeat_timeout_s: float = 60.0, ready_timeout_s: float = 1800.0,
-                 on_progress=None, progress: bool = False, **engine_options):
+                 calibrate: bool = True, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, ready_timeout_s: float = 1800.0,
+                 fault_injection: bool = False, on_progress=None, progress: bool = False, **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (f32 on CPU workers,
-        f16 on GPU workers). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
+        loop hang (drills, tests, teaching); workers refuse it otherwise. `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it)."""
         from minivllm.gguf.tokenizer import Tokenizer
@@ -65,8 +70,10 @@ class Cluster:
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         self.worker_config = {"model": str(self.model_path), "dtype": dtype,
                               "draft_model": str(self.draft_model_path) if self.draft_model_path else None,
-                              "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile}
+                              "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile,
+                              "fault_injection": bool(fault_injection)}
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.on_progress = on_progress
         self.workers: dict[str, WorkerHandle] = {}
@@ -74,13 +81,14 @@ class Cluster:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
         self._query_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="minivllm-prefix-query")
+        self.accounting = RequestAccounting()
         self.started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _new_handle(self, device) -> WorkerHandle:
         return WorkerHandle(device, self.worker_config, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                            on_progress=self.on_progress)
+                            stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress)
 
     def start(self) -> "Cluster":
         """Start every worker and wait until all are loaded, warmed up and calibrated."""
@@ -127,6 +135,24 @@ class Cluster:
         """SIGKILL one worker's process, as a crash would (fault drills, tests, the notebook)."""
         self._worker(name).kill()
 
+    def inject_fault(self, name: str, kind: str) -> None:
+        """A drill: "crash" SIGKILLs the worker; "freeze" SIGSTOPs its whole process (the
+        heartbeat goes silent); "hang" blocks its step loop while the heartbeat goes on (needs
+        Cluster(fault_injection=True)). The death detector must notice each one."""
+        handle = self._worker(name)
+        if kind == "crash":
+            handle.kill()
+        elif kind == "freeze":
+            if handle.transport is None or handle.transport.pid is None:
+                raise ConfigError("worker", name, "has no process to freeze")
+            os.kill(handle.transport.pid, signal.SIGSTOP)
+        elif kind == "hang":
+            if not self.worker_config["fault_injection"]:
+                raise ConfigError("kind", kind, "start the cluster with fault_injection=True to make a worker hang")
+            handle.transport.send({"op": "fault", "kind": "hang"})
+        else:
+            raise ConfigError("kind", kind, "one of: crash, freeze, hang")
+
     def __enter__(self) -> "Cluster":
         return self.start()
 
@@ -170,7 +196,8 @@ class Cluster:
             except RuntimeError:
                 loop = None
         rid = request_id or f"cmpl-{self._prefix}-{next(self._ids)}"
-        stream = RequestStream(rid, text, prompt_ids, loop=loop, on_cancel=self._cancel)
+        stream = RequestStream(rid, text, prompt_ids, loop=loop, on_cancel=self._cancel,
+                               on_end=self.accounting.closed, on_duplicate_end=self.accounting.duplicate)
         incoming = IncomingRequest(rid, len(prompt_ids), params.max_tokens)
         with self._route_lock:
             handles = list(self.workers.values())
@@ -186,6 +213,7 @@ class Cluster:
             chosen = self.workers[decision["chosen"]]
             stream.worker, stream.decision = chosen.name, decision
             estimate = next(c["cached_tokens"] for c in decision["candidates"] if c["worker"] == chosen.name)
+            self.accounting.opened(rid)
             chosen.submit(stream, prompt_ids, params, estimate)
         return stream
 
@@ -247,6 +275,7 @@ class Cluster:
                         h.snapshot = snap
         return {"schema": SCHEMA, "time": time.time(), "model": self.model_name, "model_path": str(self.model_path),
                 "router": self.router.snapshot(), "health": self.health()["status"],
+                "requests": self.accounting.as_dict(),
                 "workers": [h.describe() for h in handles]}
 
     def rates_profile(self) -> dict:

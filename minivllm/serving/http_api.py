@@ -4,8 +4,13 @@
     GET  /v1/models              the served model
     POST /v1/completions         text completion, JSON or SSE stream
     POST /v1/chat/completions    chat completion through the model's own chat template
-    GET  /v1/cluster/snapshot    every worker's engine snapshot + the router's decisions
+    GET  /v1/cluster/snapshot    every worker's engine snapshot, the router's decisions and the
+                                 request ledger (?fresh=true asks the workers for new snapshots)
+    POST /v1/cluster/workers/{name}/restart   replace one worker; the others keep serving
     GET  /metrics                Prometheus text format
+
+Every route but /health needs the API key when one is set; bodies over the size limit get
+a 413 and generation requests over the concurrency limit a 429 (`http_guards.py`).
 
 Streams follow OpenAI's SSE format: one `data: {chunk}` per token event, a last chunk
 with finish_reason, an optional usage chunk (stream_options.include_usage), then
@@ -19,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.errors import ConfigError
+from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.http_guards import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit, ServerLimits
 from minivllm.serving.metrics import ServingMetrics
 from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
 from minivllm.serving.request_stream import RequestStream
@@ -34,11 +40,13 @@ from minivllm.serving.router import NoWorkerAvailable
 
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-_OPEN_PATHS = ("/health",)
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> Response:
+    # ASCII-escaped JSON: an error quoting the client's bad input may hold lone surrogates,
+    # which JSONResponse's UTF-8 encoding would turn into a 500.
+    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}})
+    return Response(body, status_code=status, media_type="application/json")
 
 
 def timing_extension(stream: RequestStream) -> dict:
@@ -55,25 +63,31 @@ def usage(stream: RequestStream) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def create_app(cluster, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
-    async def require_key(request: Request) -> None:
-        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps
-        # `receive`, and then `request.is_disconnected()` never sees a client leave.
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise _Unauthorized()
-
-    app = FastAPI(title="minivllm", version="0.1.0", dependencies=[Depends(require_key)],
+def create_app(cluster, *, api_key: str | None = None, served_model_name: str | None = None,
+               limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+    app = FastAPI(title="minivllm", version="0.1.0",
                   description="OpenAI-compatible API over minivllm's device workers and router.")
     model_name = served_model_name or cluster.model_name
     metrics = ServingMetrics(cluster)
-    app.state.cluster, app.state.metrics = cluster, metrics
+    app.state.cluster, app.state.metrics, app.state.limits = cluster, metrics, limits
     created = int(time.time())
+    reject = lambda reason: metrics.rejected.labels(reason).inc()  # noqa: E731
+    # Added innermost first: the key is checked before a body is read, the body's size
+    # before it is parsed, and only then does a request take a generation slot.
+    app.add_middleware(ConcurrencyLimit, limit=limits.max_concurrent_requests, on_reject=reject)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, on_reject=reject)
+    app.add_middleware(ApiKeyGuard, api_key=api_key, on_reject=reject)
 
-    @app.exception_handler(_Unauthorized)
-    async def unauthorized(request: Request, exc: _Unauthorized):
-        return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own refusals (a body that is not JSON or not UTF-8, an unknown route,
+        # a wrong method) in the same error shape as ours.
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the request body is not valid JSON in UTF-8; send a JSON object with Content-Type: application/json"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, detail, kind)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
@@ -94,8 +108,21 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                                             "owned_by": "minivllm", "root": str(cluster.model_path)}]}
 
     @app.get("/v1/cluster/snapshot")
-    async def cluster_snapshot():
-        return await asyncio.to_thread(cluster.snapshot)
+    async def cluster_snapshot(fresh: bool = False):
+        """`fresh=true` asks every worker for a new engine snapshot instead of its latest one."""
+        return await asyncio.to_thread(cluster.snapshot, fresh)
+
+    @app.post("/v1/cluster/workers/{name}/restart")
+    async def restart_worker(name: str):
+        """Replace one worker with a fresh process (dead or alive); the others keep serving."""
+        if name not in cluster.workers:
+            return error_response(404, f"no worker named {name!r}; workers: {', '.join(cluster.workers)}",
+                                  "invalid_request_error", "name")
+        try:
+            await asyncio.to_thread(cluster.restart_worker, name)
+        except MinivllmError as exc:
+            return error_response(503, str(exc), "service_unavailable")
+        return cluster.health()
 
     @app.get("/metrics")
     async def prometheus():
@@ -153,7 +180,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         arrival = time.monotonic()
         started = await start(request, body, prompt=prompt, messages=messages,
                               default_max_tokens=CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS)
-        if isinstance(started, JSONResponse):
+        if isinstance(started, Response):
             return started
         stream: RequestStream = started
         events = stream.__aiter__()
@@ -247,10 +274,6 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         return await run(request, body, chat=True, messages=messages)
 
     return app
-
-
-class _Unauthorized(Exception):
-    pass
 
 
 async def _cancel_on_disconnect(request: Request, stream: RequestStream, poll_s: float = 0.2) -> None:

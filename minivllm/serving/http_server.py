@@ -18,6 +18,7 @@ import time
 import uvicorn
 
 from minivllm.serving.http_api import create_app
+from minivllm.serving.http_guards import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -29,18 +30,18 @@ def free_port(host: str = DEFAULT_HOST) -> int:
 
 
 def serve(cluster, *, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
-          log_level: str = "info") -> None:
+          limits: ServerLimits | None = None, log_level: str = "info") -> None:
     """Serve until interrupted (Ctrl-C); the caller owns the cluster."""
-    app = create_app(cluster, api_key=api_key)
+    app = create_app(cluster, api_key=api_key, limits=limits)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
 class BackgroundServer:
     def __init__(self, cluster, *, host: str = DEFAULT_HOST, port: int = 0, api_key: str | None = None,
-                 log_level: str = "warning"):
+                 limits: ServerLimits | None = None, log_level: str = "warning"):
         self.host = host
         self.port = port or free_port(host)
-        self.app = create_app(cluster, api_key=api_key)
+        self.app = create_app(cluster, api_key=api_key, limits=limits)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="minivllm-http", daemon=True)
@@ -73,5 +74,5 @@ class BackgroundServer:
 
 
 def start_server_in_background(cluster, *, host: str = DEFAULT_HOST, port: int = 0, api_key: str | None = None,
-                               log_level: str = "warning") -> BackgroundServer:
-    return BackgroundServer(cluster, host=host, port=port, api_key=api_key, log_level=log_level).start()
+                               limits: ServerLimits | None = None, log_level: str = "warning") -> BackgroundServer:
+    return BackgroundServer(cluster, host=host, port=port, api_key=api_key, limits=limits, log_level=log_level).start()

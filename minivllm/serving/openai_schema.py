@@ -16,6 +16,17 @@ from minivllm.engine.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP_SEQUENCES = 16
+
+
+def checked_text(field: str, text: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800") that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(field, text[max(0, exc.start - 8): exc.end + 8],
+                          "contains a lone surrogate, which is not valid Unicode; send valid UTF-8 text") from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -25,20 +36,23 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    # The ranges are part of the OpenAPI schema (clients and fuzzers see them); SamplingParams
+    # checks the same ones again for Python callers.
     model: str | None = None
-    max_tokens: int | None = Field(default=None, description="tokens to generate (default 16 for completions, 256 for chat)")
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1,
+                                   description="tokens to generate (default 16 for completions, 256 for chat)")
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, description="0 or -1 disables it")
+    min_p: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -47,6 +61,9 @@ class _SamplingFields(BaseModel):
         if self.n != 1:
             raise ConfigError("n", self.n, "only n=1 is supported; send several requests instead")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise ConfigError("stop", f"<{len(stop)} sequences>", f"give at most {MAX_STOP_SEQUENCES} stop sequences")
+        stop = [checked_text(f"stop[{i}]", text) for i, text in enumerate(stop)]
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
@@ -81,6 +98,8 @@ class CompletionRequest(_SamplingFields):
             prompt = prompt[0]
         if isinstance(prompt, str) and not prompt:
             raise ConfigError("prompt", "", "must not be empty")
+        if isinstance(prompt, str):
+            checked_text("prompt", prompt)
         if isinstance(prompt, list) and not prompt:
             raise ConfigError("prompt", [], "must contain at least one token")
         return prompt
@@ -117,7 +136,7 @@ class ChatCompletionRequest(_SamplingFields):
                         raise ConfigError(f"messages[{i}].content", part.get("type"), "only text parts are supported")
                     parts.append(part["text"])
                 content = "".join(parts)
-            out.append({"role": m.role, "content": content or ""})
+            out.append({"role": m.role, "content": checked_text(f"messages[{i}].content", content or "")})
         if not any(m["content"] for m in out):
             raise ConfigError("messages", "<all empty>", "at least one message needs content")
         return out

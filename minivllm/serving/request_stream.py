@@ -18,7 +18,7 @@ from minivllm.engine.outputs import RequestMetrics, RequestOutput, TokenEvent
 
 class RequestStream:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], *,
-                 loop: asyncio.AbstractEventLoop | None = None, on_cancel=None):
+                 loop: asyncio.AbstractEventLoop | None = None, on_cancel=None, on_end=None, on_duplicate_end=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -35,6 +35,10 @@ class RequestStream:
         self._async_events: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._done = threading.Event()
         self._on_cancel = on_cancel
+        # Accounting hooks: on_end(request_id, finish_reason) runs once, at the terminal
+        # event; on_duplicate_end(request_id) for any terminal event after that one.
+        self._on_end = on_end
+        self._on_duplicate_end = on_duplicate_end
         # Client-side timestamps (time.perf_counter()): benchmarks measure TTFT and e2e
         # from these, as a client of the cluster would see them.
         self.submitted_at = time.perf_counter()
@@ -49,7 +53,10 @@ class RequestStream:
 
     def push(self, event: TokenEvent, metrics: dict | None = None) -> None:
         if self._done.is_set():
-            return  # exactly one terminal event per request
+            # Exactly one terminal event per request: a later one is counted, never delivered.
+            if event.finished and self._on_duplicate_end is not None:
+                self._on_duplicate_end(self.request_id)
+            return
         now = time.perf_counter()
         if event.token_id >= 0:
             self.token_ids.append(event.token_id)
@@ -62,6 +69,8 @@ class RequestStream:
             self.error = event.error
             self.metrics = metrics
             self._done.set()
+            if self._on_end is not None:
+                self._on_end(self.request_id, event.finish_reason)
         self._events.put(event)
         if self._loop is not None:
             try:

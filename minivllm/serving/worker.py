@@ -161,6 +161,10 @@ class Worker:
             self._send({"op": "reply", "qid": msg["qid"], "result": self.engine.snapshot()})
         elif op == "shutdown":
             return "shutdown"
+        elif op == "fault" and self.config.get("fault_injection") and msg.get("kind") == "hang":
+            # A drill: the step loop stops turning while the heartbeat thread goes on, as a
+            # kernel that never returns would; the controller must detect it and kill us.
+            self.stopping.wait()
         return None
 
     def _submit(self, msg: dict) -> None:

@@ -2,9 +2,13 @@
 
 A reader thread turns the worker's messages into stream events, snapshots and rates.
 It is also the death detector: a closed pipe (the process exited or was killed), a
-process that is no longer alive, or silence longer than `heartbeat_timeout_s` marks
-the worker dead, and every request it held ends at once with an error event naming
-the worker and the cause. The router skips dead workers from then on.
+process that is no longer alive, silence longer than `heartbeat_timeout_s` (the whole
+process is frozen: SIGSTOP, swap death, a deadlock holding the GIL), or a step loop that
+has not turned for `stall_timeout_s` while the heartbeat thread still talks (a kernel or
+a step that never returns) marks the worker dead, and every request it held ends at once
+with an error event naming the worker and the cause. A hung worker is also killed, so it
+cannot come back and answer for requests already failed. The router skips dead workers
+from then on, and `Cluster.restart_worker` replaces them.
 
 The ledger (`in_flight`) is what the cost router reads: per request the prompt size,
 the cache estimate it was routed with, its budget and how many tokens it has produced.
@@ -26,6 +30,9 @@ from minivllm.serving.transport import ProcessTransport, TransportClosed, Worker
 from minivllm.serving.worker_rates import WorkerRates
 
 STATES = ("starting", "ready", "failed", "dead", "stopped")
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0  # the worker sends one every 0.5 s
+# One step of a big prefill on a slow CPU takes seconds, never minutes.
+DEFAULT_STALL_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -39,12 +46,13 @@ class InFlight:
 
 
 class WorkerHandle:
-    def __init__(self, device: InferenceDevice, config: dict, *, heartbeat_timeout_s: float = 60.0,
-                 on_progress=None, transport_factory=ProcessTransport):
+    def __init__(self, device: InferenceDevice, config: dict, *, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, on_progress=None, transport_factory=ProcessTransport):
         self.device = device
         self.name = device.name
         self.config = {**config, "device": device.as_dict()}
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.on_progress = on_progress
         self.transport_factory = transport_factory
         self.transport: WorkerTransport | None = None
@@ -193,7 +201,7 @@ class WorkerHandle:
                     return
                 if self.state == "ready" and now - self.last_message > self.heartbeat_timeout_s:
                     self._mark_down("dead", f"worker {self.name} sent nothing for {now - self.last_message:.1f} s "
-                                            f"(heartbeat timeout {self.heartbeat_timeout_s} s); killed it")
+                                            f"(heartbeat timeout {self.heartbeat_timeout_s:g} s); killed it as hung")
                     self.transport.kill()
                     return
                 continue
@@ -215,6 +223,11 @@ class WorkerHandle:
                 self.running = msg["running"]
         elif op == "heartbeat":
             self.loop_age_s = msg.get("loop_age_s", 0.0)
+            if self.state == "ready" and self.loop_age_s > self.stall_timeout_s:
+                self._mark_down("dead", f"worker {self.name}'s step loop has not turned for {self.loop_age_s:.1f} s "
+                                        f"(stall timeout {self.stall_timeout_s:g} s) although its heartbeat goes on; "
+                                        "killed it as hung")
+                self.transport.kill()
         elif op == "reply":
             waiter = self._replies.get(msg["qid"])
             if waiter is not None:

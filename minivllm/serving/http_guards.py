@@ -1,0 +1,145 @@
+"""What stands between the network and the API: the key, the body size and the number
+of generation requests at once.
+
+These are pure ASGI middlewares, not Starlette's `BaseHTTPMiddleware`: that one replaces
+`receive`, and a handler behind it never sees its client disconnect, so a cancelled
+stream would keep its KV pages. Here `receive` is passed through (or replayed from the
+buffered body and then passed through), so disconnects still reach the handlers.
+
+Each refusal is a JSON error in the OpenAI shape that says what the limit is and how to
+change it; none of them reaches a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a 128k-token prompt is ~0.5 MB of text
+DEFAULT_MAX_CONCURRENT_REQUESTS = 256
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OPEN_PATHS = ("/health",)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+
+    def __post_init__(self):
+        from minivllm.errors import ConfigError
+
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise ConfigError("max_request_bytes", self.max_request_bytes, "must be an integer >= 1024")
+        if not isinstance(self.max_concurrent_requests, int) or self.max_concurrent_requests < 1:
+            raise ConfigError("max_concurrent_requests", self.max_concurrent_requests, "must be an integer >= 1")
+
+
+async def send_error(send, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyGuard:
+    """Every HTTP route but /health needs `Authorization: Bearer <key>`, the OpenAPI
+    schema and the docs included (they are routes too)."""
+
+    def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...] = OPEN_PATHS, on_reject=None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.open_paths = open_paths
+        self.on_reject = on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.expected is not None and scope["path"] not in self.open_paths:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                if self.on_reject:
+                    self.on_reject("auth")
+                await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                 "authentication_error")
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Reads a request body up to `max_bytes` before the app sees it; a larger body
+    (declared or actually sent, chunked or not) gets a 413 without being parsed."""
+
+    def __init__(self, app, max_bytes: int, on_reject=None):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject
+
+    def _too_large(self, send, size: str):
+        if self.on_reject:
+            self.on_reject("too_large")
+        return send_error(send, 413, f"request body is {size}, over this server's limit of {self.max_bytes} bytes; "
+                                     "send a shorter prompt or start the server with a larger --max-request-bytes",
+                          "invalid_request_error")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send, f"{int(declared)} bytes")
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nothing to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send, f"more than {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # from here on: disconnect notices, passed through
+
+        await self.app(scope, replay, send)
+
+
+class ConcurrencyLimit:
+    """At most `limit` generation requests at once (a stream counts until its last byte);
+    the next gets a 429 with Retry-After instead of a queue that grows without bound."""
+
+    def __init__(self, app, limit: int, paths: tuple[str, ...] = GENERATION_PATHS, on_reject=None):
+        self.app = app
+        self.limit = limit
+        self.paths = paths
+        self.on_reject = on_reject
+        self.active = 0  # only touched on the event loop's thread
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            if self.on_reject:
+                self.on_reject("concurrency")
+            await send_error(send, 429, f"this server already runs {self.active} generation requests, its limit "
+                                        "(--max-concurrent-requests); retry shortly or raise the limit",
+                             "rate_limit_error", {"retry-after": "1"})
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1

@@ -1,0 +1,192 @@
+"""Fault drills against real worker processes (SmolLM2-135M, two one-thread CPU workers).
+
+- `kill -9` of one worker in the middle of a burst of HTTP streams: the dead worker's
+  streams end with an error chunk within 5 s, every other stream finishes normally,
+  `/health` says which worker is dead, the router sends nothing more to it, and the
+  restart route brings it back while the survivor keeps serving.
+- A frozen process (SIGSTOP: no heartbeat) and a hung step loop (heartbeat still going)
+  are both detected by their timeouts, their requests fail naming the cause, and the
+  hung process is killed.
+
+References: the request ledger (`Cluster.snapshot()["requests"]`: one terminal event per
+request, none open) and the survivors' own fresh engine snapshots (no running request,
+every page free or cached-idle). Time limits are the issue's targets (5 s) or liveness
+deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.serving import Cluster
+from minivllm.serving.http_server import start_server_in_background
+
+KEY = "drill-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def profile_file(tmp_path, names=("cpu", "cpu#2")):
+    # Rates from a profile: calibrating two workers (and again on restart) only costs time here.
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"workers": {n: {"prefill_tps": 100.0, "decode_tps": {"1": 15.0, "4": 40.0}}
+                                            for n in names}}))
+    return str(path)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def assert_idle_and_accounted(cluster, workers):
+    """Nothing open in the ledger, no duplicate terminal, and each named worker idle with
+    every page free or cached-idle."""
+    def idle():
+        snap = cluster.snapshot(fresh=True)
+        ok = snap["requests"]["open"] == 0
+        for w in snap["workers"]:
+            if w["name"] in workers:
+                kv, q = w["snapshot"]["kv"], w["snapshot"]["queues"]
+                ok &= not (q["running"] or q["waiting"] or q["preempted"]) and kv["available_pages"] == kv["total_pages"]
+                ok &= not w["in_flight"]
+        return ok
+    wait_for(idle, 30, "the workers to go idle with all pages back")
+    ledger = cluster.snapshot()["requests"]
+    assert ledger["duplicate_terminals"] == 0 and ledger["submitted"] == sum(ledger["ended"].values()), ledger
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, first_token: asyncio.Event):
+    """One streaming completion; returns (request id, how it ended, end time, chunks)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    rid, chunks, ending = None, 0, None
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                ending = ending or "done-without-finish"
+                break
+            payload = json.loads(data)
+            if "error" in payload:
+                ending = ("error", payload["error"]["message"])
+                break
+            rid = payload["id"]
+            chunks += 1
+            first_token.set()
+            finish = payload["choices"][0]["finish_reason"]
+            if finish is not None:
+                ending = ("finished", finish)
+    return rid, ending, time.monotonic(), chunks
+
+
+def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path):
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=MAX_MODEL_LEN,
+                 rates_profile=profile_file(tmp_path)) as cluster:
+        srv = start_server_in_background(cluster, api_key=KEY)
+        try:
+            prompts = [f"Story number {i}: once upon a time" for i in range(8)]
+
+            async def drill():
+                async with httpx.AsyncClient(timeout=120) as client:
+                    started = [asyncio.Event() for _ in prompts]
+                    tasks = [asyncio.create_task(stream_one(client, srv.url, p, 120, e)) for p, e in zip(prompts, started)]
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+                    holding = {w["name"]: {f["request_id"] for f in w["in_flight"]} for w in cluster.snapshot()["workers"]}
+                    victim_pid = cluster.workers["cpu#2"].transport.pid
+                    os.kill(victim_pid, signal.SIGKILL)  # kill -9, as the OOM killer or a user would
+                    killed_at = time.monotonic()
+                    return holding, killed_at, await asyncio.gather(*tasks)
+
+            holding, killed_at, results = asyncio.run(drill())
+            assert holding["cpu"] and holding["cpu#2"], f"round-robin should have used both workers: {holding}"
+            for rid, ending, ended_at, chunks in results:
+                if rid in holding["cpu#2"]:
+                    assert ending[0] == "error" and "cpu#2" in ending[1], ending
+                    assert ended_at - killed_at < 5.0, f"{rid} got its error {ended_at - killed_at:.1f} s after the kill"
+                else:
+                    assert ending == ("finished", "length") and chunks >= 120, (rid, ending, chunks)
+
+            health = httpx.get(srv.url + "/health").json()
+            assert health["status"] == "degraded"
+            assert {w["name"]: w["state"] for w in health["workers"]} == {"cpu": "ready", "cpu#2": "dead"}
+            after = [httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60,
+                                json={"prompt": f"Count to {i}:", "max_tokens": 3}).json() for i in range(4)]
+            assert [a["minivllm"]["worker"] for a in after] == ["cpu"] * 4  # round-robin skips the dead one
+
+            restarted = httpx.post(srv.url + "/v1/cluster/workers/cpu%232/restart", headers=AUTH, timeout=300)
+            assert restarted.status_code == 200 and restarted.json()["status"] == "ok", restarted.text
+            assert httpx.post(srv.url + "/v1/cluster/workers/nope/restart", headers=AUTH).status_code == 404
+            back = [httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60,
+                               json={"prompt": f"Name {i} colours:", "max_tokens": 3}).json() for i in range(2)]
+            assert {b["minivllm"]["worker"] for b in back} == {"cpu", "cpu#2"}
+            assert_idle_and_accounted(cluster, {"cpu", "cpu#2"})
+        finally:
+            srv.stop()
+
+
+@pytest.mark.parametrize("fault, cause", [("freeze", "sent nothing"), ("hang", "step loop has not turned")])
+def test_a_hung_worker_is_detected_killed_and_replaced(smollm2_path, tmp_path, fault, cause):
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="cost", max_model_len=MAX_MODEL_LEN,
+                 rates_profile=profile_file(tmp_path), heartbeat_timeout_s=3.0, stall_timeout_s=3.0,
+                 fault_injection=True) as cluster:
+        survivor = cluster.submit("The history of the bicycle", LONG, worker="cpu")
+        victim = cluster.submit("The history of the telescope", LONG, worker="cpu#2")
+        wait_for(lambda: victim.token_ids and survivor.token_ids, 60, "first tokens")
+        pid = cluster.workers["cpu#2"].transport.pid
+        cluster.inject_fault("cpu#2", fault)
+        faulted_at = time.monotonic()
+        out = victim.result(15.0)
+        detected_after = time.monotonic() - faulted_at
+        assert out.finish_reason == "error" and cause in victim.error and "cpu#2" in victim.error, victim.error
+        assert 2.5 < detected_after < 3.0 + 2.0, detected_after  # the timeout, plus a heartbeat period or two
+        assert cluster.health()["workers"][1]["state"] == "dead"
+        wait_for(lambda: not _alive(pid), 10, "the hung process to be killed")
+        assert not survivor.finished, "the survivor was disturbed"
+
+        cluster.restart_worker("cpu#2")  # while the survivor keeps generating
+        assert cluster.health()["status"] == "ok" and cluster.workers["cpu#2"].transport.pid != pid
+        again = cluster.submit("Name three rivers:", SamplingParams(temperature=0.0, max_tokens=4), worker="cpu#2")
+        assert again.result(60).finish_reason in ("stop", "length")
+        done = survivor.result(120)
+        assert done.finish_reason == "length" and len(done.token_ids) == LONG.max_tokens
+        assert_idle_and_accounted(cluster, {"cpu", "cpu#2"})
+
+
+def test_hang_needs_fault_injection(smollm2_path, tmp_path):
+    from minivllm.errors import ConfigError
+
+    with Cluster(str(smollm2_path), ["cpu:1"], max_model_len=MAX_MODEL_LEN,
+                 rates_profile=profile_file(tmp_path, ("cpu",))) as cluster:
+        with pytest.raises(ConfigError, match="fault_injection=True"):
+            cluster.inject_fault("cpu", "hang")
+        with pytest.raises(ConfigError, match="crash, freeze, hang"):
+            cluster.inject_fault("cpu", "meteor")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child stays a zombie until reaped; /proc says which.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
