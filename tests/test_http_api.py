@@ -247,6 +247,7 @@ def test_metrics_are_present_and_move(server, client):
                   "minivllm_spec_decode_num_accepted_tokens_total"):
         assert gauge + w in after, gauge
     assert after["minivllm_worker_up" + w] == 1.0
+    assert after["minivllm_requests_open"] == 0 and after["minivllm_duplicate_terminal_events_total"] == 0
     assert re.search(r'minivllm_time_to_first_token_seconds_bucket\{le="\+Inf",worker="cpu"\}', httpx.get(
         srv.url + "/metrics", headers=AUTH).text)
 
@@ -256,6 +257,9 @@ def test_cluster_snapshot_endpoint(server, client):
     client.completions.create(model=model_id(cluster), prompt="Hi", max_tokens=2, temperature=0)
     snap = httpx.get(srv.url + "/v1/cluster/snapshot", headers=AUTH).json()
     assert snap["schema"] == "minivllm.cluster.snapshot/1"
+    ledger = snap["requests"]
+    assert ledger["open"] == 0 and ledger["duplicate_terminals"] == 0
+    assert ledger["submitted"] == sum(ledger["ended"].values()) >= 1
     decision = snap["router"]["decisions"][-1]
     assert decision["policy"] == "cost" and decision["chosen"] == "cpu"
     cand = decision["candidates"][0]

@@ -61,7 +61,15 @@ class _EngineStateCollector:
         hits = CounterMetricFamily("minivllm_prefix_cache_hits", "Lookups that restored at least one page", labels=["worker"])
         proposed = CounterMetricFamily("minivllm_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=["worker"])
         accepted = CounterMetricFamily("minivllm_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["worker"])
-        for w in self.cluster.snapshot()["workers"]:
+        snapshot = self.cluster.snapshot()
+        ledger = snapshot["requests"]
+        open_requests = GaugeMetricFamily("minivllm_requests_open", "Accepted requests without their terminal event yet")
+        open_requests.add_metric([], ledger["open"])
+        duplicates = CounterMetricFamily("minivllm_duplicate_terminal_events",
+                                         "Terminal events for requests that had already ended (should stay 0)")
+        duplicates.add_metric([], ledger["duplicate_terminals"])
+        yield from (open_requests, duplicates)
+        for w in snapshot["workers"]:
             name = w["name"]
             up.add_metric([name], 1.0 if w["state"] == "ready" else 0.0)
             snap = w["snapshot"]
