@@ -82,6 +82,18 @@ class MissingMetadataError(MinivllmError):
         )
 
 
+class InvalidMetadataError(GGUFFormatError):
+    """A metadata value has the wrong type or an impossible value (`general.alignment`
+    = 3, `llama.block_count` stored as a string)."""
+
+    def __init__(self, key: str, path: str, problem: str):
+        self.key = key
+        super().__init__(
+            f"metadata key {key!r} in {path} {problem}; the file is corrupt or was written by a "
+            f"converter minivllm does not understand. Re-download it, or re-convert it with a recent llama.cpp."
+        )
+
+
 # --- tokenizer -----------------------------------------------------------------------
 
 

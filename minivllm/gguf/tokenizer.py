@@ -29,7 +29,7 @@ import numpy as np
 from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
-from minivllm.errors import TokenizerError
+from minivllm.errors import InvalidMetadataError, TokenizerError
 from minivllm.gguf.chat_template import ChatTemplate
 from minivllm.gguf.pretokenizers import PreTokenizerRule, pre_tokenizer_rule
 from minivllm.gguf.reader import GGUFFile
@@ -106,7 +106,7 @@ def _byte_level_bytes(text: str) -> bytes:
 
 def _metadata_id(gguf: GGUFFile, key: str, n_tokens: int, default: int | None = None) -> int | None:
     """A token id from metadata; absent or out-of-range ids give `default`, as in llama.cpp."""
-    value = gguf.get(key)
+    value = gguf.get_as(key, "int")
     if value is None or not 0 <= int(value) < n_tokens:
         return default
     return int(value)
@@ -133,6 +133,7 @@ class Tokenizer:
         eos_ids: frozenset[int],
         add_bos: bool,
         chat_template: str | None,
+        source: str | None = None,
     ):
         self._hf = hf_tokenizer
         self._tokens = tokens
@@ -145,6 +146,7 @@ class Tokenizer:
         self.eos_ids = eos_ids
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.source = source  # the GGUF file, named in chat-template errors
         self._special = frozenset(i for i, a in attrs.items() if a in (CONTROL, UNKNOWN))
         self._pieces: dict[int, bytes] = {}
         self._template: ChatTemplate | None = None
@@ -170,18 +172,20 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, gguf: GGUFFile) -> "Tokenizer":
-        model = gguf.require("tokenizer.ggml.model")
+        model = gguf.require_as("tokenizer.ggml.model", "str")
         if model != "gpt2":
             raise TokenizerError(
                 f"{gguf.path}: tokenizer model {model!r} (tokenizer.ggml.model) is not supported; minivllm "
                 f"supports byte-level BPE vocabularies ('gpt2': Llama 3, Qwen2, SmolLM, ...). "
                 f"Use a model with such a vocabulary."
             )
-        pre = gguf.get("tokenizer.ggml.pre")
+        pre = gguf.get_as("tokenizer.ggml.pre", "str")
         rule = pre_tokenizer_rule(pre)
-        tokens: list[str] = gguf.require("tokenizer.ggml.tokens")
-        merges: list[str] = gguf.require("tokenizer.ggml.merges")
+        tokens: list[str] = gguf.require_as("tokenizer.ggml.tokens", "strings")
+        merges: list[str] = gguf.require_as("tokenizer.ggml.merges", "strings")
         n = len(tokens)
+        if n == 0:
+            raise InvalidMetadataError("tokenizer.ggml.tokens", str(gguf.path), "is empty, expected the vocabulary")
 
         if "" in tokens:  # llama.cpp renames empty entries so every id keeps a unique text
             tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
@@ -189,10 +193,14 @@ class Tokenizer:
         if len(vocab) != n:
             raise TokenizerError(f"{gguf.path}: the vocabulary has duplicate token strings; the file is corrupt")
 
-        types = gguf.get("tokenizer.ggml.token_type")
+        types = gguf.get_as("tokenizer.ggml.token_type", "ints")
         attrs: dict[int, int] = {}
         if types is not None:
-            types = np.asarray(types)
+            if len(types) != n:
+                raise InvalidMetadataError(
+                    "tokenizer.ggml.token_type", str(gguf.path),
+                    f"has {len(types)} entries, expected one per token of tokenizer.ggml.tokens ({n})",
+                )
             for i in np.flatnonzero(types != NORMAL).tolist():
                 attrs[i] = int(types[i])
 
@@ -228,7 +236,7 @@ class Tokenizer:
             eog.add(eos_id)
         _drop_false_eog(eog, tokens, attrs)
 
-        add_bos_meta = gguf.get("tokenizer.ggml.add_bos_token")
+        add_bos_meta = gguf.get_as("tokenizer.ggml.add_bos_token", "bool")
         add_bos = rule.add_bos if add_bos_meta is None else bool(add_bos_meta)
         if add_bos and bos_id is None:
             raise TokenizerError(f"{gguf.path}: the model asks for a BOS token but defines none")
@@ -237,7 +245,8 @@ class Tokenizer:
         return cls(
             hf_tokenizer=hf, tokens=tokens, vocab=vocab, attrs=attrs, rule=rule, pre=pre, bos_id=bos_id,
             eos_id=eos_id, eos_ids=frozenset(eog), add_bos=add_bos,
-            chat_template=gguf.get("tokenizer.chat_template"),
+            chat_template=gguf.get_as("tokenizer.chat_template", "str"),
+            source=str(gguf.path),
         )
 
     # -- encoding --------------------------------------------------------------------
@@ -328,6 +337,7 @@ class Tokenizer:
                 self.chat_template,
                 bos_token=self._tokens[self.bos_id] if self.bos_id is not None else "",
                 eos_token=self._tokens[self.eos_id] if self.eos_id is not None else "",
+                origin=f"tokenizer.chat_template of {self.source}" if self.source else "tokenizer.chat_template",
             )
         return self._template.render(messages, add_generation_prompt=add_generation_prompt, **context)
 

@@ -54,8 +54,8 @@ class _TensorLoader:
             self.progress.update(info.nbytes)
         return QuantizedWeight(raw, info.ggml_type, shape, name)
 
-    def maybe(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-        return self.get(name, dtype) if name in self.gf.tensors else None
+    def maybe(self, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+        return self.get(name, dtype, shape) if name in self.gf.tensors else None
 
 
 def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progress: bool = True,
@@ -72,7 +72,7 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
 
     def linear(prefix: str, out_f: int, in_f: int, compute_dtype: torch.dtype = dtype) -> QuantLinear:
         w = ld.blocks(f"{prefix}.weight", (out_f, in_f))
-        b = ld.maybe(f"{prefix}.bias", f32)
+        b = ld.maybe(f"{prefix}.bias", f32, (out_f,))
         return QuantLinear(w, b, options=options, compute_dtype=compute_dtype, name=prefix.rsplit(".", 1)[-1])
 
     layers = []
@@ -99,7 +99,7 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
         output = QuantLinear(embd, None, options=options, compute_dtype=f32, name="output")
     else:
         output = linear("output", cfg.vocab_size, cfg.d_model, compute_dtype=f32)
-    freq_factors = ld.get("rope_freqs.weight", f32) if cfg.has_rope_freqs else None
+    freq_factors = ld.get("rope_freqs.weight", f32, (cfg.rope_dim // 2,)) if cfg.has_rope_freqs else None
     rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_base, cfg.rope_style, freq_factors=freq_factors,
                            linear_factor=cfg.rope_linear_factor, device=device)
     model = DecoderModel(cfg, embedding, layers, ld.get("output_norm.weight", f32, (cfg.d_model,)),
