@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -70,9 +71,10 @@ def assert_idle_and_accounted(cluster, workers):
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, first_token: asyncio.Event):
-    """One streaming completion; returns (request id, how it ended, end time, chunks)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    rid, chunks, ending = None, 0, None
+    """One streaming completion; returns (request id, how it ended, end time, completion tokens)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    rid, tokens, ending = None, None, None
     async with client.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -87,17 +89,22 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_token
                 ending = ("error", payload["error"]["message"])
                 break
             rid = payload["id"]
-            chunks += 1
             first_token.set()
-            finish = payload["choices"][0]["finish_reason"]
-            if finish is not None:
-                ending = ("finished", finish)
-    return rid, ending, time.monotonic(), chunks
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+            elif payload["choices"][0]["finish_reason"] is not None:
+                ending = ("finished", payload["choices"][0]["finish_reason"])
+    return rid, ending, time.monotonic(), tokens
 
 
-def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path):
-    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=MAX_MODEL_LEN,
-                 rates_profile=profile_file(tmp_path)) as cluster:
+@pytest.mark.parametrize("devices, survivor_name, victim_name, max_tokens", [
+    (["cpu:1", "cpu:1"], "cpu", "cpu#2", 120),
+    # A GPU worker dies with a CUDA context and graphs; its streams are fast, so longer.
+    pytest.param(["cpu:2", "cuda:0"], "cpu", "cuda:0", 400, marks=pytest.mark.cuda),
+], ids=["cpu-cpu", "cpu-cuda"])
+def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path, devices, survivor_name, victim_name, max_tokens):
+    with Cluster(str(smollm2_path), devices, router="round-robin", max_model_len=max(MAX_MODEL_LEN, max_tokens + 64),
+                 rates_profile=profile_file(tmp_path, (survivor_name, victim_name))) as cluster:
         srv = start_server_in_background(cluster, api_key=KEY)
         try:
             prompts = [f"Story number {i}: once upon a time" for i in range(8)]
@@ -105,37 +112,38 @@ def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path):
             async def drill():
                 async with httpx.AsyncClient(timeout=120) as client:
                     started = [asyncio.Event() for _ in prompts]
-                    tasks = [asyncio.create_task(stream_one(client, srv.url, p, 120, e)) for p, e in zip(prompts, started)]
+                    tasks = [asyncio.create_task(stream_one(client, srv.url, p, max_tokens, e)) for p, e in zip(prompts, started)]
                     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
                     holding = {w["name"]: {f["request_id"] for f in w["in_flight"]} for w in cluster.snapshot()["workers"]}
-                    victim_pid = cluster.workers["cpu#2"].transport.pid
+                    victim_pid = cluster.workers[victim_name].transport.pid
                     os.kill(victim_pid, signal.SIGKILL)  # kill -9, as the OOM killer or a user would
                     killed_at = time.monotonic()
                     return holding, killed_at, await asyncio.gather(*tasks)
 
             holding, killed_at, results = asyncio.run(drill())
-            assert holding["cpu"] and holding["cpu#2"], f"round-robin should have used both workers: {holding}"
-            for rid, ending, ended_at, chunks in results:
-                if rid in holding["cpu#2"]:
-                    assert ending[0] == "error" and "cpu#2" in ending[1], ending
+            assert holding[survivor_name] and holding[victim_name], f"round-robin should have used both workers: {holding}"
+            for rid, ending, ended_at, tokens in results:
+                if rid in holding[victim_name]:
+                    assert ending[0] == "error" and victim_name in ending[1], ending
                     assert ended_at - killed_at < 5.0, f"{rid} got its error {ended_at - killed_at:.1f} s after the kill"
                 else:
-                    assert ending == ("finished", "length") and chunks >= 120, (rid, ending, chunks)
+                    assert ending == ("finished", "length") and tokens == max_tokens, (rid, ending, tokens)
 
             health = httpx.get(srv.url + "/health").json()
             assert health["status"] == "degraded"
-            assert {w["name"]: w["state"] for w in health["workers"]} == {"cpu": "ready", "cpu#2": "dead"}
+            assert {w["name"]: w["state"] for w in health["workers"]} == {survivor_name: "ready", victim_name: "dead"}
             after = [httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60,
                                 json={"prompt": f"Count to {i}:", "max_tokens": 3}).json() for i in range(4)]
-            assert [a["minivllm"]["worker"] for a in after] == ["cpu"] * 4  # round-robin skips the dead one
+            assert [a["minivllm"]["worker"] for a in after] == [survivor_name] * 4  # round-robin skips the dead one
 
-            restarted = httpx.post(srv.url + "/v1/cluster/workers/cpu%232/restart", headers=AUTH, timeout=300)
+            restarted = httpx.post(srv.url + f"/v1/cluster/workers/{quote(victim_name, safe='')}/restart",
+                                   headers=AUTH, timeout=300)
             assert restarted.status_code == 200 and restarted.json()["status"] == "ok", restarted.text
             assert httpx.post(srv.url + "/v1/cluster/workers/nope/restart", headers=AUTH).status_code == 404
             back = [httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60,
                                json={"prompt": f"Name {i} colours:", "max_tokens": 3}).json() for i in range(2)]
-            assert {b["minivllm"]["worker"] for b in back} == {"cpu", "cpu#2"}
-            assert_idle_and_accounted(cluster, {"cpu", "cpu#2"})
+            assert {b["minivllm"]["worker"] for b in back} == {survivor_name, victim_name}
+            assert_idle_and_accounted(cluster, {survivor_name, victim_name})
         finally:
             srv.stop()
 
