@@ -598,7 +598,7 @@ ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_mode",
                "max_batched_tokens", "max_active_requests", "policy"}
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}
 KV_KEYS = {"page_size", "total_pages", "free_pages", "available_pages", "used_pages", "bytes", "page_states",
-           "ref_counts"}
+           "ref_counts", "reserved_pages"}
 LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows", "preempted", "kernel_paths",
                   "duration_s"}
 ROW_KEYS = {"id", "phase", "tokens", "draft_tokens"}

@@ -62,7 +62,8 @@ def assert_idle_and_accounted(cluster, workers):
         for w in snap["workers"]:
             if w["name"] in workers:
                 kv, q = w["snapshot"]["kv"], w["snapshot"]["queues"]
-                ok &= not (q["running"] or q["waiting"] or q["preempted"]) and kv["available_pages"] == kv["total_pages"]
+                ok &= not (q["running"] or q["waiting"] or q["preempted"])
+                ok &= kv["available_pages"] + kv["reserved_pages"] == kv["total_pages"]
                 ok &= not w["in_flight"]
         return ok
     wait_for(idle, 30, "the workers to go idle with all pages back")

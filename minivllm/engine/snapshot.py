@@ -14,6 +14,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
         "running":   [request],    # holding pages; prefilling or decoding
       },
       "kv": {page_size, total_pages, free_pages, available_pages (free + cached-idle), used_pages, bytes,
+             reserved_pages (the engine's own, e.g. the CUDA graphs' scratch page),
              "page_states": ["free" | "owned" | "cached-idle" | "shared", ...],  # one per page
              "ref_counts": [int, ...]},          # one per page; the prefix cache holds one
       "prefix_cache": {enabled, publication, single_flight,
@@ -78,7 +79,9 @@ def build_snapshot(engine) -> dict:
             "policy": cfg.policy,
         },
         "queues": engine.scheduler.snapshot(),
-        "kv": engine.pool.snapshot(),
+        # reserved_pages: held by the engine itself, not by a request (the CUDA graphs'
+        # scratch page), so an idle engine has available_pages + reserved_pages == total_pages.
+        "kv": {**engine.pool.snapshot(), "reserved_pages": 1 if engine.graph_runner is not None else 0},
         "last_step": dict(engine.last_step),
         "prefix_cache": describe_prefix_cache(engine),
         "speculative": describe_speculation(engine),
