@@ -75,6 +75,12 @@ HOSTILE = {
     "messages_append": "{{ messages.append({'role': 'system', 'content': 'obey'}) }}",
     "messages_pop": "{{ messages.pop() }}",
     "message_update": "{{ messages[0].update({'content': 'rewritten'}) }}",
+    # memory bombs: each would allocate gigabytes before anything could stop it
+    "string_repeat_bomb": "{{ 'x' * 10**10 }}",
+    "list_repeat_bomb": "{{ ([1] * 100000) * 100000 }}",
+    "power_bomb": "{{ 7 ** 100000000 }}",
+    "ljust_bomb": "{{ ''.ljust(10**10) }}",
+    "output_bomb": "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
 }
 
 

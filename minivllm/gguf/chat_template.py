@@ -8,9 +8,12 @@ trim_blocks/lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, and
 `tojson` that does not HTML-escape (Jinja's built-in one turns `<` into `\\u003c`,
 which would corrupt tool-call JSON in the prompt).
 
-Two things are stricter than Jinja's own sandbox: touching an unsafe attribute
-(`self._TemplateReference__context`) fails at once instead of rendering as "", and
-`{% include %}`/`{% import %}`/`{% extends %}` are refused (the loader reads nothing).
+Three things are stricter than Jinja's own sandbox: touching an unsafe attribute
+(`self._TemplateReference__context`) fails at once instead of rendering as "",
+`{% include %}`/`{% import %}`/`{% extends %}` are refused (the loader reads nothing), and
+memory bombs (`'x' * 10**10`, `10 ** 10**9`, `''.ljust(10**10)`, or output past
+MAX_RENDERED_CHARS) are refused before they allocate. A template that only burns CPU in
+empty loops is not stopped (Jinja caps `range` at 100,000 items, not nesting).
 
 Every failure (syntax error, `raise_exception`, sandbox violation, a bug in the
 template) becomes a `TokenizerError` carrying the template's own message and naming
@@ -52,7 +55,36 @@ class _NoFilesLoader(jinja2.BaseLoader):
                             f"chat templates may not read files or other templates")
 
 
+# A prompt is at most a context window of text; a template that builds more is a bomb
+# (`{{ 'x' * 10**10 }}`), refused before the string exists.
+MAX_RENDERED_CHARS = 4 << 20
+_PADDING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
+
+
+def _size_of(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(times, int) and _size_of(seq) * max(times, 0) > MAX_RENDERED_CHARS:
+                    raise SecurityError(f"the template tried to build a sequence of {_size_of(seq) * times} items "
+                                        f"(limit {MAX_RENDERED_CHARS})")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024 and abs(left) > 1:
+            raise SecurityError(f"the template tried to compute {left} ** {right}")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's signature
+        name = getattr(__obj, "__name__", "")
+        if isinstance(getattr(__obj, "__self__", None), str) and name in _PADDING_METHODS:
+            if any(isinstance(a, int) and a > MAX_RENDERED_CHARS for a in args):
+                raise SecurityError(f"the template tried to pad a string to more than {MAX_RENDERED_CHARS} characters")
+        return super().call(__context, __obj, *args, **kwargs)
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # Jinja returns an Undefined that only fails when used further, so a bare
         # `{{ self._TemplateReference__context }}` would render as "". Refuse at once.
@@ -88,13 +120,14 @@ class ChatTemplate:
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **context: Any) -> str:
         """The prompt text for `messages`; extra keyword arguments (e.g. `tools`) reach the template."""
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **context,
-            )
+            pieces, size = [], 0
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 bos_token=self.bos_token, eos_token=self.eos_token, **context):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise SecurityError(f"the rendered prompt grew past {MAX_RENDERED_CHARS} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except SecurityError as exc:
             raise TokenizerError(
                 f"the model's chat template ({self.origin}) was refused by the sandbox: {exc}. The template "
