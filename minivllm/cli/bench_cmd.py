@@ -133,6 +133,92 @@ def add_bench_parser(subparsers) -> None:
                     help="engine option for every worker (repeatable), e.g. page_size=16, enforce_eager=true")
     ro.set_defaults(func=_routing)
 
+    so = sub.add_parser("soak", help="thousands of mixed, bursty, partly cancelled requests against a real "
+                        "`minivllm serve`; then checks the request ledger, idle engines, free KV pages and RSS")
+    so.add_argument("--model", default="smollm2-135m")
+    so.add_argument("--inference-device", action="append", default=None,
+                    help="repeatable: a serve worker per entry (default: cpu:1 twice)")
+    so.add_argument("--url", default=None, help="soak an already-running server instead of starting one")
+    so.add_argument("--requests", type=int, default=2000)
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--cancel-fraction", type=float, default=0.2, help="requests cancelled at a random moment")
+    so.add_argument("--disconnect-fraction", type=float, default=0.1,
+                    help="requests streamed and disconnected after a random number of chunks")
+    so.add_argument("--max-new-tokens", type=int, default=48, help="max_tokens is drawn from 1..this")
+    so.add_argument("--min-prompt-tokens", type=int, default=5)
+    so.add_argument("--max-prompt-tokens", type=int, default=300)
+    so.add_argument("--stream-fraction", type=float, default=0.5, help="of the requests that do not disconnect")
+    so.add_argument("--chat-fraction", type=float, default=0.5)
+    so.add_argument("--burst", type=_int_range, default=(10, 60), metavar="MIN,MAX", help="requests per burst")
+    so.add_argument("--gap", type=_float_range, default=(0.5, 3.0), metavar="MIN,MAX", help="idle gap in seconds")
+    so.add_argument("--trickle-rate", type=float, default=2.0, help="Poisson arrivals per second during gaps")
+    so.add_argument("--drain-to", type=int, default=0,
+                    help="after a burst, wait until at most this many requests are in flight")
+    so.add_argument("--max-model-len", type=int, default=1024)
+    so.add_argument("--max-active-requests", type=int, default=8, help="per worker")
+    so.add_argument("--page-size", type=int, default=None)
+    so.add_argument("--router", default=None, help="serve's --router (default: serve's own)")
+    so.add_argument("--api-key", default=None)
+    so.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for `minivllm serve` (repeatable; use --serve-arg=--flag)")
+    so.add_argument("--max-rss-growth", type=float, default=1.5,
+                    help="fail when a process's last-quarter mean RSS exceeds its first-quarter mean by this factor "
+                         "(0: report only)")
+    so.add_argument("--max-duration", type=float, default=None,
+                    help="stop sending new requests after this many seconds (the soak then checks those sent)")
+    so.add_argument("--request-timeout", type=float, default=900.0, help="client timeout per request, seconds")
+    so.add_argument("--idle-timeout", type=float, default=120.0, help="how long to wait for the server to go idle")
+    so.add_argument("--ready-timeout", type=float, default=900.0, help="how long to wait for the server to start")
+    so.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    so.add_argument("--tag", default=None, help="result files soak-<tag>-<stamp> (default <devices>-<model>)")
+    so.set_defaults(func=_soak)
+
+    sv = sub.add_parser("serve", help="online load test of any OpenAI-compatible server: streamed requests with "
+                        "Poisson or burst arrivals; TTFT, TPOT, ITL, E2E, throughput, goodput; several servers compared")
+    sv.add_argument("--url", action="append", default=None,
+                    help="server base URL, e.g. http://127.0.0.1:8000 (repeatable: servers run one after another "
+                         "with the same requests); required unless --start-server")
+    sv.add_argument("--label", action="append", default=None,
+                    help="a name per server, in the order of the servers (the started one first), e.g. minivllm, "
+                         "llama-cpp-python (default: host-port; minivllm for --start-server)")
+    sv.add_argument("--model", action="append", default=None,
+                    help="the `model` field to send (default: the first id of GET /v1/models); one for all --url "
+                         "targets or one per --url; with --start-server the first value is the model to serve")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    sv.add_argument("--num-prompts", type=int, default=200)
+    sv.add_argument("--arrival", choices=["poisson", "burst"], default="poisson")
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second (default inf: all at once)")
+    sv.add_argument("--burst-size", type=int, default=10, help="requests per burst (--arrival burst)")
+    sv.add_argument("--burst-gap-s", type=float, default=1.0, help="seconds between bursts (--arrival burst)")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    sv.add_argument("--input-len", type=int, default=128, help="prompt tokens (approximate without a tokenizer)")
+    sv.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
+    sv.add_argument("--input-len-range", type=_colon_range, default=None, metavar="A:B", help="uniform prompt length")
+    sv.add_argument("--output-len-range", type=_colon_range, default=None, metavar="A:B", help="uniform max_tokens")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="send ignore_eos so output lengths match (default on)")
+    sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    sv.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    sv.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up requests per server (default 1)")
+    sv.add_argument("--tokenizer", default=None,
+                    help="local model (name or .gguf) whose tokenizer sizes the prompts exactly "
+                         "(default: the --start-server model; else lengths are approximate, by words)")
+    sv.add_argument("--request-timeout", type=float, default=600.0, help="client timeout per request, seconds")
+    sv.add_argument("--start-server", action="store_true",
+                    help="start `python -m minivllm serve --model MODEL` here, load it, stop it")
+    sv.add_argument("--inference-device", action="append", default=None,
+                    help="with --start-server: serve's --inference-device (repeatable)")
+    sv.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                    help="with --start-server: extra `minivllm serve` argument (repeatable; --serve-arg=--flag)")
+    sv.add_argument("--ready-timeout", type=float, default=900.0, help="with --start-server: seconds to wait for /health")
+    sv.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    sv.add_argument("--tag", default=None, help="result files serve-<label>-<tag>-<stamp>")
+    sv.set_defaults(func=_serve_load)
+
     s = sub.add_parser("scheduling", help="scheduling policies: head-of-line TTFT and fairness between long prefills")
     _common(s)
     s.add_argument("--policies", type=lambda v: v.split(","), default=None,
@@ -252,6 +338,78 @@ def _routing(args: argparse.Namespace) -> int:
         arrival_ms=args.arrival_ms, max_active=args.max_active, fresh_per_run=args.fresh_per_run, quick=args.quick,
         engine_options=_options(args.option))
     return 0
+
+
+def _int_range(v: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in v.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX integers, got {v!r}") from None
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 0 < MIN <= MAX, got {v!r}")
+    return lo, hi
+
+
+def _float_range(v: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in v.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX numbers, got {v!r}") from None
+    if not 0 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 0 <= MIN <= MAX, got {v!r}")
+    return lo, hi
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from minivllm.bench.soak import SoakSettings, run
+
+    settings = SoakSettings(requests=args.requests, seed=args.seed, cancel_fraction=args.cancel_fraction,
+                            disconnect_fraction=args.disconnect_fraction, max_new_tokens=args.max_new_tokens,
+                            min_prompt_tokens=args.min_prompt_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                            stream_fraction=args.stream_fraction, chat_fraction=args.chat_fraction, burst=args.burst,
+                            gap_s=args.gap, trickle_rate=args.trickle_rate, drain_to=args.drain_to,
+                            max_duration_s=args.max_duration, request_timeout_s=args.request_timeout, idle_timeout_s=args.idle_timeout,
+                            max_rss_growth=args.max_rss_growth or None)
+    result = run(args.model, args.inference_device, url=args.url, settings=settings, max_model_len=args.max_model_len,
+                 page_size=args.page_size, max_active_requests=args.max_active_requests, router=args.router,
+                 api_key=args.api_key, serve_args=args.serve_arg, out_dir=args.out, tag=args.tag,
+                 ready_timeout_s=args.ready_timeout)
+    return 0 if result["ok"] else 1
+
+
+def _colon_range(v: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in v.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B integers, got {v!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {v!r}")
+    return lo, hi
+
+
+def _serve_load(args: argparse.Namespace) -> int:
+    from minivllm.bench.serve_load import LoadSettings, run
+
+    if not args.url and not args.start_server:
+        raise SystemExit("minivllm bench serve: give --url URL (repeatable) or --start-server --model MODEL")
+    models = list(args.model or [])
+    start_model = None
+    if args.start_server:
+        start_model = models.pop(0) if models else "smollm2-135m"
+    try:
+        settings = LoadSettings(
+            endpoint=args.endpoint, num_prompts=args.num_prompts, arrival=args.arrival, request_rate=args.request_rate,
+            burst_size=args.burst_size, burst_gap_s=args.burst_gap_s, max_concurrency=args.max_concurrency,
+            input_len=args.input_len, output_len=args.output_len, input_len_range=args.input_len_range,
+            output_len_range=args.output_len_range, seed=args.seed, ignore_eos=args.ignore_eos,
+            temperature=args.temperature, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            request_timeout_s=args.request_timeout)
+        result = run(args.url, args.label, settings, models=models, api_key=args.api_key, start_server=start_model,
+                     inference_devices=args.inference_device, serve_args=args.serve_arg, tokenizer=args.tokenizer,
+                     warmup=args.warmup, out_dir=args.out, tag=args.tag, ready_timeout_s=args.ready_timeout)
+    except (ValueError, RuntimeError) as exc:  # bad settings; a server that fails its warm-up or start-up
+        raise SystemExit(f"minivllm bench serve: {exc}") from None
+    return 0 if all(t["summary"]["completed"] > 0 for t in result["targets"]) else 1
 
 
 def _shapes(v: str) -> list[tuple[int, int]]:
