@@ -408,7 +408,8 @@ def _serve_load(args: argparse.Namespace) -> int:
                      inference_devices=args.inference_device, serve_args=args.serve_arg, tokenizer=args.tokenizer,
                      warmup=args.warmup, out_dir=args.out, tag=args.tag, ready_timeout_s=args.ready_timeout)
     except (ValueError, RuntimeError) as exc:  # bad settings; a server that fails its warm-up or start-up
-        raise SystemExit(f"minivllm bench serve: {exc}") from None
+        msg = str(exc)
+        raise SystemExit(msg if msg.startswith("bench serve") else f"bench serve: {msg}") from None
     return 0 if all(t["summary"]["completed"] > 0 for t in result["targets"]) else 1
 
 
