@@ -16,35 +16,20 @@ import sys
 import textwrap
 from pathlib import Path
 
-import gguf
 import jinja2.sandbox
 import pytest
 
 from minivllm.errors import TokenizerError
 from minivllm.gguf.chat_template import _environment
-from minivllm.gguf.tokenizer import _BYTE_TO_CHAR, Tokenizer
+from minivllm.gguf.tokenizer import Tokenizer
+from tokenizer_fixtures import write_byte_vocab_gguf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 def write_vocab_gguf(path: Path, chat_template: str) -> Path:
-    """A 258-token byte-level vocabulary with `chat_template` in its metadata."""
-    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + ["Ġb", "<|endoftext|>"]
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 257 + [3])
-    w.add_token_merges(["Ġ b"])
-    w.add_bos_token_id(257)
-    w.add_eos_token_id(257)
-    w.add_chat_template(chat_template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_byte_vocab_gguf(path, chat_template=chat_template)
 
 
 def render_from_file(tmp_path: Path, template: str, messages: list[dict] | None = None) -> str:

@@ -35,6 +35,7 @@ from tokenizer_fixtures import (
     load_corpus,
     synthetic_reference_name,
     tokenizer_metadata_sha256,
+    write_byte_vocab_gguf,
     write_synthetic_vocab_gguf,
 )
 
@@ -319,26 +320,4 @@ def test_qwen_opens_fast(qwen05_path):
 
 
 def _tiny_gguf(tmp_path, *, model: str = "gpt2", pre: str | None = "gpt-2", chat_template: str | None = None):
-    """A 258-token byte-level vocabulary: the 256 byte symbols, one merge, one control token."""
-    import gguf
-
-    from minivllm.gguf.tokenizer import _BYTE_TO_CHAR
-
-    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + ["Ġb", "<|endoftext|>"]
-    path = tmp_path / f"tiny-{model}-{pre}.gguf"
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_tokenizer_model(model)
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 257 + [3])
-    w.add_token_merges(["Ġ b"])
-    w.add_bos_token_id(257)
-    w.add_eos_token_id(257)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_byte_vocab_gguf(tmp_path / f"tiny-{model}-{pre}.gguf", model=model, pre=pre, chat_template=chat_template)

@@ -108,3 +108,29 @@ def write_synthetic_vocab_gguf(path: str | Path, pre: str, source: Mapping[str, 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_byte_vocab_gguf(path, *, model: str = "gpt2", pre: str | None = "gpt-2", chat_template: str | None = None):
+    """A tokenizer-only GGUF at `path`: a 258-token byte-level vocabulary (the 256 byte
+    symbols, one merge, one control token), optionally with a chat template."""
+    import gguf
+
+    from minivllm.gguf.tokenizer import _BYTE_TO_CHAR
+
+    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + ["Ġb", "<|endoftext|>"]
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 257 + [3])
+    w.add_token_merges(["Ġ b"])
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(257)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from minivllm.bench.continuous_batching import _loadavg, model_label
 from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.stats import percentile as _percentile
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
@@ -78,13 +79,7 @@ def backend_label(info: dict, device: dict | None = None) -> str:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    s = sorted(values)
-    if not s:
-        return math.nan
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return _percentile(values, q, empty=math.nan)
 
 
 # -- the workload ------------------------------------------------------------------------------

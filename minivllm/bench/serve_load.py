@@ -93,6 +93,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from minivllm.bench.stats import percentile
+
 # Common English words; with SmolLM2's (Llama-style BPE) tokenizer nearly every " word" is one token.
 WORDS = """the of and to in is was for on are with as be at by this had not but from have they which one you
 were her all she there would their we him been has when who will more no if out so said what up its about into
@@ -202,16 +204,6 @@ def request_metrics(send_s: float, chunk_s: list[float], end_s: float, output_to
     itl = [b - a for a, b in zip(chunk_s, chunk_s[1:])]
     tpot = (e2e - ttft) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
     return {"ttft_s": ttft, "e2e_s": e2e, "tpot_s": tpot, "itl_s": itl}
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy.percentile's default)."""
-    s = sorted(values)
-    if not s:
-        return None
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def stats(values: list[float]) -> dict:

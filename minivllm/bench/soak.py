@@ -79,6 +79,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from minivllm.bench.stats import percentile
+
 OUTCOMES = ("finished", "http_error", "stream_error", "cancelled", "disconnected", "transport_error", "protocol_error")
 DEFAULT_DEVICES = ["cpu:1", "cpu:1"]
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
@@ -701,15 +703,6 @@ class RssSampler:
 
 
 # -- the checks -----------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    s = sorted(values)
-    if not s:
-        return None
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def _get_snapshot(url: str, headers: dict) -> dict:

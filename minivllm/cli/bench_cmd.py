@@ -340,24 +340,22 @@ def _routing(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_range(v: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in v.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX integers, got {v!r}") from None
-    if not 0 < lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected 0 < MIN <= MAX, got {v!r}")
-    return lo, hi
+def _range_parser(sep: str, cast, minimum):
+    """An argparse type for "LO<sep>HI" with minimum <= LO <= HI (burst sizes, gaps, lengths)."""
+    kind = "integers" if cast is int else "numbers"
+
+    def parse(v: str):
+        try:
+            lo, hi = (cast(x) for x in v.split(sep))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MIN{sep}MAX {kind}, got {v!r}") from None
+        if not minimum <= lo <= hi:
+            raise argparse.ArgumentTypeError(f"expected {minimum} <= MIN <= MAX, got {v!r}")
+        return lo, hi
+    return parse
 
 
-def _float_range(v: str) -> tuple[float, float]:
-    try:
-        lo, hi = (float(x) for x in v.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX numbers, got {v!r}") from None
-    if not 0 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected 0 <= MIN <= MAX, got {v!r}")
-    return lo, hi
+_int_range, _float_range, _colon_range = _range_parser(",", int, 1), _range_parser(",", float, 0), _range_parser(":", int, 1)
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -375,16 +373,6 @@ def _soak(args: argparse.Namespace) -> int:
                  api_key=args.api_key, serve_args=args.serve_arg, out_dir=args.out, tag=args.tag,
                  ready_timeout_s=args.ready_timeout)
     return 0 if result["ok"] else 1
-
-
-def _colon_range(v: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in v.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B integers, got {v!r}") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {v!r}")
-    return lo, hi
 
 
 def _serve_load(args: argparse.Namespace) -> int:
