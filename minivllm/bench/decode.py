@@ -205,7 +205,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
     if baselines and on_cpu:
         lib, why = load_llama_cpp(llama_cpp_path)
         if lib is None:
-            skipped.append({"engine": "llama.cpp", "device": "cpu", "status": why})
+            skipped.append({"engine": "llama.cpp", "device": "cpu", "dtype": LlamaCppRunner.dtype, "status": why})
         else:
             runners.append(LlamaCppRunner(lib, model_path, threads, max_len, prompt_tokens))
             versions["llama_cpp_python"] = getattr(lib, "__version__", "?")
