@@ -64,3 +64,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# Every benchmark result carries these (minivllm/bench/results.py).
+PROVENANCE_KEYS = {"commit", "date", "device", "host", "python", "torch", "cuda", "gguf", "tokenizers",
+                   "model_sha256", "settings"}
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    """Benchmark drivers write their JSON/Markdown here instead of benchmarks/results/."""
+    import minivllm.bench.results as results
+
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    return tmp_path

@@ -6,16 +6,7 @@ import json
 
 import pytest
 
-import minivllm.bench.results as results
-
-PROVENANCE_KEYS = {"commit", "date", "device", "host", "python", "torch", "cuda", "gguf", "tokenizers",
-                   "model_sha256", "settings"}
-
-
-@pytest.fixture
-def results_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
-    return tmp_path
+from conftest import PROVENANCE_KEYS  # the results_dir fixture is in conftest too
 
 
 def _load(results_dir, prefix: str) -> dict:

@@ -9,6 +9,17 @@ def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark and write results to benchmarks/results/")
     sub = p.add_subparsers(dest="bench", required=True)
 
+    al = sub.add_parser("all", help="run every benchmark, each as its own subprocess; write an index "
+                        "(benchmarks/results/bench-all-<devices>-<stamp>.json/.md); exit 1 if any failed")
+    al.add_argument("--quick", action="store_true", help="small models, few tokens, 1 run (checks every driver)")
+    al.add_argument("--device", action="append", default=None,
+                    help="repeatable: cpu, cuda:N (default: cuda:0 when CUDA is available, else cpu)")
+    al.add_argument("--only", type=_names, default=None, help="comma list of benchmark names to run")
+    al.add_argument("--skip", type=_names, default=None, help="comma list of benchmark names to leave out")
+    al.add_argument("--dry-run", action="store_true", help="print the planned commands; run nothing")
+    al.add_argument("--timeout", type=float, default=None, help="seconds per benchmark before it is killed")
+    al.set_defaults(func=_all)
+
     g = sub.add_parser("gguf-open", help="time opening GGUF files (metadata, index, tokenizer)")
     g.add_argument("--model", action="append", default=None, help="model name or path (repeatable)")
     g.add_argument("--repeats", type=int, default=5)
@@ -233,6 +244,43 @@ def add_bench_parser(subparsers) -> None:
     s.add_argument("--page-size", type=int, default=16)
     s.set_defaults(func=_scheduling)
 
+    of = sub.add_parser("offline", help="offline throughput: N random-token requests (lengths uniform in ranges, EOS "
+                        "ignored) submitted at once; output/total tok/s, requests/s, mean ± std over fresh engines")
+    of.add_argument("--model", default="smollm2-135m")
+    of.add_argument("--device", "--inference-device", dest="device", default="cpu", help="cpu, gpu, cuda:N")
+    of.add_argument("--dtype", "--activation-dtype", dest="dtype", default="f32", help="f32, f16, bf16")
+    of.add_argument("--num-seqs", type=int, default=256, help="requests (default 256)")
+    of.add_argument("--input-len-range", type=_colon_range, default=(100, 1024), metavar="A:B",
+                    help="prompt tokens, uniform in [A, B] (default 100:1024)")
+    of.add_argument("--output-len-range", type=_colon_range, default=(100, 1024), metavar="A:B",
+                    help="output tokens, uniform in [A, B], produced exactly (default 100:1024)")
+    of.add_argument("--seed", type=int, default=0)
+    of.add_argument("--runs", type=int, default=3, help="timed runs, each on a fresh engine (after one warm-up)")
+    of.add_argument("--max-runs", type=int, default=8, help="more runs while the CV of output tok/s exceeds --cv-target")
+    of.add_argument("--cv-target", type=float, default=0.05)
+    of.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    of.add_argument("--max-seconds", type=float, default=None,
+                    help="start no run that would end past this many seconds of timed runs (results are written "
+                         "after every run)")
+    of.add_argument("--no-warmup", action="store_true")
+    of.add_argument("--quick", action="store_true", help="16 requests, lengths 32:128, 1 run + warm-up (CI, smoke)")
+    of.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option (repeatable), e.g. max_active_requests=64, max_batched_tokens=2048")
+    of.set_defaults(func=_offline)
+
+    pe = sub.add_parser("peers", help="CPU prefill and decode tok/s of minivllm vs transformers (and llama-cpp-python "
+                        "when installed) on the same GGUF file and thread count; ratios vs minivllm")
+    pe.add_argument("--model", default="smollm2-135m")
+    pe.add_argument("--prompt-len", type=int, default=128, help="prompt tokens for the prefill measurement")
+    pe.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens decoded one at a time")
+    pe.add_argument("--runs", type=int, default=3, help="timed runs per engine (after a warm-up)")
+    pe.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
+    pe.add_argument("--llama-cpp-path", default=None,
+                    help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
+    pe.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for minivllm (repeatable; default: the engine's kernel defaults)")
+    pe.set_defaults(func=_peers)
+
 
 def _common(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
@@ -270,6 +318,25 @@ def _gguf_open(args: argparse.Namespace) -> int:
 
     run(args.model or ["smollm2-135m", "qwen2.5-coder-0.5b"], repeats=args.repeats, baseline=args.baseline)
     return 0
+
+
+def _names(v: str) -> list[str]:
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
+def _all(args: argparse.Namespace) -> int:
+    from minivllm.bench.suite import run_suite
+
+    devices = args.device
+    if not devices:
+        import torch
+
+        devices = ["cuda:0"] if torch.cuda.is_available() else ["cpu"]
+    try:
+        return run_suite(devices, quick=args.quick, only=args.only, skip=args.skip, dry_run=args.dry_run,
+                         timeout_s=args.timeout)
+    except ValueError as exc:  # an unknown --only/--skip name
+        raise SystemExit(f"minivllm bench all: {exc}") from None
 
 
 def _decode(args: argparse.Namespace) -> int:
@@ -418,4 +485,22 @@ def _kernels(args: argparse.Namespace) -> int:
         print("minivllm bench kernels: needs a CUDA device (it times the Triton GEMV kernels); torch sees none here.")
         return 2
     run(args.types, args.shapes, device=str(resolve_device(args.inference_device)), batch_rows=args.batch_rows)
+    return 0
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from minivllm.bench.offline import run
+
+    run(args.model, args.device, args.dtype, num_seqs=args.num_seqs, input_len_range=args.input_len_range,
+        output_len_range=args.output_len_range, seed=args.seed, runs=args.runs, max_runs=args.max_runs,
+        cv_target=args.cv_target, quick=args.quick, threads=args.threads, engine_options=_options(args.option),
+        warmup=not args.no_warmup, max_seconds=args.max_seconds)
+    return 0
+
+
+def _peers(args: argparse.Namespace) -> int:
+    from minivllm.bench.peers import run
+
+    run(args.model, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, runs=args.runs,
+        threads=args.threads, llama_cpp_path=args.llama_cpp_path, engine_options=_options(args.option))
     return 0
