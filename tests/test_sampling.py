@@ -533,9 +533,10 @@ def test_extreme_but_valid_settings_still_give_a_distribution():
     inf and the softmax to NaN; a tiny temperature did the same. Both must still sample,
     and a vanishing temperature must pick the argmax as greedy does."""
     logits = torch.tensor([1.0, 3.0, -2.0, 0.5, 2.9])
-    tiny = SamplingParams(temperature=1e-30, seed=1)
-    probs = filtered_probs(logits.clone(), tiny)
-    assert torch.isfinite(probs).all() and probs[1] == 1.0
+    for temperature in (1e-30, 1e-44, 5e-324):  # normal, denormal and zero in float32
+        tiny = SamplingParams(temperature=temperature, seed=1)
+        probs = filtered_probs(logits.clone(), tiny)
+        assert torch.isfinite(probs).all() and probs[1] == 1.0, temperature
     extreme = SamplingParams(temperature=1.0, repetition_penalty=5e-324, seed=2)
     penalized = apply_penalties(logits.clone(), [0, 1, 2], [], extreme)
     assert torch.isfinite(penalized).all()
@@ -545,3 +546,6 @@ def test_extreme_but_valid_settings_still_give_a_distribution():
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
     token = sample(logits.clone(), [0, 1, 2], [], extreme, make_generator(extreme, logits.device))
     assert token in (0, 1)
+    # top_p = 5e-324 is 0 in float32: only the most likely token may remain, never none
+    probs = filtered_probs(logits.clone(), SamplingParams(temperature=1.0, top_p=5e-324, seed=3))
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]

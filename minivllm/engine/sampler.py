@@ -35,7 +35,10 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     # Shift so the largest logit is 0 before dividing: the softmax is the same, and a tiny
     # temperature (1e-30) then sends the others to -inf instead of everything to +inf / NaN.
-    logits = (logits - logits.max()) / p.temperature
+    # The temperature is floored at float32's smallest normal number: a denormal like
+    # 5e-324 rounds to 0 in float32 and 0/0 would be NaN; at 1.2e-38 every logit below the
+    # top one still goes to -inf, so the result is the same (greedy, ties kept).
+    logits = (logits - logits.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,7 +48,9 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
         # *before* it is still below top_p.
         before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+        drop = before >= p.top_p
+        drop[0] = False  # the most likely token always stays (a top_p below float32's range would drop all)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
