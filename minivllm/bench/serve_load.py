@@ -88,6 +88,7 @@ import random
 import re
 import statistics
 import sys
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -156,6 +157,12 @@ class LoadSettings:
                 setattr(self, name, r)
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError("input_len and output_len must be >= 1")
+
+    def max_input_len(self) -> int:
+        return self.input_len_range[1] if self.input_len_range else self.input_len
+
+    def max_output_len(self) -> int:
+        return self.output_len_range[1] if self.output_len_range else self.output_len
 
 
 @dataclass
@@ -515,14 +522,26 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
         models: list[str] | None = None, api_key: str | None = None, start_server: str | None = None,
         inference_devices: list[str] | None = None, serve_args: list[str] | None = None,
         tokenizer: str | None = None, warmup: int = 1, out_dir: str | Path | None = None, tag: str | None = None,
-        ready_timeout_s: float = 900.0, progress: bool = True, write: bool = True) -> dict:
+        ready_timeout_s: float = 900.0, progress: bool = True, write: bool = True,
+        start_peer: str | None = None, peer_threads: int | None = None, peer_gpu_layers: int = 0,
+        llama_cpp_path: str | None = None) -> dict:
     """Load each target in turn with the same seeded requests; returns {"targets": [...], "table": str,
-    "files": [...]}. `start_server`: a model to serve with `python -m minivllm serve` (the first target)."""
+    "files": [...]}. `start_server`: a model to serve with `python -m minivllm serve` (the first target).
+    `start_peer="llama-cpp-python"`: then start llama-cpp-python's server on the same GGUF file
+    (the second target; `peer_threads` CPU threads, default the machine's cores; `peer_gpu_layers`)."""
     from minivllm.bench import results as _results
 
     settings = settings or LoadSettings()
     urls = [u.rstrip("/") for u in (urls or [])]
-    n_targets = len(urls) + (1 if start_server else 0)
+    if start_peer is not None:
+        from minivllm.bench.llama_cpp_server import LABEL, check_installed
+
+        if start_peer != LABEL:
+            raise ValueError(f"bench serve: --start-peer {start_peer!r}: the only peer it can start is {LABEL!r}")
+        if not start_server:
+            raise ValueError("bench serve: --start-peer serves the --start-server model; give --start-server too")
+        check_installed(llama_cpp_path)
+    n_targets = len(urls) + (1 if start_server else 0) + (1 if start_peer else 0)
     if n_targets == 0:
         raise ValueError("bench serve: give --url (repeatable) or --start-server")
     if labels and len(labels) != n_targets:
@@ -548,6 +567,8 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
         plan = []
         if start_server:
             plan.append(("start", None, None))
+        if start_peer:
+            plan.append(("peer", None, None))
         for i, u in enumerate(urls):
             plan.append(("url", u, url_models[0] if len(url_models) == 1 else (url_models[i] if url_models else None)))
         for k, (kind, url, model) in enumerate(plan):
@@ -573,7 +594,27 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
                 log = Path(tempfile.mkdtemp(prefix="minivllm-bench-serve-")) / "serve.log"
                 server = ServerProcess(serve_cmd, port, log).start(ready_timeout_s)
                 url = server.url
-            label = labels[k] if labels else ("minivllm" if kind == "start" else default_label(url))
+            elif kind == "peer":
+                from minivllm.bench.llama_cpp_server import LABEL, LlamaCppServer
+                from minivllm.models import resolve_model
+                from minivllm.models.cache import sha256_file
+                from minivllm.serving.http_server import free_port
+
+                model_path = resolve_model(start_server, progress=progress)
+                model_sha = sha256_file(Path(model_path))
+                threads = peer_threads or len(os.sched_getaffinity(0))
+                # Room for the longest prompt and output of the run (plus a chat template's tokens).
+                n_ctx = max(512, settings.max_input_len() + settings.max_output_len() + 64)
+                log = Path(tempfile.mkdtemp(prefix="minivllm-bench-serve-")) / "llama-cpp-server.log"
+                server = LlamaCppServer(model_path, free_port(), log, threads=threads, n_ctx=n_ctx,
+                                        gpu_layers=peer_gpu_layers, llama_cpp_path=llama_cpp_path)
+                serve_cmd = server.command()[1:]
+                if progress:
+                    print("bench serve: starting python " + " ".join(serve_cmd), flush=True)
+                server.start(ready_timeout_s)
+                url = server.url
+            label = labels[k] if labels else ({"start": "minivllm", "peer": "llama-cpp-python"}.get(kind)
+                                              or default_label(url))
             info = probe(url, api_key)
             served = [m.get("id") for m in (info["v1_models"].get("data") or []) if isinstance(m, dict)]
             send_model = model or (served[0] if served else None)
@@ -583,7 +624,7 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
             results, duration = asyncio.run(drive(url, specs, settings, model=send_model, api_key=api_key,
                                                   warmup=warmup, progress=progress, label=label))
             exit_code = None
-            if kind == "start" and server is not None:
+            if kind in ("start", "peer") and server is not None:
                 exit_code, server = server.stop(), None
             summary = summarize(results, duration, settings.slo_ttft_ms, settings.slo_tpot_ms, settings.ignore_eos)
             cfg = {"bench": "serve", **asdict(settings), "warmup": warmup, "tokenizer": tok_name,

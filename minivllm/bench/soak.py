@@ -548,23 +548,37 @@ class ServerProcess:
         import httpx
 
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", *self.args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env())
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"minivllm serve exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=5)
-                if r.status_code == 200 and r.json().get("status") == "ok":
-                    self.worker_pids = {w["pid"]: w["name"] for w in r.json()["workers"] if w.get("pid")}
+                if self.is_ready(httpx):
                     return self
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"minivllm serve was not healthy within {timeout_s} s:\n{self.log_tail()}")
+                raise TimeoutError(f"{self.name} was not healthy within {timeout_s} s:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    # A peer server (minivllm/bench/llama_cpp_server.py) overrides these and `name`.
+    name = "minivllm serve"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "minivllm", "serve", *self.args]
+
+    def env(self) -> dict | None:
+        return None  # inherit ours
+
+    def is_ready(self, httpx) -> bool:
+        r = httpx.get(self.url + "/health", timeout=5)
+        if r.status_code == 200 and r.json().get("status") == "ok":
+            self.worker_pids = {w["pid"]: w["name"] for w in r.json()["workers"] if w.get("pid")}
+            return True
+        return False
 
     def log_tail(self, lines: int = 40) -> str:
         try:
