@@ -32,14 +32,20 @@ test-gpu: setup
 	$(PY) -m pytest -q -m cuda
 
 # The peers of `minivllm bench peers` / `bench serve --start-peer`: llama-cpp-python built
-# here from its sdist (no prebuilt wheel: its CPU kernels are compiled for this machine),
-# with its server's extra. A few minutes on two cores; the wheel is kept for next time.
+# here from its sdist, with its server's extra. About 7 minutes on two cores; the wheel is
+# kept for next time. The CPU features are spelled out instead of GGML_NATIVE=ON: a native
+# build on these VMs enables AMX, which the guest kernel does not grant, and the first
+# llama_decode segfaults (seen on 0.3.36). AVX-512 is kept; set LLAMA_CPP_CMAKE_ARGS for
+# another machine.
 LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 WHEELS := $(HOME)/.cache/minivllm/wheels
 peers: $(INSTALLED)
 	mkdir -p $(WHEELS)
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
-	  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
 	  $(PY) -m pip wheel --no-deps --no-binary llama-cpp-python -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(PY) -m pip install $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	$(PY) -m pip install sse-starlette starlette-context pydantic-settings

@@ -73,7 +73,7 @@ def test_serve_minivllm_and_llama_cpp_server_same_run(results_dir, smollm2_path)
     for t in out["targets"]:
         s = t["summary"]
         assert s["completed"] == 4 and s["failed"] == 0, (t["label"], s["errors"])
-        assert s["total_output_tokens"] >= 4  # llama.cpp may stop at EOS: it has no ignore_eos
+        assert s["total_output_tokens"] == 16 and s["output_len_mismatch"] == 0  # min_tokens holds EOS back
         assert len(t["provenance"]["model_sha256"]) == 64
     peer = out["targets"][1]["target"]
     assert "llama_cpp.server" in " ".join(peer["started_here"]) and "--n_threads" in peer["started_here"]

@@ -45,7 +45,10 @@ class LlamaCppServer(ServerProcess):
                  gpu_layers: int = 0, llama_cpp_path: str | None = None):
         args = ["--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
                 "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-                "--n_gpu_layers", str(gpu_layers)]
+                "--n_gpu_layers", str(gpu_layers),
+                # Its default lets a new request interrupt the one streaming (the old stream
+                # just ends); queueing is what a server under load should do, and what we measure.
+                "--interrupt_requests", "False"]
         super().__init__(args, port, log_path)
         self.llama_cpp_path = llama_cpp_path
 

@@ -21,7 +21,7 @@ it waits for its arrival time and for a free `max_concurrency` slot); "duration"
 the first arrival to the end of the last request. A "content chunk" is an SSE chunk whose
 `choices` list is not empty (a token's text, possibly empty, or the finish reason; the
 usage-only chunk does not count), as in vLLM's benchmark. Output tokens come from the
-server's `usage.completion_tokens` (else: the number of content chunks, marked so);
+server's `usage.completion_tokens` (else: the content chunks that carry a token, marked so);
 prompt tokens from `usage.prompt_tokens` (else the requested input length, marked so).
 
 A request fails on a non-200 answer, an error chunk inside the stream, a transport error
@@ -37,7 +37,7 @@ approximate: one word per token (these common words are one token each with Smol
 tokenizer, and with most BPE vocabularies; general prose runs nearer 1.3 tokens per word).
 The actual prompt tokens come back in `usage` and are what the table reports. Requests are
 greedy (temperature 0) and `ignore_eos` by default, so output lengths match `--output-len`
-on servers that honour `ignore_eos` (minivllm, vLLM); the summary counts requests whose
+on servers that honour `ignore_eos` or `min_tokens` (minivllm, vLLM, llama-cpp-python); the summary counts requests whose
 output length differs from the requested one.
 
 Usage:
@@ -188,10 +188,11 @@ class RequestResult:
     chunk_s: list[float] = field(default_factory=list)  # arrival of each content chunk
     end_s: float | None = None
     prompt_tokens: int | None = None  # from usage
-    output_tokens: int | None = None  # from usage, else the number of content chunks
+    output_tokens: int | None = None  # from usage, else the number of token-carrying chunks
     tokens_from: str | None = None  # "usage" | "chunks"
     finish_reason: str | None = None
     text_chars: int = 0
+    token_chunks: int = 0  # content chunks that carry a token (not a bare finish_reason)
     got_done: bool = False
 
     def fail(self, error: str, t: float) -> None:
@@ -331,7 +332,10 @@ def request_body(spec_prompt: str, max_tokens: int, settings: LoadSettings, mode
     if model:
         body["model"] = model
     if settings.ignore_eos:
+        # ignore_eos is vLLM's and minivllm's; min_tokens is how vLLM and llama-cpp-python's
+        # server keep EOS from ending a request early. Servers ignore the field they lack.
         body["ignore_eos"] = True
+        body["min_tokens"] = max_tokens
     if settings.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec_prompt}]
     else:
@@ -387,6 +391,10 @@ async def stream_request(client, path: str, body: dict, rec: RequestResult, cloc
                     if text is None:
                         text = (c.get("delta") or {}).get("content")
                     rec.text_chars += len(text or "")
+                    # Some servers (llama-cpp-python) end with a chunk holding only the finish
+                    # reason: not a token when counting tokens without usage.
+                    if text or not c.get("finish_reason"):
+                        rec.token_chunks += 1
                     if c.get("finish_reason"):
                         rec.finish_reason = c["finish_reason"]
                 if obj.get("usage"):
@@ -407,7 +415,7 @@ async def stream_request(client, path: str, body: dict, rec: RequestResult, cloc
         if usage and usage.get("completion_tokens") is not None:
             rec.output_tokens, rec.tokens_from = int(usage["completion_tokens"]), "usage"
         else:
-            rec.output_tokens, rec.tokens_from = len(rec.chunk_s), "chunks"
+            rec.output_tokens, rec.tokens_from = rec.token_chunks, "chunks"
         if usage and usage.get("prompt_tokens") is not None:
             rec.prompt_tokens = int(usage["prompt_tokens"])
 
