@@ -112,13 +112,19 @@ def test_decode_driver_with_baselines(results_dir, smollm2_path):
     assert sorted(by_engine) == ["llama.cpp", "minivllm", "transformers"] and data["rows"][0]["engine"] == "minivllm"
     ours, llama, hf = by_engine["minivllm"], by_engine["llama.cpp"], by_engine["transformers"]
     assert data["provenance"]["settings"]["threads"] == 2 and data["provenance"]["settings"]["prompt_tokens"] == 24
+    # one round asked for: no spread to see, so no extra rounds (max_repeats defaults to 3 x repeats)
+    assert data["provenance"]["settings"]["rounds"]["runs"] == 1 and data["provenance"]["settings"]["max_repeats"] == 3
+    assert ours["runs"] == 1 and ours["decode_tok_s_cv"] == 0
+    assert ours["cached_prompt_tokens"] == 0  # after the warm-up, the prefill still computes every prompt token
     for r in (ours, hf):
         assert r["status"] == "ok" and r["prompt_tokens"] == 24 and r["decode_tokens"] == 3
         assert r["prefill_tok_s_median"] > 0 and r["decode_tok_s_median"] > 0
     # transformers runs the same file in float32: the same greedy tokens.
     assert hf["same_tokens_as_first_row"] == 3
     assert hf["minivllm/this_decode"] == pytest.approx(ours["decode_tok_s_median"] / hf["decode_tok_s_median"])
-    if LLAMA_CPP_SITE is None:
+    from minivllm.bench.decode import load_llama_cpp
+
+    if load_llama_cpp(LLAMA_CPP_SITE)[0] is None:  # neither in this environment nor at /tmp/lcpp
         assert llama["status"].startswith("not installed")
     else:
         assert llama["status"] == "ok" and llama["decode_tok_s_median"] > 0

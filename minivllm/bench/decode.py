@@ -14,7 +14,9 @@ llama-cpp-python (optional; `--llama-cpp-path` / $MINIVLLM_LLAMA_CPP_PATH adds i
 site-packages to sys.path; "not installed" otherwise) and transformers
 (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`, float32, its KV cache), all
 with the same thread count. All engines stay loaded and take turns inside every repeat, so
-each ours/theirs ratio compares numbers measured next to each other.
+each ours/theirs ratio compares numbers measured next to each other. After `repeats` rounds,
+whole rounds continue while any engine's decode tok/s varies by more than 5% (coefficient of
+variation), up to `max_repeats` rounds (`results.runs_until_stable`).
 
 `synthetic="qwen2.5-7b-q4_k_m"` measures the synthetic Qwen2.5-7B Q4_K_M file
 (minivllm/bench/synthetic_model.py), written to the model cache on first use; GPU only.
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from minivllm.bench.continuous_batching import PROMPTS_FILE, _loadavg, model_label
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.results import provenance, runs_until_stable, summarize, write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
@@ -41,6 +43,7 @@ from minivllm.models.cache import sha256_file
 
 LLAMA_CPP_ENV = "MINIVLLM_LLAMA_CPP_PATH"
 DEFAULT_CPU_THREADS = 2
+CV_TARGET = 0.05  # more rounds while any engine's decode tok/s varies more than this
 
 
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
@@ -63,8 +66,12 @@ def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
 class MinivllmRunner:
     def __init__(self, model_path: Path, device: str, dtype: str, max_len: int, prompt_tokens: int,
                  engine_options: dict | None = None):
+        # Prefix cache off unless asked for: every run submits the same ids, and with it on every
+        # run after the first restores the prompt's full pages instead of computing them (the
+        # prefill would time a cache hit: 48 of 64 tokens restored on SmolLM2).
+        options = {"prefix_cache": False, **(engine_options or {})}
         self.llm = LLM(str(model_path), device=device, dtype=dtype, progress=False, max_model_len=max_len,
-                       max_batched_tokens=max(512, prompt_tokens), max_active_requests=1, **(engine_options or {}))
+                       max_batched_tokens=max(512, prompt_tokens), max_active_requests=1, **options)
         self.device, self.dtype = str(resolve_device(device)), dtype
         self.engine = "minivllm"
 
@@ -73,6 +80,7 @@ class MinivllmRunner:
         m = out.metrics
         if len(out.token_ids) != n:
             raise RuntimeError(f"minivllm produced {len(out.token_ids)} tokens, expected {n}")
+        self.cached_prompt_tokens = m.cached_prompt_tokens  # 0 unless the prefix cache was asked for
         return m.time_to_first_token_s - m.queue_time_s, m.e2e_s - m.time_to_first_token_s, list(out.token_ids)
 
     def kernels(self) -> object:
@@ -158,16 +166,21 @@ def _stats(row: dict, key: str, samples: list[float]) -> None:
 
 
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: list[str] | None = None, *,
-        max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, threads: int | None = None,
-        baselines: bool = True, llama_cpp_path: str | None = None, synthetic: str | None = None,
-        synthetic_tokenizer: str | None = None, engine_options: dict | None = None) -> list[dict]:
+        max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, max_repeats: int | None = None,
+        threads: int | None = None, baselines: bool = True, llama_cpp_path: str | None = None,
+        synthetic: str | None = None, synthetic_tokenizer: str | None = None,
+        engine_options: dict | None = None) -> list[dict]:
     """One row per (device, dtype) of minivllm, plus llama.cpp and transformers rows when a
-    device is the CPU and `baselines`. `max_tokens`: decode tokens per run."""
+    device is the CPU and `baselines`. `max_tokens`: decode tokens per run. `max_repeats`
+    (default 3 x repeats): the most rounds when the decode tok/s CV stays above 5%."""
     devices, dtypes = devices or ["cpu"], dtypes or ["f32"]
     if max_tokens < 2:
         raise ConfigError("max_tokens", max_tokens, "must be >= 2 (decode speed needs tokens after the first)")
     if prompt_tokens < 1 or repeats < 1:
         raise ConfigError("prompt_tokens" if prompt_tokens < 1 else "repeats", min(prompt_tokens, repeats), "must be >= 1")
+    max_repeats = 3 * repeats if max_repeats is None else max_repeats
+    if max_repeats < repeats:
+        raise ConfigError("max_repeats", max_repeats, f"must be >= repeats ({repeats})")
     on_cpu = any(resolve_device(d).type == "cpu" for d in devices)
     if synthetic is not None:
         if on_cpu:
@@ -216,16 +229,19 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
 
     for r in runners:  # warm-up: kernels compiled, caches allocated, pages touched
         r.measure(ids, min(4, max_tokens))
-    prefill: list[list[float]] = [[] for _ in runners]
-    decode: list[list[float]] = [[] for _ in runners]
-    tokens: list[list[int]] = [[] for _ in runners]
-    for _ in range(repeats):
-        for i, r in enumerate(runners):
-            tp, td, out = r.measure(ids, max_tokens)
+
+    def one_round() -> list[tuple[float, float, list[int]]]:  # every engine once, one after another
+        measured = []
+        for r in runners:
+            measured.append(r.measure(ids, max_tokens))
             _sync(r.device)
-            prefill[i].append(prompt_tokens / tp)
-            decode[i].append((max_tokens - 1) / td)
-            tokens[i] = out
+        return measured
+
+    rounds = runs_until_stable(one_round, min_runs=repeats, max_runs=max_repeats, cv_target=CV_TARGET,
+                               key=lambda measured: [(max_tokens - 1) / td for _, td, _ in measured])
+    prefill = [[prompt_tokens / measured[i][0] for measured in rounds.samples] for i in range(len(runners))]
+    decode = [[(max_tokens - 1) / measured[i][1] for measured in rounds.samples] for i in range(len(runners))]
+    tokens = [rounds.samples[-1][i][2] for i in range(len(runners))]
 
     rows = []
     for i, r in enumerate(runners):
@@ -233,10 +249,12 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
                "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens}
         _stats(row, "prefill_tok_s", prefill[i])
         _stats(row, "decode_tok_s", decode[i])
+        row["runs"], row["decode_tok_s_cv"] = rounds.runs, rounds.cvs[i]
         # Same greedy tokens as minivllm's first row: evidence that all engines ran the same model.
         row["same_tokens_as_first_row"] = _common_prefix(tokens[i], tokens[0])
         if isinstance(r, MinivllmRunner):
             row["kernels"] = r.kernels()
+            row["cached_prompt_tokens"] = r.cached_prompt_tokens  # last run's; 0: the prefill computed every token
             row["engine_options"] = dict(engine_options or {})
         row["samples"] = {"prefill_tok_s": prefill[i], "decode_tok_s": decode[i]}
         rows.append(row)
@@ -258,6 +276,8 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
 
     settings = {"model": str(model_path) if synthetic else model, "synthetic": synthetic, "devices": devices,
                 "dtypes": dtypes, "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens, "repeats": repeats,
+                "max_repeats": max_repeats, "cv_target": CV_TARGET, "rounds": rounds.info(),
+                "minivllm_prefix_cache": bool((engine_options or {}).get("prefix_cache", False)),
                 "threads": threads, "torch_threads": torch.get_num_threads(), "baselines": baselines and on_cpu,
                 "sampling": "greedy (argmax), EOS ignored", "prompt_source": str(PROMPTS_FILE.name),
                 "warmup": f"one {min(4, max_tokens)}-token run per engine",
@@ -267,13 +287,16 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
     note = (f"Batch 1: a {prompt_tokens}-token prompt (from {PROMPTS_FILE.name}), then {max_tokens} greedy tokens. "
             f"prefill tok/s = prompt tokens / (prompt submitted -> first token); decode tok/s = "
-            f"({max_tokens} - 1) / (first -> last token). Mean ± sample std over {repeats} runs after a warm-up; "
+            f"({max_tokens} - 1) / (first -> last token). Mean ± sample std over {rounds.runs} runs after a warm-up "
+            f"(at least {repeats}; more while a decode tok/s CV exceeded {CV_TARGET:.0%}, at most {max_repeats}: "
+            f"{rounds.stopped}); "
             f"medians in the *_median columns; ratios are of medians. Engines take turns within each run"
             + (f"; CPU threads: {threads}" if threads else "") + ". 'same_tokens_as_first_row': length of the greedy "
             f"output shared with the first row (f32 engines on the same file should agree for a while). Load "
             f"average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']}.")
     cols = ["engine", "device", "dtype", "status", "prompt_tokens", "decode_tokens", "prefill_tok_s",
-            "prefill_tok_s_median", "decode_tok_s", "decode_tok_s_median", "minivllm/this_prefill",
+            "prefill_tok_s_median", "decode_tok_s", "decode_tok_s_median", "decode_tok_s_cv", "runs",
+            "minivllm/this_prefill",
             "minivllm/this_decode", "graphs/eager_decode", "same_tokens_as_first_row"]
     _, md = write_results(f"decode-{label}", meta, rows, cols, note)
     print(md.read_text(), flush=True)

@@ -100,14 +100,11 @@ SUITE: tuple[Bench, ...] = (
           full=("--synthetic", "qwen2.5-7b-q4_k_m", "--activation-dtype", "f16", "--prompt-tokens", "512",
                 "--max-tokens", "128", "--repeats", "3"),
           devices=GPU, covers="peer table (GPU): Qwen2.5-7B Q4_K_M decode vs the roofline"),
-    Bench("activation-dtype", ("bench", "decode"),
-          quick={"cpu": ("--model", _SMALL, "--activation-dtype", "f32", "--activation-dtype", "f16",
-                         "--prompt-tokens", "32", "--max-tokens", "8", "--repeats", "1", "--no-baselines"),
-                 "cuda": ("--model", _SMALL, "{dtypes}", "--prompt-tokens", "64", "--max-tokens", "16",
-                          "--repeats", "1")},
-          full=("--model", _QWEN05, "{dtypes}", "--prompt-tokens", "512", "--max-tokens", "128", "--repeats", "3",
-                "--no-baselines"),
-          devices=EACH, covers="CPU activation dtype (f32/f16/bf16): prefill and decode tok/s (no peak memory yet)"),
+    # No dtype arguments: the driver runs every dtype the device supports (bf16 from sm_80).
+    Bench("activation-dtype", ("bench", "activation-dtype"),
+          quick=("--model", _SMALL, "--prompt-tokens", "32", "--max-tokens", "8", "--repeats", "1"),
+          full=("--model", _QWEN05, "--prompt-tokens", "512", "--max-tokens", "128", "--repeats", "3"),
+          devices=EACH, covers="activation dtype (f32/f16/bf16): TTFT, decode tok/s, peak memory, a process per dtype"),
     Bench("gemv-threshold", ("bench", "gemv-threshold"),
           quick=("--concurrency", "1,2", "--max-tokens", "8", "--repeats", "1"),
           full={"cpu": ("--concurrency", "1,2,3,4,5,8", "--max-tokens", "32", "--repeats", "3", "--batch-invariant"),
@@ -165,12 +162,23 @@ SUITE: tuple[Bench, ...] = (
     Bench("offline", ("bench", "offline"),
           quick=("?--quick",),
           full={"cpu": ("--num-seqs", "32", "--input-len-range", "64:256", "--output-len-range", "64:256"),
-                "cuda": ()},
+                # 256 requests in flight at once, as nano-vllm's bench does; f16 (T4 has no bf16).
+                "cuda": ("--activation-dtype", "f16", "--option", "max_active_requests=256",
+                         "--option", "max_batched_tokens=8192")},
           devices=EACH, optional=True, covers="offline throughput, nano-vllm's workload (no article table)"),
     Bench("peers", ("bench", "peers"),
           quick=("--prompt-len", "32", "--decode-tokens", "8", "--runs", "1"),
           full=("--prompt-len", "512", "--decode-tokens", "128", "--runs", "3"),
           devices=CPU, optional=True, covers="peer table (measured-peers.md): CPU vs transformers and llama.cpp"),
+    Bench("peers-gpu", ("bench", "peers"),
+          quick=("--batch-sizes", "1,4", "--prompt-len", "32", "--decode-tokens", "8", "--runs", "1"),
+          full=("--batch-sizes", "1,8,32,64", "--prompt-len", "128", "--decode-tokens", "128", "--runs", "3"),
+          devices=GPU, covers="peers on a GPU: batched generation vs transformers' own generate"),
+    # Last, so the figures draw the result files the runs above just wrote.
+    Bench("plot", ("bench", "plot"),
+          quick=(),
+          full=(),
+          devices=NONE, covers="benchmarks/plots/*.png: figures of the newest result files"),
 )
 # fmt: on
 
@@ -180,10 +188,7 @@ EXCLUDED: dict[str, str] = {
 }
 
 # Measurements the issue asks for that no driver makes yet (listed in the index).
-NOT_IMPLEMENTED: dict[str, str] = {
-    "activation-dtype peak memory": "`bench decode` measures prefill (≈ TTFT) and decode tok/s per activation "
-                                    "dtype, but not peak memory: not implemented yet",
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 def by_name() -> dict[str, Bench]:
@@ -536,7 +541,8 @@ def write_index(devices: list[str], stamp: str, settings: dict, records: list[di
         if r["status"] not in ("ok", "skipped") and "exit_code" in r:
             status += f" (exit {r['exit_code']})"
         lines.append(f"| {r['name']} | {status} | {r.get('seconds', 0.0):.1f} | {files} |")
-    lines += ["", "Not implemented yet:", ""] + [f"- {k}: {v}" for k, v in NOT_IMPLEMENTED.items()]
+    if NOT_IMPLEMENTED:
+        lines += ["", "Not implemented yet:", ""] + [f"- {k}: {v}" for k, v in NOT_IMPLEMENTED.items()]
     for r in records:
         if r.get("output_tail"):
             lines += ["", f"## {r['name']}: {r['status']}", "", f"`{r['cmdline']}`", "", "```",

@@ -32,7 +32,9 @@ def add_bench_parser(subparsers) -> None:
     d.add_argument("--activation-dtype", action="append", default=None, help="repeatable: f32, f16, bf16")
     d.add_argument("--max-tokens", type=int, default=64, help="decode tokens per run")
     d.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill measurement")
-    d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--repeats", type=int, default=3, help="rounds of every engine (at least)")
+    d.add_argument("--max-repeats", type=int, default=None,
+                   help="more rounds while any engine's decode tok/s CV exceeds 5%%, up to this (default 3 x --repeats)")
     d.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default 2 on CPU)")
     d.add_argument("--llama-cpp-path", default=None,
                    help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
@@ -44,6 +46,20 @@ def add_bench_parser(subparsers) -> None:
     d.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine option for minivllm (repeatable), e.g. gemv_max_rows=0, enforce_eager=true")
     d.set_defaults(func=_decode)
+
+    ad = sub.add_parser("activation-dtype", help="TTFT, decode tok/s and peak memory per activation dtype (f32, f16, "
+                        "bf16), each dtype in a fresh process; ratios vs f32")
+    ad.add_argument("--model", default="smollm2-135m")
+    ad.add_argument("--inference-device", default="cpu", help="cpu, gpu, cuda:N")
+    ad.add_argument("--activation-dtype", action="append", default=None,
+                    help="repeatable: f32, f16, bf16 (default: every dtype the device supports)")
+    ad.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (TTFT)")
+    ad.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per run, EOS ignored (decode tok/s)")
+    ad.add_argument("--repeats", type=int, default=3, help="timed runs per dtype (at least), after one warm-up")
+    ad.add_argument("--max-repeats", type=int, default=None,
+                    help="more runs while the decode tok/s CV exceeds 5%%, up to this (default 3 x --repeats)")
+    ad.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 2)")
+    ad.set_defaults(func=_activation_dtype)
 
     t = sub.add_parser("gemv-threshold",
                        help="aggregate tok/s for N requests: sequential, batched GEMM, batched row-wise GEMV")
@@ -225,6 +241,12 @@ def add_bench_parser(subparsers) -> None:
                     help="with --start-server: serve's --inference-device (repeatable)")
     sv.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="with --start-server: extra `minivllm serve` argument (repeatable; --serve-arg=--flag)")
+    sv.add_argument("--start-peer", choices=["llama-cpp-python"], default=None,
+                    help="with --start-server: then start llama-cpp-python's server on the same GGUF file and load "
+                         "it with the same requests (`make peers` installs it from its sdist)")
+    sv.add_argument("--peer-threads", type=int, default=None, help="--start-peer's CPU threads (default: all cores)")
+    sv.add_argument("--peer-gpu-layers", type=int, default=0, help="--start-peer's n_gpu_layers (default 0: CPU)")
+    sv.add_argument("--llama-cpp-path", default=None, help="site-packages holding llama-cpp-python, if not this env's")
     sv.add_argument("--ready-timeout", type=float, default=900.0, help="with --start-server: seconds to wait for /health")
     sv.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     sv.add_argument("--tag", default=None, help="result files serve-<label>-<tag>-<stamp>")
@@ -279,7 +301,18 @@ def add_bench_parser(subparsers) -> None:
                     help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
     pe.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for minivllm (repeatable; default: the engine's kernel defaults)")
+    pe.add_argument("--inference-device", default="cpu",
+                    help="cpu (prefill/decode vs transformers and llama-cpp-python), or cuda:N / gpu: batched "
+                         "generation vs transformers' own generate")
+    pe.add_argument("--activation-dtype", default="f16", help="GPU only: f16 (default; T4 has no bf16), bf16, f32")
+    pe.add_argument("--batch-sizes", default="1,8,32", help="GPU only: comma-separated batch sizes")
     pe.set_defaults(func=_peers)
+
+    pl = sub.add_parser("plot", help="draw the newest result file of each benchmark as a PNG figure "
+                        "(benchmarks/plots/*.png and index.md; needs matplotlib: pip install 'minivllm[bench]')")
+    pl.add_argument("--results", default=None, help="result directory to read (default benchmarks/results)")
+    pl.add_argument("--out", default=None, help="figure directory to write (default benchmarks/plots)")
+    pl.set_defaults(func=_plot)
 
 
 def _common(p) -> None:
@@ -343,10 +376,18 @@ def _decode(args: argparse.Namespace) -> int:
     from minivllm.bench.decode import run
 
     run(args.model, args.inference_device or ["cpu"], args.activation_dtype or ["f32"],
-        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats, threads=args.threads,
-        baselines=not args.no_baselines, llama_cpp_path=args.llama_cpp_path, synthetic=args.synthetic,
+        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats,
+        max_repeats=args.max_repeats, threads=args.threads, baselines=not args.no_baselines, llama_cpp_path=args.llama_cpp_path, synthetic=args.synthetic,
         synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option))
     return 0
+
+
+def _activation_dtype(args: argparse.Namespace) -> int:
+    from minivllm.bench.activation_dtype import run
+
+    rows = run(args.model, args.inference_device, args.activation_dtype, prompt_tokens=args.prompt_tokens,
+               max_tokens=args.max_tokens, repeats=args.repeats, max_repeats=args.max_repeats, threads=args.threads)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1  # a dtype whose child process failed
 
 
 def _gemv_threshold(args: argparse.Namespace) -> int:
@@ -461,7 +502,9 @@ def _serve_load(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout)
         result = run(args.url, args.label, settings, models=models, api_key=args.api_key, start_server=start_model,
                      inference_devices=args.inference_device, serve_args=args.serve_arg, tokenizer=args.tokenizer,
-                     warmup=args.warmup, out_dir=args.out, tag=args.tag, ready_timeout_s=args.ready_timeout)
+                     warmup=args.warmup, out_dir=args.out, tag=args.tag, ready_timeout_s=args.ready_timeout,
+                     start_peer=args.start_peer, peer_threads=args.peer_threads,
+                     peer_gpu_layers=args.peer_gpu_layers, llama_cpp_path=args.llama_cpp_path)
     except (ValueError, RuntimeError) as exc:  # bad settings; a server that fails its warm-up or start-up
         msg = str(exc)
         raise SystemExit(msg if msg.startswith("bench serve") else f"bench serve: {msg}") from None
@@ -498,7 +541,30 @@ def _offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    import sys
+
+    from minivllm.bench.plots import DEFAULT_OUT, MatplotlibMissing, plot_all
+
+    # Not results.RESULTS_DIR: that module imports torch, which drawing does not need.
+    results = args.results or "benchmarks/results"
+    try:
+        plot_all(results, args.out or DEFAULT_OUT)
+    except MatplotlibMissing as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
 def _peers(args: argparse.Namespace) -> int:
+    if args.inference_device != "cpu":
+        from minivllm.bench.peers_gpu import run as run_gpu
+
+        sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
+        run_gpu(args.model, args.inference_device, args.activation_dtype, batch_sizes=sizes,
+                prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, runs=args.runs,
+                engine_options=_options(args.option))
+        return 0
     from minivllm.bench.peers import run
 
     run(args.model, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, runs=args.runs,
