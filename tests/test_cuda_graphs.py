@@ -70,3 +70,18 @@ def test_graphs_match_eager_tokens_in_default_mode(llm, n):
     # Only the padding rows' scratch page stays taken; the rest are free or cached-idle.
     assert snap["kv"]["available_pages"] == snap["kv"]["total_pages"] - 1
     assert snap["kv"]["page_states"].count("owned") == 1
+
+
+def test_default_pool_fits_a_full_length_request_besides_the_scratch_page(llm):
+    # bench all --quick on the H200 found it: max_model_len 48, one active request, and the
+    # default pool (3 pages of 16) lost one page to the graphs' scratch, so a 32 + 8 token
+    # request was refused ("needs 3 KV pages but the pool only has 2").
+    engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=48, max_active_requests=1))
+    assert engine.cuda_graphs_enabled
+    usable = engine.pool.num_pages - engine.snapshot()["kv"]["reserved_pages"]
+    assert usable >= engine.pool.pages_for(48)
+    rid = engine.add_request(llm.tokenizer.encode(PROMPTS[0])[:32] or [1],
+                             SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop_output(rid).token_ids) == 15

@@ -306,6 +306,7 @@ def add_bench_parser(subparsers) -> None:
                          "generation vs transformers' own generate")
     pe.add_argument("--activation-dtype", default="f16", help="GPU only: f16 (default; T4 has no bf16), bf16, f32")
     pe.add_argument("--batch-sizes", default="1,8,32", help="GPU only: comma-separated batch sizes")
+    pe.add_argument("--max-runs", type=int, default=8, help="GPU only: at most this many runs while the CV > 5%%")
     pe.set_defaults(func=_peers)
 
     pl = sub.add_parser("plot", help="draw the newest result file of each benchmark as a PNG figure "
@@ -563,7 +564,7 @@ def _peers(args: argparse.Namespace) -> int:
         sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
         run_gpu(args.model, args.inference_device, args.activation_dtype, batch_sizes=sizes,
                 prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, runs=args.runs,
-                engine_options=_options(args.option))
+                max_runs=args.max_runs, engine_options=_options(args.option))
         return 0
     from minivllm.bench.peers import run
 

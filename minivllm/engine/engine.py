@@ -103,9 +103,12 @@ class LLMEngine:
                                   "is a fraction of free GPU memory; on a CPU give kv_memory_bytes")
             return int(torch.cuda.mem_get_info(device)[0] * c.kv_memory_fraction)
         pages_per_seq = -(-self.max_model_len // page_size)
-        wanted = c.max_active_requests * pages_per_seq * page_bytes
+        # The CUDA graphs take one page as their scratch (padding rows write there): without
+        # it counted, a pool sized for exactly one full-length request refuses that request.
+        graph_scratch = 1 if device.type == "cuda" and not c.enforce_eager else 0
+        wanted = (c.max_active_requests * pages_per_seq + graph_scratch) * page_bytes
         cap = int(torch.cuda.mem_get_info(device)[0] * 0.5) if device.type == "cuda" else _CPU_KV_CAP
-        return max(page_bytes * pages_per_seq, min(wanted, cap))
+        return max(page_bytes * (pages_per_seq + graph_scratch), min(wanted, cap))
 
     # -- submission ----------------------------------------------------------------------
 
