@@ -77,7 +77,19 @@ def _every_kind(results: Path) -> dict[str, Path]:
                for n in (2, 8) for rel, v in (("independent", 0.1), ("at_completion", 0.5), ("after_prefill", 0.03))]
     offline_runs = [{"run": i, "output_tok_s": 40.0 + i, "total_tok_s": 90.0 + i} for i in (1, 2, 3)]
     offline_runs.append({"run": "mean ± std (n=3)", **_mean_std("output_tok_s", 42.0), **_mean_std("total_tok_s", 92.0)})
+    dtype_rows = [{"dtype": dt, **_mean_std("ttft_ms", 25.0), **_mean_std("decode_tok_s", v), "peak_mib": mib,
+                   "after_load_mib": mib / 4, "memory_method": "torch.cuda.max_memory_allocated"}
+                  for dt, v, mib in (("f32", 190.0, 840.0), ("f16", 170.0, 620.0), ("bf16", 165.0, 620.0))]
+    gpu = {f"h200-{name}": _write(results, f"h200-{name}-smollm2-135m", stamp, rows) for name, rows in (
+        ("paged-vs-contiguous", [{"decode_tokens": 512, **_mean_std("paged_decode_tok_s", 250.0),
+                                  **_mean_std("contiguous_decode_tok_s", 249.0)}]),
+        ("peers-gpu", [{"batch": 64, "engine": e, **_mean_std("output_tok_s", v)}
+                       for e, v in (("minivllm", 4000.0), ("transformers", 3000.0))]),
+        ("offline", offline_runs),
+        ("activation-dtype", dtype_rows))}
     return {
+        **gpu,
+        "activation-dtype": _write(results, "activation-dtype-smollm2-135m-cpu", stamp, dtype_rows),
         "gemv-threshold": _write(results, "gemv-threshold-smollm2-135m", stamp, _gemv_rows()),
         "h200-gemv-threshold": _write(results, "h200-gemv-threshold-smollm2-135m", stamp, _gemv_rows(20.0)),
         "continuous-batching": _write(results, "continuous-batching-smollm2-135m", stamp, [

@@ -29,7 +29,7 @@ import torch
 from minivllm.bench.continuous_batching import _loadavg, model_label
 from minivllm.bench.decode import (PROMPTS_FILE, LlamaCppRunner, MinivllmRunner, TransformersRunner, _common_prefix,
                                    load_llama_cpp, long_prompt_ids)
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.results import provenance, runs_until_stable, summarize, write_results
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 
@@ -38,6 +38,7 @@ DECODE_COL = "decode tok/s (mean ± std)"
 PREFILL_RATIO_COL = "prefill ratio vs minivllm"
 DECODE_RATIO_COL = "decode ratio vs minivllm"
 AGREE_COL = "greedy tokens equal to minivllm's"
+CV_TARGET = 0.05
 
 
 def default_threads() -> int:
@@ -54,7 +55,8 @@ def _stats(row: dict, key: str, col: str, samples: list[float]) -> None:
 
 
 def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: int = 64, runs: int = 3,
-        threads: int | None = None, llama_cpp_path: str | None = None, engine_options: dict | None = None) -> dict:
+        threads: int | None = None, llama_cpp_path: str | None = None, engine_options: dict | None = None,
+        max_runs: int = 8) -> dict:
     """Measure every available engine; write benchmarks/results/peers-<model>-<stamp>.{json,md}.
     Returns {"rows": [...], "table": markdown table, "files": [json, md]}."""
     if decode_tokens < 2:
@@ -88,22 +90,24 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
     ids = long_prompt_ids(ours.llm.tokenizer, prompt_len)
     for r in runners:  # warm-up: caches allocated, pages touched, kernels chosen
         r.measure(ids, min(4, decode_tokens))
-    prefill: list[list[float]] = [[] for _ in runners]
-    decode: list[list[float]] = [[] for _ in runners]
-    tokens: list[list[int]] = [[] for _ in runners]
-    for k in range(runs):
-        for i, r in enumerate(runners):
-            tp, td, out = r.measure(ids, decode_tokens)
-            prefill[i].append(prompt_len / tp)
-            decode[i].append((decode_tokens - 1) / td)
-            tokens[i] = out
-        print(f"run {k + 1}/{runs}: " + ", ".join(f"{r.engine} prefill {prefill[i][-1]:.1f} decode {decode[i][-1]:.1f} tok/s"
-                                                   for i, r in enumerate(runners)), flush=True)
+    def one_round() -> list[tuple[float, float, list[int]]]:  # engines take turns inside every round
+        measured = [r.measure(ids, decode_tokens) for r in runners]
+        print(f"run: " + ", ".join(f"{r.engine} prefill {prompt_len / tp:.1f} decode {(decode_tokens - 1) / td:.1f} "
+                                   f"tok/s" for r, (tp, td, _) in zip(runners, measured)), flush=True)
+        return measured
+
+    # At least `runs` rounds, more while any engine's prefill or decode tok/s has a CV above 5%.
+    rounds = runs_until_stable(one_round, min_runs=runs, max_runs=max(max_runs, runs), cv_target=CV_TARGET,
+                               key=lambda m: [prompt_len / tp for tp, _, _ in m]
+                               + [(decode_tokens - 1) / td for _, td, _ in m])
+    prefill = [[prompt_len / m[i][0] for m in rounds.samples] for i in range(len(runners))]
+    decode = [[(decode_tokens - 1) / m[i][1] for m in rounds.samples] for i in range(len(runners))]
+    tokens = [rounds.samples[-1][i][2] for i in range(len(runners))]
 
     rows = []
     for i, r in enumerate(runners):
         row = {"engine": r.engine, "status": "ok", "dtype": r.dtype, "threads": threads, "prompt_tokens": prompt_len,
-               "decode_tokens": decode_tokens}
+               "decode_tokens": decode_tokens, "runs": rounds.runs}
         _stats(row, "prefill_tok_s", PREFILL_COL, prefill[i])
         _stats(row, "decode_tok_s", DECODE_COL, decode[i])
         row["greedy_tokens"] = tokens[i]
@@ -122,7 +126,7 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
     rows += rows_skipped
 
     settings = {"model": model, "device": "cpu", "prompt_len": prompt_len, "decode_tokens": decode_tokens,
-                "runs": runs, "threads": threads, "torch_threads": torch.get_num_threads(),
+                "runs": runs, "max_runs": max(max_runs, runs), "rounds": rounds.info(), "threads": threads, "torch_threads": torch.get_num_threads(),
                 "sampling": "greedy (argmax), EOS ignored", "prompt_source": PROMPTS_FILE.name,
                 "warmup": f"one {min(4, decode_tokens)}-token run per engine",
                 "minivllm": {"dtype": "f32", "engine_options": dict(engine_options or {}), "kernels": kernels},
@@ -135,7 +139,8 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
     note = (f"CPU, {threads} threads for every engine, same GGUF file ({model_path.name}), same {prompt_len} prompt "
             f"token ids, then {decode_tokens} greedy tokens one at a time with the KV cache. prefill tok/s = prompt "
             f"tokens / (prompt -> first token); decode tok/s = ({decode_tokens} - 1) / (first -> last token). Mean ± "
-            f"sample std over {runs} runs after a warm-up; engines take turns within each run; ratios are of means "
+            f"sample std over {rounds.runs} runs after a warm-up (at least {runs}, more while a CV exceeded "
+            f"{CV_TARGET:.0%}; stopped: {rounds.stopped}); engines take turns within each run; ratios are of means "
             f"(engine / minivllm; > 1: faster than minivllm). {gemv}Load average (1/5/15 min) at start {load_start}, "
             f"end {meta['load_average_1_5_15']['end']}.")
     cols = ["engine", "status", PREFILL_COL, DECODE_COL, PREFILL_RATIO_COL, DECODE_RATIO_COL, AGREE_COL]

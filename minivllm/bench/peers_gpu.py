@@ -33,7 +33,8 @@ import torch
 
 from minivllm.bench.continuous_batching import PROMPTS_FILE, model_label
 from minivllm.bench.decode import _common_prefix, long_prompt_ids
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.results import (coefficient_of_variation, provenance, runs_until_stable, summarize,
+                                    write_results)
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
@@ -96,11 +97,6 @@ def _timed(runner, prompts: list[list[int]], n: int, device: torch.device) -> tu
     return wall, out
 
 
-def _cv(xs: list[float]) -> float:
-    s = summarize(xs)
-    return s["std"] / s["mean"] if s["mean"] else 0.0
-
-
 def run(model: str = "smollm2-135m", device: str = "cuda:0", dtype: str = "f16", *,
         batch_sizes: tuple[int, ...] = (1, 8, 32), prompt_len: int = 128, decode_tokens: int = 128, runs: int = 3,
         max_runs: int = 8, engine_options: dict | None = None) -> dict:
@@ -131,22 +127,20 @@ def run(model: str = "smollm2-135m", device: str = "cuda:0", dtype: str = "f16",
         prompts = batch_prompts(llm.tokenizer, batch, prompt_len)
         for r in runners:  # warm-up: kernels compiled, CUDA graphs captured for this batch size
             _timed(r, prompts, min(8, decode_tokens), dev)
-        walls: dict[str, list[float]] = {r.engine: [] for r in runners}
-        outs: dict[str, list[list[int]]] = {}
-        while True:
-            for r in runners:
-                wall, outs[r.engine] = _timed(r, prompts, decode_tokens, dev)
-                walls[r.engine].append(wall)
-            done = len(walls["minivllm"])
-            tps = {e: [batch * decode_tokens / w for w in ws] for e, ws in walls.items()}
-            if done >= max_runs or (done >= runs and max(_cv(v) for v in tps.values()) <= CV_TARGET):
-                break
+        # Engines take turns inside every run; more runs while either one's CV exceeds 5%.
+        stable = runs_until_stable(lambda: [_timed(r, prompts, decode_tokens, dev) for r in runners],
+                                   min_runs=runs, max_runs=max_runs, cv_target=CV_TARGET,
+                                   key=lambda measured: [batch * decode_tokens / wall for wall, _ in measured])
+        done = stable.runs
+        walls = {r.engine: [m[i][0] for m in stable.samples] for i, r in enumerate(runners)}
+        outs = {r.engine: stable.samples[-1][i][1] for i, r in enumerate(runners)}
+        tps = {e: [batch * decode_tokens / w for w in ws] for e, ws in walls.items()}
         agree = [_common_prefix(a, b) for a, b in zip(outs["minivllm"], outs["transformers"])]
         for r in runners:
             s = summarize(tps[r.engine])
             rows.append({"batch": batch, "engine": r.engine, "runs": done, "output_tok_s_mean": s["mean"],
                          "output_tok_s_std": s["std"], "output_tok_s_median": s["median"],
-                         "output_tok_s_cv": _cv(tps[r.engine]),
+                         "output_tok_s_cv": coefficient_of_variation(tps[r.engine]),
                          "output tok/s (mean ± std)": f"{s['mean']:.4g} ± {s['std']:.2g}",
                          "wall_s_median": summarize(walls[r.engine])["median"],
                          "samples": {"output_tok_s": tps[r.engine], "wall_s": walls[r.engine]}})

@@ -353,6 +353,39 @@ def _draw_offline(fig, data: dict) -> None:
                  f"output {settings.get('output_len_range', '?')} tokens", fontsize=9)
 
 
+def _draw_activation_dtype(fig, data: dict) -> str | None:
+    rows = _rows_with(data, "decode_tok_s_mean", "peak_mib")
+    dtypes = [str(r.get("dtype")) for r in rows]
+    axes = fig.subplots(1, 3)
+    panels = ((axes[0], "ttft_ms", "TTFT (ms)", "time to first token"),
+              (axes[1], "decode_tok_s", "decode tokens/s", "batch-1 decode"))
+    for ax, key, unit, title in panels:
+        _bars(ax, dtypes, {"mean ± std": [_mean_std(r, key) for r in rows]})
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=9)
+        if ax.get_legend() is not None:  # one series: the panel title says what it is
+            ax.get_legend().remove()
+    # Peak memory split into what the load left resident and what generation added on top.
+    resident = [_number(r.get("after_load_mib")) or 0.0 for r in rows]
+    peak = [_number(r.get("peak_mib")) or 0.0 for r in rows]
+    ax = axes[2]
+    ax.bar(range(len(rows)), resident, 0.6, label="after load")
+    ax.bar(range(len(rows)), [max(0.0, p - q) for p, q in zip(peak, resident)], 0.6, bottom=resident,
+           label="added while generating")
+    ax.set_xticks(range(len(rows)), dtypes, fontsize=8)
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("peak memory", fontsize=9)
+    ax.legend(fontsize=7)
+    method = next((r.get("memory_method") for r in rows if r.get("memory_method")), None)
+    return f"memory: {method}" if method else None
+
+
+def _on_h200(figure: "Figure") -> "Figure":
+    """The same figure drawn from the H200 result files (named h200-<benchmark>-...)."""
+    return Figure(f"h200-{figure.name}", f"h200-{figure.prefix}", f"{figure.title} (H200)",
+                  f"{figure.shows}, on the H200", figure.wants, figure.draw)
+
+
 def _serve_targets(data: dict) -> list[dict]:
     """A serve-compare file lists its servers; a per-server file is one."""
     if data.get("targets"):
@@ -418,7 +451,13 @@ FIGURES: tuple[Figure, ...] = (
     Figure("serve", "serve-", "Online serving load: TTFT and TPOT per server",
            "TTFT and TPOT p50/p99 per server under the same seeded load",
            lambda d: bool(_serve_targets(d)), _draw_serve),
+    Figure("activation-dtype", "activation-dtype-", "Activation dtype: TTFT, decode tok/s and peak memory",
+           "f32 / f16 / bf16, a fresh process each: TTFT, decode tok/s, peak memory (resident after load + generation)",
+           lambda d: bool(_rows_with(d, "decode_tok_s_mean", "peak_mib")), _draw_activation_dtype),
 )
+# Figures whose GPU rows come from H200 result files kept beside the CPU ones.
+FIGURES += tuple(_on_h200(f) for f in FIGURES
+                 if f.name in ("paged-vs-contiguous", "peers-gpu", "offline", "activation-dtype"))
 
 
 # ------------------------------------------------------------------ rendering

@@ -306,7 +306,7 @@ def add_bench_parser(subparsers) -> None:
                          "generation vs transformers' own generate")
     pe.add_argument("--activation-dtype", default="f16", help="GPU only: f16 (default; T4 has no bf16), bf16, f32")
     pe.add_argument("--batch-sizes", default="1,8,32", help="GPU only: comma-separated batch sizes")
-    pe.add_argument("--max-runs", type=int, default=8, help="GPU only: at most this many runs while the CV > 5%%")
+    pe.add_argument("--max-runs", type=int, default=8, help="at most this many runs while a CV exceeds 5%%")
     pe.set_defaults(func=_peers)
 
     pl = sub.add_parser("plot", help="draw the newest result file of each benchmark as a PNG figure "
@@ -569,5 +569,6 @@ def _peers(args: argparse.Namespace) -> int:
     from minivllm.bench.peers import run
 
     run(args.model, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, runs=args.runs,
-        threads=args.threads, llama_cpp_path=args.llama_cpp_path, engine_options=_options(args.option))
+        threads=args.threads, llama_cpp_path=args.llama_cpp_path, engine_options=_options(args.option),
+        max_runs=args.max_runs)
     return 0
