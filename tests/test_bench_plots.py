@@ -86,7 +86,8 @@ def _every_kind(results: Path) -> dict[str, Path]:
         ("peers-gpu", [{"batch": 64, "engine": e, **_mean_std("output_tok_s", v)}
                        for e, v in (("minivllm", 4000.0), ("transformers", 3000.0))]),
         ("offline", offline_runs),
-        ("activation-dtype", dtype_rows))}
+        ("activation-dtype", dtype_rows),
+        ("decode", _engine_rows(device="cuda:0", dtype="f16")))}
     return {
         **gpu,
         "activation-dtype": _write(results, "activation-dtype-smollm2-135m-cpu", stamp, dtype_rows),

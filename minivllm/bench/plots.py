@@ -457,7 +457,7 @@ FIGURES: tuple[Figure, ...] = (
 )
 # Figures whose GPU rows come from H200 result files kept beside the CPU ones.
 FIGURES += tuple(_on_h200(f) for f in FIGURES
-                 if f.name in ("paged-vs-contiguous", "peers-gpu", "offline", "activation-dtype"))
+                 if f.name in ("paged-vs-contiguous", "peers-gpu", "offline", "activation-dtype", "decode"))
 
 
 # ------------------------------------------------------------------ rendering

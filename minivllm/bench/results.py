@@ -43,6 +43,16 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
+def _distribution_version(name: str) -> str:
+    """The installed version of a package whose module has no __version__ (gguf)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
 def provenance(device: str, model_sha256: str | None, settings: dict) -> dict:
     import gguf
     import tokenizers
@@ -55,7 +65,7 @@ def provenance(device: str, model_sha256: str | None, settings: dict) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "gguf": getattr(gguf, "__version__", "?"),
+        "gguf": getattr(gguf, "__version__", None) or _distribution_version("gguf"),
         "tokenizers": tokenizers.__version__,
         "model_sha256": model_sha256,
         "settings": settings,
