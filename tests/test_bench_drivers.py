@@ -22,27 +22,60 @@ def _load(results_dir, prefix: str) -> dict:
 def test_continuous_batching_driver(results_dir, smollm2_path):
     from minivllm.bench.continuous_batching import run
 
-    out = run(str(smollm2_path), concurrency=[1, 2], max_tokens=4, decode_lengths=[6], repeats=1,
+    out = run(str(smollm2_path), concurrency=[1, 2], max_tokens=4, decode_lengths=[6], repeats=1, max_repeats=1,
               prompts=["Hello", "The sky is"])
     data = _load(results_dir, "continuous-batching-")
     assert [r["concurrency"] for r in data["rows"]] == [1, 2]
-    assert data["provenance"]["settings"]["max_tokens"] == 4
+    settings = data["provenance"]["settings"]
+    assert settings["max_tokens"] == 4
+    # one round asked for, at most one allowed: exactly one run per row, recorded with its CVs
+    assert settings["repeats"] == 1 and settings["max_repeats"] == 1 and settings["cv_target"] == 0.05
+    assert [(r["concurrency"], r["runs"], r["max_runs"], r["stopped"]) for r in settings["rounds"]] == \
+        [(1, 1, 1, "stable"), (2, 1, 1, "stable")]
     for r in data["rows"]:
         assert r["batched_tok_s_mean"] > 0 and r["sequential_tok_s_mean"] > 0 and r["batched/sequential_mean"] > 0
+        assert r["runs"] == 1 and len(r["samples"]["batched_tok_s"]) == 1 and r["stopped"] == "stable"
+        assert r["batched_tok_s_cv"] == r["sequential_tok_s_cv"] == r["cv"] == 0
+    md = sorted(results_dir.glob("continuous-batching-*.md"))[0].read_text()
+    assert "mean ± sample std over 1 runs (at least 1, more while the CV" in md and "| runs | cv |" in md
     kv = _load(results_dir, "paged-vs-contiguous-")
     assert [r["decode_tokens"] for r in kv["rows"]] == [6]
     assert kv["rows"][0]["paged_decode_tok_s_mean"] > 0 and kv["rows"][0]["contiguous_decode_tok_s_mean"] > 0
+    assert kv["rows"][0]["runs"] == 1 and len(kv["rows"][0]["samples"]["paged"]) == 1
+    assert kv["rows"][0]["paged_decode_tok_s_cv"] == kv["rows"][0]["contiguous_decode_tok_s_cv"] == 0
+    assert [(r["decode_tokens"], r["runs"], r["stopped"]) for r in kv["provenance"]["settings"]["rounds"]] == \
+        [(6, 1, "stable")]
     assert len(out["batching"]) == 2 and len(out["kv"]) == 1
+
+
+@pytest.mark.parametrize("driver", ["continuous_batching", "gemv_threshold", "scheduling"])
+def test_max_repeats_below_repeats_is_refused(driver):
+    import importlib
+
+    from minivllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_repeats"):  # refused before the model is loaded
+        importlib.import_module(f"minivllm.bench.{driver}").run("smollm2-135m", repeats=3, max_repeats=2)
 
 
 def test_scheduling_driver(results_dir, smollm2_path):
     from minivllm.bench.scheduling import run
 
-    run(str(smollm2_path), repeats=1, long_prompts=2, long_tokens=24, short_tokens=4, fair_prompts=2,
-        fair_tokens=24, max_batched_tokens=8, max_tokens=2)
+    run(str(smollm2_path), repeats=1, max_repeats=1, long_prompts=2, long_tokens=24, short_tokens=4,
+        fair_prompts=2, fair_tokens=24, max_batched_tokens=8, max_tokens=2)
     policies = ["fcfs", "shortest-prefill-first", "round-robin"]
     hol = _load(results_dir, "scheduling-head-of-line-")
     assert [r["policy"] for r in hol["rows"]] == policies
+    # one round asked for, at most one allowed: exactly one run per workload, recorded with its CVs
+    rounds = hol["provenance"]["settings"]["rounds"]
+    assert hol["provenance"]["settings"]["max_repeats"] == 1
+    assert {name: (r["runs"], r["max_runs"], r["stopped"]) for name, r in rounds.items()} == \
+        {"head_of_line": (1, 1, "stable"), "fairness": (1, 1, "stable")}
+    assert rounds["head_of_line"]["watched"][:2] == ["fcfs short_ttft_s", "fcfs long_ttft_mean_s"]
+    assert len(rounds["head_of_line"]["cvs"]) == 2 * len(policies) == len(rounds["fairness"]["cvs"])
+    for r in hol["rows"]:
+        assert r["runs"] == 1 and len(r["samples"]["ttft"]) == 1 and r["stopped"] == "stable"
+        assert r["short_ttft_s_cv"] == r["long_ttft_mean_s_cv"] == r["cv"] == 0
     fcfs = hol["rows"][0]
     assert fcfs["short_ttft_vs_fcfs_mean"] == pytest.approx(1.0)
     # Chunked prefill with a budget of 8: the short prompt waits for both long ones under fcfs only.
@@ -52,6 +85,10 @@ def test_scheduling_driver(results_dir, smollm2_path):
     assert [r["policy"] for r in fair["rows"]] == policies
     assert all(r["spread_s_mean"] >= 0 for r in fair["rows"])
     assert fair["provenance"]["settings"]["max_batched_tokens"] == 8
+    for r in fair["rows"]:
+        assert r["runs"] == 1 and r["oldest_ttft_s_cv"] == r["later_mean_ttft_s_cv"] == r["cv"] == 0
+    md = sorted(results_dir.glob("scheduling-fairness-*.md"))[0].read_text()
+    assert "mean ± sample std over 1 runs (at least 1, more while the CV" in md and "| runs | cv |" in md
 
 
 # --- gemv-threshold and decode (issue 4) ------------------------------------------------
@@ -73,9 +110,17 @@ def test_gemv_threshold_driver(results_dir, smollm2_path):
                prompts=["Hello there, how", "The sky is blue and"])
     data = _load(results_dir, "gemv-threshold-")
     assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    # one round asked for: no spread to see, so no extra rounds (max_repeats defaults to 3 x repeats)
+    settings = data["provenance"]["settings"]
+    assert settings["max_repeats"] == 3 and settings["cv_target"] == 0.05
+    assert [(r["concurrency"], r["runs"], r["max_runs"], r["stopped"]) for r in settings["rounds"]] == \
+        [(1, 1, 3, "stable"), (2, 1, 3, "stable")]
+    assert all(len(r["cvs"]) == 4 for r in settings["rounds"])  # one per mode
     for r in data["rows"]:
+        assert r["runs"] == 1 and r["cv"] == 0 and r["stopped"] == "stable"
         for key in ("sequential_tok_s", "gemm_tok_s", "gemv_tok_s", "batch_invariant_tok_s"):
             assert r[f"{key}_mean"] > 0 and r[f"{key}_median"] > 0
+            assert r[f"{key}_cv"] == 0 and len(r["samples"][key.removesuffix("_tok_s")]) == 1
         assert r["gemv/gemm_median"] == pytest.approx(r["gemv_tok_s_median"] / r["gemm_tok_s_median"])
     # Each mode ran the kernel it is named after: every matmul of the GEMM mode took GEMM; in
     # the GEMV mode (N=2 <= gemv_max_rows) every decode step's matmuls took GEMV, and in the

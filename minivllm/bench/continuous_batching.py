@@ -15,6 +15,11 @@ Repeats the original's continuous-batching experiments (reference §4.7 and the 
     decode tok/s from RequestMetrics.decode_tokens_per_s. Target: paged >= 0.95x contiguous.
 
 One `LLM` loads the model and tokenizer; each configuration gets its own `LLMEngine`.
+
+Runs: per row (a concurrency in (a), a decode length in (b)) at least `repeats` rounds, each
+measuring every mode once; then whole rounds continue while either mode's tok/s varies by more
+than 5% (coefficient of variation), up to `max_repeats` rounds (`results.runs_until_stable`).
+Each row records its `runs` and every watched CV; the settings record the rounds of each row.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.results import StableRuns, provenance, runs_until_stable, summarize, write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -38,6 +43,7 @@ PROMPTS_FILE = Path(__file__).resolve().parents[2] / "data" / "prompts.json"
 FULL_DECODE_LENGTHS = [512, 2048]
 QUICK_DECODE_LENGTHS = [128, 512]
 PARTS = ("batching", "kv")
+CV_TARGET = 0.05  # more rounds while a watched tok/s varies more than this
 DECODE_PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
                  "combined movable metal type, oil-based ink and a wine press into a machine that")
 
@@ -87,6 +93,33 @@ def _stat(row: dict, key: str, samples: list[float]) -> None:
     row[key] = f"{s['mean']:.4g} ± {s['std']:.2g}"  # the Markdown column
 
 
+def _max_repeats(repeats: int, max_repeats: int | None) -> int:
+    """`max_repeats`, 3 x `repeats` when None; refused below `repeats`."""
+    max_repeats = 3 * repeats if max_repeats is None else max_repeats
+    if max_repeats < repeats:
+        raise ConfigError("max_repeats", max_repeats, f"must be >= repeats ({repeats})")
+    return max_repeats
+
+
+def _record_rounds(row: dict, rounds: StableRuns, watched: list[str]) -> None:
+    """A row's number of runs, the CV of each watched series (`<name>_cv`), their max and why it stopped."""
+    row["runs"] = rounds.runs
+    for name, cv in zip(watched, rounds.cvs, strict=True):
+        row[f"{name}_cv"] = cv
+    row["cv"], row["stopped"] = rounds.cv, rounds.stopped
+
+
+def _runs_note(all_rounds: list[StableRuns], repeats: int, max_repeats: int, what: str) -> str:
+    """'mean ± sample std over R runs (at least N, more while the CV of a <what> exceeded 5%, ...)', for a note."""
+    runs = sorted({r.runs for r in all_rounds})
+    count = f"{runs[0]}" if len(runs) == 1 else f"{runs[0]}-{runs[-1]} (column runs)"
+    at_max = sum(r.stopped == "max_runs" for r in all_rounds)
+    stopped = ("stable" if not at_max else "max_runs" if at_max == len(all_rounds)
+               else f"{at_max} of {len(all_rounds)} rows at max_runs, the others stable")
+    return (f"mean ± sample std over {count} runs (at least {repeats}, more while the CV of a {what} exceeded "
+            f"{CV_TARGET:.0%}, at most {max_repeats}; stopped: {stopped}; column cv: a row's largest such CV)")
+
+
 def model_label(model: str) -> str:
     """A file-name-safe name: a registry name as is, a .gguf path as its stem."""
     return Path(model).stem if model.endswith(".gguf") or "/" in model else model
@@ -101,10 +134,12 @@ def _loadavg() -> list[float] | None:
 
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         concurrency: list[int] | None = None, max_tokens: int = 64, decode_lengths: list[int] | None = None,
-        quick: bool = False, repeats: int = 3, max_batched_tokens: int = 512, page_size: int = 16,
-        prompts: list[str] | None = None, parts: list[str] | None = None) -> dict[str, list[dict]]:
+        quick: bool = False, repeats: int = 3, max_repeats: int | None = None, max_batched_tokens: int = 512,
+        page_size: int = 16, prompts: list[str] | None = None, parts: list[str] | None = None) -> dict[str, list[dict]]:
     """Run the experiments in `parts` ("batching", "kv"; default both); each writes its result files as
-    soon as it finishes. Returns {"batching": rows, "kv": rows}. `prompts` overrides data/prompts.json."""
+    soon as it finishes. Returns {"batching": rows, "kv": rows}. `prompts` overrides data/prompts.json.
+    Per row at least `repeats` rounds, more while a mode's tok/s CV exceeds 5%, at most `max_repeats`
+    (default 3 x repeats)."""
     concurrency = concurrency or [1, 2, 3, 4, 5, 8]
     parts = parts or list(PARTS)
     for p in parts:
@@ -112,6 +147,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
             raise ConfigError("parts", p, f"allowed: {', '.join(PARTS)}")
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
+    max_repeats = _max_repeats(repeats, max_repeats)
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64)  # engines are made below
     dev = llm.model.device
     if decode_lengths is None:
@@ -123,15 +159,16 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     sha = sha256_file(llm.model_path)
     texts = prompts or load_prompts(max(concurrency))
     settings = {"model": model, "inference_device": device, "activation_dtype": dtype, "repeats": repeats,
-                "warmup_runs": 1, "max_batched_tokens": max_batched_tokens, "page_size": page_size,
+                "max_repeats": max_repeats, "cv_target": CV_TARGET, "warmup_runs": 1,
+                "max_batched_tokens": max_batched_tokens, "page_size": page_size,
                 "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads()}
     out: dict[str, list[dict]] = {}
     if "batching" in parts:
         out["batching"] = _batching(llm, sha, model, device, dict(settings), texts, concurrency, max_tokens,
-                                    repeats, max_batched_tokens, page_size)
+                                    repeats, max_repeats, max_batched_tokens, page_size)
     if "kv" in parts:
         out["kv"] = _paged_vs_contiguous(llm, sha, model, device, dict(settings), decode_lengths, quick, repeats,
-                                         max_batched_tokens, page_size)
+                                         max_repeats, max_batched_tokens, page_size)
     return out
 
 
@@ -144,7 +181,7 @@ def _meta(llm: LLM, device: str, sha: str, settings: dict, load_start) -> dict:
 
 
 def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts: list[str], concurrency: list[int],
-              max_tokens: int, repeats: int, max_batched_tokens: int, page_size: int) -> list[dict]:
+              max_tokens: int, repeats: int, max_repeats: int, max_batched_tokens: int, page_size: int) -> list[dict]:
     """(a) aggregate output tok/s, N requests batched vs the same N one after another."""
     load_start = _loadavg()
     tok = llm.tokenizer
@@ -159,50 +196,59 @@ def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts
     warm = SamplingParams(temperature=0.0, max_tokens=min(max_tokens, 16), ignore_eos=True)
     run_batched(engine, prompt_ids[:n_max], warm)
     run_sequential(engine, prompt_ids[:1], warm)
-    rows = []
+    rows, all_rounds = [], []
     for n in concurrency:
         ids = prompt_ids[:n]
         total = n * max_tokens
-        b_tps, s_tps, ratios, ttft_b = [], [], [], []
-        for _ in range(repeats):
+
+        def one_round(ids=ids) -> tuple[float, float, float]:  # both modes once: (batched, sequential) wall, TTFT
             wb, outs = run_batched(engine, ids, params)
             ws, _ = run_sequential(engine, ids, params)
-            b_tps.append(total / wb)
-            s_tps.append(total / ws)
-            ratios.append(ws / wb)
-            ttft_b.append(max(o.metrics.time_to_first_token_s for o in outs))
+            return wb, ws, max(o.metrics.time_to_first_token_s for o in outs)
+
+        rounds = runs_until_stable(one_round, min_runs=repeats, max_runs=max_repeats, cv_target=CV_TARGET,
+                                   key=lambda m, total=total: [total / m[0], total / m[1]])
+        all_rounds.append(rounds)
+        b_tps = [total / wb for wb, _, _ in rounds.samples]
+        s_tps = [total / ws for _, ws, _ in rounds.samples]
+        ratios = [ws / wb for wb, ws, _ in rounds.samples]
+        ttft_b = [t for _, _, t in rounds.samples]
         row = {"concurrency": n, "output_tokens_per_request": max_tokens, "prompt_tokens": [len(x) for x in ids]}
         _stat(row, "batched_tok_s", b_tps)
         _stat(row, "sequential_tok_s", s_tps)
         _stat(row, "batched/sequential", ratios)
         _stat(row, "batched_max_ttft_s", ttft_b)
+        _record_rounds(row, rounds, ["batched_tok_s", "sequential_tok_s"])
         row["samples"] = {"batched_tok_s": b_tps, "sequential_tok_s": s_tps, "ratio": ratios}
         rows.append(row)
         print(f"N={n}: batched {row['batched_tok_s']} tok/s, sequential {row['sequential_tok_s']} tok/s, "
-              f"ratio {row['batched/sequential']}", flush=True)
+              f"ratio {row['batched/sequential']} ({rounds.runs} runs, {rounds.stopped})", flush=True)
     target = 3.0 if dev.type == "cuda" else 2.0
     for row in rows:
         row[f"target_met(N=4,>={target:g}x)"] = (row["batched/sequential_mean"] >= target) if row["concurrency"] == 4 else None
     settings.update({"experiment": "batched vs sequential", "concurrency": concurrency, "max_tokens": max_tokens,
                      "warmup": f"batched N={n_max} and one sequential request, {warm.max_tokens} tokens each",
                      "kv_mode": "paged", "policy": "fcfs", "max_active_requests": cfg.max_active_requests,
-                     "max_model_len": cfg.max_model_len, "prompts": texts[:n_max]})
+                     "max_model_len": cfg.max_model_len, "prompts": texts[:n_max],
+                     "rounds": [{"concurrency": n, **r.info()} for n, r in zip(concurrency, all_rounds)]})
     meta = _meta(llm, device, sha, settings, load_start)
-    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time; mean ± sample std over {repeats} runs "
-            f"after a warm-up. 'batched': all N submitted together to one LLMEngine (paged, fcfs, "
+    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time; "
+            f"{_runs_note(all_rounds, repeats, max_repeats, 'batched or sequential tok/s')} after a warm-up. "
+            f"'batched': all N submitted together to one LLMEngine (paged, fcfs, "
             f"max_batched_tokens={max_batched_tokens}); 'sequential': the same N requests one after another through "
             f"the same engine. The two alternate within each run; the ratio is per run. Target: N=4 >= {target:g}x "
             f"on {dev.type.upper()}. Load average (1/5/15 min) at start {load_start}, end "
             f"{meta['load_average_1_5_15']['end']} (the benchmark itself adds ~{torch.get_num_threads()}).")
     cols = ["concurrency", "batched_tok_s", "sequential_tok_s", "batched/sequential", "batched/sequential_median",
-            "batched_max_ttft_s", f"target_met(N=4,>={target:g}x)"]
+            "batched_max_ttft_s", "runs", "cv", f"target_met(N=4,>={target:g}x)"]
     _, md = write_results(f"continuous-batching-{model_label(model)}", meta, rows, cols, note)
     print(md.read_text(), flush=True)
     return rows
 
 
 def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: dict, decode_lengths: list[int],
-                         quick: bool, repeats: int, max_batched_tokens: int, page_size: int) -> list[dict]:
+                         quick: bool, repeats: int, max_repeats: int, max_batched_tokens: int,
+                         page_size: int) -> list[dict]:
     """(b) one request's decode tok/s through a paged and a contiguous KV cache."""
     load_start = _loadavg()
     tok = llm.tokenizer
@@ -214,37 +260,43 @@ def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: 
     warm = SamplingParams(temperature=0.0, max_tokens=min(32, max(decode_lengths)), ignore_eos=True)
     for e in engines.values():
         run_batched(e, [dec_ids], warm)
-    rows = []
+    rows, all_rounds = [], []
     for length in decode_lengths:
         p = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
-        tps = {"paged": [], "contiguous": []}
-        ratios = []
-        for _ in range(repeats):
-            for mode, e in engines.items():
-                _, outs = run_batched(e, [dec_ids], p)
-                tps[mode].append(outs[0].metrics.decode_tokens_per_s)
-            ratios.append(tps["paged"][-1] / tps["contiguous"][-1])
+
+        def one_round(p=p) -> dict[str, float]:  # paged, then contiguous: decode tok/s of each
+            return {mode: run_batched(e, [dec_ids], p)[1][0].metrics.decode_tokens_per_s
+                    for mode, e in engines.items()}
+
+        rounds = runs_until_stable(one_round, min_runs=repeats, max_runs=max_repeats, cv_target=CV_TARGET,
+                                   key=lambda m: [m[mode] for mode in engines])
+        all_rounds.append(rounds)
+        tps = {mode: [m[mode] for m in rounds.samples] for mode in engines}
+        ratios = [m["paged"] / m["contiguous"] for m in rounds.samples]
         row = {"decode_tokens": length, "prompt_tokens": len(dec_ids), "max_model_len": max_len, "page_size": page_size}
         _stat(row, "paged_decode_tok_s", tps["paged"])
         _stat(row, "contiguous_decode_tok_s", tps["contiguous"])
         _stat(row, "paged/contiguous", ratios)
         row["target_met(>=0.95)"] = row["paged/contiguous_mean"] >= 0.95
+        _record_rounds(row, rounds, [f"{mode}_decode_tok_s" for mode in engines])
         row["samples"] = {**tps, "ratio": ratios}
         rows.append(row)
         print(f"L={length}: paged {row['paged_decode_tok_s']}, contiguous {row['contiguous_decode_tok_s']}, "
-              f"ratio {row['paged/contiguous']}", flush=True)
+              f"ratio {row['paged/contiguous']} ({rounds.runs} runs, {rounds.stopped})", flush=True)
     settings.update({"experiment": "paged vs contiguous decode", "decode_lengths": decode_lengths, "quick": quick,
                      "max_model_len": max_len, "max_active_requests": 1, "decode_prompt": DECODE_PROMPT,
-                     "warmup": f"one {warm.max_tokens}-token request per engine"})
+                     "warmup": f"one {warm.max_tokens}-token request per engine",
+                     "rounds": [{"decode_tokens": n, **r.info()} for n, r in zip(decode_lengths, all_rounds)]})
     meta = _meta(llm, device, sha, settings, load_start)
     note = (f"One request, greedy, exactly L output tokens; decode tok/s = (L-1)/(e2e - TTFT) from RequestMetrics; "
-            f"mean ± sample std over {repeats} runs after a warm-up, paged and contiguous alternating; the ratio is "
-            f"per run. Paged: {page_size}-token pages; contiguous: one page of max_model_len={max_len} tokens. Target "
+            f"{_runs_note(all_rounds, repeats, max_repeats, 'paged or contiguous decode tok/s')} after a warm-up, "
+            f"paged and contiguous alternating; the ratio is per run. Paged: {page_size}-token pages; contiguous: "
+            f"one page of max_model_len={max_len} tokens. Target "
             f"paged/contiguous >= 0.95." + (" QUICK sizes (128, 512 instead of 512, 2048) to fit a CPU run." if quick else "")
             + f" Load average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']} "
             f"(the benchmark itself adds ~{torch.get_num_threads()}).")
     cols = ["decode_tokens", "prompt_tokens", "paged_decode_tok_s", "contiguous_decode_tok_s", "paged/contiguous",
-            "paged/contiguous_median", "target_met(>=0.95)"]
+            "paged/contiguous_median", "runs", "cv", "target_met(>=0.95)"]
     _, md = write_results(f"paged-vs-contiguous-{model_label(model)}", meta, rows, cols, note)
     print(md.read_text(), flush=True)
     return rows

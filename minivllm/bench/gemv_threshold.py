@@ -15,9 +15,12 @@ ignored, exactly `max_tokens` outputs each), aggregate output tok/s = N * max_to
 
 One model, one `LLMEngine` per mode (an engine applies its own kernel options to the model
 before every forward); the modes take turns inside every repeat, so each GEMV/GEMM ratio
-compares runs made next to each other. Each row also records how many matmul calls took
-each path (the engine's per-step `kernel_paths`), the evidence that a mode ran the kernel
-it is named after.
+compares runs made next to each other. Per N at least `repeats` rounds (every mode once
+each), then whole rounds continue while any mode's tok/s varies by more than 5%
+(coefficient of variation), up to `max_repeats` rounds (`results.runs_until_stable`); each
+row records its `runs` and every mode's CV (`<mode>_tok_s_cv`). Each row also records how
+many matmul calls took each path (the engine's per-step `kernel_paths`), the evidence that
+a mode ran the kernel it is named after.
 
 Recommended default `gemv_max_rows`: the largest N whose median GEMV/GEMM ratio is >= 1
 (0 when GEMM wins already at N=1).
@@ -30,8 +33,9 @@ from collections import Counter
 
 import torch
 
-from minivllm.bench.continuous_batching import _loadavg, load_prompts, model_label
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.continuous_batching import (CV_TARGET, _loadavg, _max_repeats, _record_rounds, _runs_note,
+                                               load_prompts, model_label)
+from minivllm.bench.results import provenance, runs_until_stable, summarize, write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -89,11 +93,15 @@ def _run_sequential(engine: LLMEngine, prompt_ids: list[list[int]], params: Samp
 
 
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
-        concurrency: list[int] | None = None, max_tokens: int = 32, repeats: int = 3, batch_invariant: bool = False,
-        prompts: list[str] | None = None, max_batched_tokens: int = 512, page_size: int = 16) -> list[dict]:
+        concurrency: list[int] | None = None, max_tokens: int = 32, repeats: int = 3, max_repeats: int | None = None,
+        batch_invariant: bool = False, prompts: list[str] | None = None, max_batched_tokens: int = 512,
+        page_size: int = 16) -> list[dict]:
+    """One row per N in `concurrency`. Per N at least `repeats` rounds of every mode, more while a mode's
+    tok/s CV exceeds 5%, at most `max_repeats` (default 3 x repeats)."""
     concurrency = concurrency or DEFAULT_CONCURRENCY
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
+    max_repeats = _max_repeats(repeats, max_repeats)
     if max_tokens < 1:
         raise ConfigError("max_tokens", max_tokens, "must be >= 1")
     if min(concurrency) < 1:
@@ -126,21 +134,22 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     warm = SamplingParams(temperature=0.0, max_tokens=min(max_tokens, 8), ignore_eos=True)
     for mode in engines:  # warm-up: every mode's kernels at the largest batch (and one row)
         timed(mode, prompt_ids[:n_max], warm)
-    rows = []
+    rows, all_rounds = [], []
     for n in concurrency:
         ids = prompt_ids[:n]
         total = n * max_tokens
-        tps: dict[str, list[float]] = {m: [] for m in engines}
-        paths: dict[str, dict] = {}
-        ratio, bi_cost = [], []
-        for _ in range(repeats):
-            for mode in engines:
-                wall, counts = timed(mode, ids, params)
-                tps[mode].append(total / wall)
-                paths[mode] = dict(counts)  # per run; the same in every repeat
-            ratio.append(tps["gemv"][-1] / tps["gemm"][-1])
-            if batch_invariant:
-                bi_cost.append(tps["batch_invariant"][-1] / max(tps["gemv"][-1], tps["gemm"][-1]))
+
+        def one_round(ids=ids) -> dict[str, tuple[float, Counter]]:  # every mode once, one after another
+            return {mode: timed(mode, ids, params) for mode in engines}
+
+        rounds = runs_until_stable(one_round, min_runs=repeats, max_runs=max_repeats, cv_target=CV_TARGET,
+                                   key=lambda m, total=total: [total / m[mode][0] for mode in engines])
+        all_rounds.append(rounds)
+        tps = {mode: [total / m[mode][0] for m in rounds.samples] for mode in engines}
+        paths = {mode: dict(rounds.samples[-1][mode][1]) for mode in engines}  # per run; the same in every run
+        ratio = [g / m for g, m in zip(tps["gemv"], tps["gemm"])]
+        bi_cost = ([b / max(g, m) for b, g, m in zip(tps["batch_invariant"], tps["gemv"], tps["gemm"])]
+                   if batch_invariant else [])
         row = {"concurrency": n, "output_tokens_per_request": max_tokens, "prompt_tokens": [len(x) for x in ids]}
         _stat(row, "sequential_tok_s", tps["sequential"])
         _stat(row, "gemm_tok_s", tps["gemm"])
@@ -149,15 +158,18 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         if batch_invariant:
             _stat(row, "batch_invariant_tok_s", tps["batch_invariant"])
             _stat(row, "invariant/best", bi_cost)
+        _record_rounds(row, rounds, [f"{mode}_tok_s" for mode in engines])
         row["matmul_paths_per_run"] = paths
         row["samples"] = tps
         rows.append(row)
         print(f"N={n}: sequential {row['sequential_tok_s']}, GEMM {row['gemm_tok_s']}, GEMV {row['gemv_tok_s']} "
-              f"tok/s; GEMV/GEMM {row['gemv/gemm']}", flush=True)
+              f"tok/s; GEMV/GEMM {row['gemv/gemm']} ({rounds.runs} runs, {rounds.stopped})", flush=True)
 
     best = recommend(rows)
     settings = {"model": model, "inference_device": device, "activation_dtype": dtype, "concurrency": concurrency,
-                "max_tokens": max_tokens, "repeats": repeats, "batch_invariant_row": batch_invariant,
+                "max_tokens": max_tokens, "repeats": repeats, "max_repeats": max_repeats, "cv_target": CV_TARGET,
+                "rounds": [{"concurrency": n, **r.info()} for n, r in zip(concurrency, all_rounds)],
+                "batch_invariant_row": batch_invariant,
                 "max_batched_tokens": max_batched_tokens, "page_size": page_size, "kv_mode": "paged",
                 "policy": "fcfs", "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads(),
                 "modes": {m: {**e.kernel_options.describe(), "batched": b} for m, (e, b) in engines.items()},
@@ -166,7 +178,8 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     meta = provenance(str(dev) if dev.type == "cuda" else device, sha256_file(llm.model_path), settings)
     meta["recommended_gemv_max_rows"] = best
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
-    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, mean ± sample std over {repeats} runs "
+    runs_note = _runs_note(all_rounds, repeats, max_repeats, "mode's tok/s")
+    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, {runs_note} "
             f"after a warm-up (medians in the JSON); modes take turns within each run, ratios are per run. "
             f"sequential: one request at a time, default options (gemv_max_rows="
             f"{engines['sequential'][0].kernel_options.gemv_max_rows}); GEMM: "
@@ -177,6 +190,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     cols = ["concurrency", "sequential_tok_s", "gemm_tok_s", "gemv_tok_s", "gemv/gemm", "gemv/gemm_median"]
     if batch_invariant:
         cols += ["batch_invariant_tok_s", "invariant/best"]
+    cols += ["runs", "cv"]
     _, md = write_results(f"gemv-threshold-{model_label(model)}", meta, rows, cols, note)
     print(md.read_text(), flush=True)
     return rows

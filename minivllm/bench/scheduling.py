@@ -16,6 +16,14 @@ TTFT (arrival -> first token) comes from RequestMetrics. Greedy, `ignore_eos`, e
 
 A fresh engine per run: round-robin's rotation cursor lives in the scheduler and would
 otherwise carry over from one run into the next.
+
+Runs: per workload at least `repeats` rounds, each running every policy once (fcfs first), then
+whole rounds continue while a watched TTFT of any policy varies by more than 5% (coefficient of
+variation), up to `max_repeats` rounds (`results.runs_until_stable`). Watched: (a) the short
+request's TTFT and the long ones' mean TTFT; (b) the oldest request's TTFT and the later ones'
+mean TTFT. Not the spread (max - min TTFT): a difference of near-equal TTFTs (round-robin's
+aim) has an unbounded CV and would run every fairness workload to the maximum. Each row
+records its `runs` and its watched CVs; the settings record each workload's rounds.
 """
 
 from __future__ import annotations
@@ -27,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import _loadavg, _stat, model_label
-from minivllm.bench.results import provenance, write_results
+from minivllm.bench.continuous_batching import CV_TARGET, _loadavg, _max_repeats, _runs_note, _stat, model_label
+from minivllm.bench.results import provenance, runs_until_stable, write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import POLICIES, EngineConfig
 from minivllm.engine.llm import LLM
@@ -76,10 +84,12 @@ def run_workload(llm: LLM, policy: str, prompts: list[list[int]], max_tokens: in
 
 
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
-        policies: list[str] | None = None, repeats: int = 3, long_prompts: int = 3, long_tokens: int = 400,
-        short_tokens: int = 16, fair_prompts: int = 4, fair_tokens: int = 400, max_batched_tokens: int = 64,
-        max_tokens: int = 16, page_size: int = 16) -> dict[str, list[dict]]:
-    """Run both experiments; returns {"head_of_line": rows, "fairness": rows} (one row per policy)."""
+        policies: list[str] | None = None, repeats: int = 3, max_repeats: int | None = None, long_prompts: int = 3,
+        long_tokens: int = 400, short_tokens: int = 16, fair_prompts: int = 4, fair_tokens: int = 400,
+        max_batched_tokens: int = 64, max_tokens: int = 16, page_size: int = 16) -> dict[str, list[dict]]:
+    """Run both experiments; returns {"head_of_line": rows, "fairness": rows} (one row per policy). Per
+    workload at least `repeats` rounds of every policy, more while a watched TTFT's CV exceeds 5%, at most
+    `max_repeats` (default 3 x repeats)."""
     policies = policies or list(POLICIES)
     for p in policies:
         if p not in POLICIES:
@@ -88,6 +98,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         policies = ["fcfs", *policies]  # the baseline every ratio is taken against
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
+    max_repeats = _max_repeats(repeats, max_repeats)
     if not short_tokens < max_batched_tokens < long_tokens:
         raise ConfigError("max_batched_tokens", max_batched_tokens,
                           f"the workloads need short ({short_tokens}) < budget < long ({long_tokens}) so prefills are chunked")
@@ -104,19 +115,37 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     def workload(prompts):
         return lambda policy: run_workload(llm, policy, prompts, max_tokens, max_batched_tokens, page_size)
 
-    results = {}
+    # The TTFTs each workload watches, per policy (see the module docstring); names as in the rows.
+    watched = {"head_of_line": {"short_ttft_s": lambda r: r["ttft"][-1],
+                                "long_ttft_mean_s": lambda r: statistics.fmean(r["ttft"][:-1])},
+               "fairness": {"oldest_ttft_s": lambda r: r["ttft"][0],
+                            **({"later_mean_ttft_s": lambda r: statistics.fmean(r["ttft"][1:])}
+                               if fair_prompts > 1 else {})}}
+    results, rounds = {}, {}
     for name, fn in (("head_of_line", workload(hol)), ("fairness", workload(fair))):
         fn(policies[0])  # warm-up
-        runs = {p: [] for p in policies}
-        for _ in range(repeats):
-            for p in policies:  # policies alternate within each run: ratios compare neighbours
-                runs[p].append(fn(p))
-        results[name] = runs
-        print(f"{name}: done", flush=True)
+
+        def one_round(fn=fn) -> dict[str, dict]:  # policies alternate within each run: ratios compare neighbours
+            return {p: fn(p) for p in policies}
+
+        rounds[name] = runs_until_stable(
+            one_round, min_runs=repeats, max_runs=max_repeats, cv_target=CV_TARGET,
+            key=lambda m, name=name: [get(m[p]) for p in policies for get in watched[name].values()])
+        results[name] = {p: [m[p] for m in rounds[name].samples] for p in policies}
+        print(f"{name}: done, {rounds[name].runs} runs ({rounds[name].stopped})", flush=True)
+
+    def record(row: dict, name: str, i: int) -> None:
+        """The workload's runs, the CVs of policy i's watched TTFTs (`<name>_cv`) and their max."""
+        k = len(watched[name])
+        mine = rounds[name].cvs[i * k:(i + 1) * k]
+        row["runs"] = rounds[name].runs
+        for key, cv in zip(watched[name], mine, strict=True):
+            row[f"{key}_cv"] = cv
+        row["cv"], row["stopped"] = max(mine), rounds[name].stopped  # stopped: the workload's (all policies)
 
     hol_rows = []
     base = results["head_of_line"]["fcfs"]
-    for p in policies:
+    for i, p in enumerate(policies):
         rs = results["head_of_line"][p]
         row = {"policy": p, "long_prompts": long_prompts, "long_tokens": long_tokens, "short_tokens": short_tokens}
         _stat(row, "short_ttft_s", [r["ttft"][-1] for r in rs])
@@ -128,12 +157,13 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         _stat(row, "wall_s", [r["wall"] for r in rs])
         _stat(row, "output_tok_s", [r["output_tok_s"] for r in rs])
         row["steps"] = rs[0]["steps"]
+        record(row, "head_of_line", i)
         row["samples"] = {"ttft": [r["ttft"] for r in rs], "wall": [r["wall"] for r in rs]}
         hol_rows.append(row)
 
     fair_rows = []
     base = results["fairness"]["fcfs"]
-    for p in policies:
+    for i, p in enumerate(policies):
         rs = results["fairness"][p]
         row = {"policy": p, "prompts": fair_prompts, "prompt_tokens": fair_tokens}
         _stat(row, "oldest_ttft_s", [r["ttft"][0] for r in rs])
@@ -145,11 +175,15 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                                       if max(b["ttft"]) > min(b["ttft"]) else float("nan") for r, b in zip(rs, base)])
         _stat(row, "wall_s", [r["wall"] for r in rs])
         row["steps"] = rs[0]["steps"]
+        record(row, "fairness", i)
         row["samples"] = {"ttft": [r["ttft"] for r in rs], "wall": [r["wall"] for r in rs]}
         fair_rows.append(row)
 
     dev = llm.model.device
     settings = {"model": model, "inference_device": device, "activation_dtype": dtype, "repeats": repeats,
+                "max_repeats": max_repeats, "cv_target": CV_TARGET,
+                "rounds": {name: {**r.info(), "watched": [f"{p} {key}" for p in policies for key in watched[name]]}
+                           for name, r in rounds.items()},  # its "cvs" in the order of its "watched"
                 "warmup_runs": 1, "policies": policies, "long_prompts": long_prompts, "long_tokens": long_tokens,
                 "short_tokens": short_tokens, "fair_prompts": fair_prompts, "fair_tokens": fair_tokens,
                 "max_batched_tokens": max_batched_tokens, "max_tokens": max_tokens, "page_size": page_size,
@@ -158,20 +192,24 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                 "torch_threads": torch.get_num_threads()}
     meta = provenance(device if dev.type != "cuda" else str(dev), sha, settings)
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
-    common = (f"mean ± sample std over {repeats} runs after a warm-up; policies alternate within each run and the "
-              f"*_vs_fcfs ratios are per run. max_batched_tokens={max_batched_tokens}, {max_tokens} output tokens per "
-              f"request, all requests submitted at once in arrival order. Load average (1/5/15 min) at start "
-              f"{load_start}, end {meta['load_average_1_5_15']['end']} (the benchmark itself adds ~{torch.get_num_threads()}).")
+    common = (f"after a warm-up; policies alternate within each run and the *_vs_fcfs ratios are per run. "
+              f"max_batched_tokens={max_batched_tokens}, {max_tokens} output tokens per request, all requests "
+              f"submitted at once in arrival order. Load average (1/5/15 min) at start {load_start}, end "
+              f"{meta['load_average_1_5_15']['end']} (the benchmark itself adds ~{torch.get_num_threads()}).")
     cols = ["policy", "short_ttft_s", "short_ttft_s_median", "short_ttft_vs_fcfs", "long_ttft_mean_s",
-            "oldest_long_ttft_s", "long_ttft_vs_fcfs", "output_tok_s", "wall_s"]
+            "oldest_long_ttft_s", "long_ttft_vs_fcfs", "output_tok_s", "wall_s", "runs", "cv"]
     _, md_a = write_results(f"scheduling-head-of-line-{model_label(model)}", meta, hol_rows, cols,
                             f"Head of line: {long_prompts} long prompts of {long_tokens} tokens, then one short prompt "
-                            f"of {short_tokens} tokens. TTFTs in seconds; " + common)
+                            f"of {short_tokens} tokens. TTFTs in seconds; "
+                            + _runs_note([rounds["head_of_line"]], repeats, max_repeats, "policy's short or long-mean TTFT")
+                            + " " + common)
     cols_b = ["policy", "oldest_ttft_s", "later_mean_ttft_s", "spread_s", "spread_s_median", "ttft_std_s",
-              "oldest_ttft_vs_fcfs", "spread_vs_fcfs", "wall_s"]
+              "oldest_ttft_vs_fcfs", "spread_vs_fcfs", "wall_s", "runs", "cv"]
     _, md_b = write_results(f"scheduling-fairness-{model_label(model)}", meta, fair_rows, cols_b,
                             f"Fairness: {fair_prompts} prompts of {fair_tokens} tokens together; spread = max - min "
-                            f"TTFT, ttft_std = std of the TTFTs across requests. Seconds; " + common)
+                            f"TTFT, ttft_std = std of the TTFTs across requests. Seconds; "
+                            + _runs_note([rounds["fairness"]], repeats, max_repeats, "policy's oldest or later-mean TTFT")
+                            + " " + common)
     print(md_a.read_text())
     print(md_b.read_text())
     return {"head_of_line": hol_rows, "fairness": fair_rows}

@@ -67,6 +67,8 @@ def add_bench_parser(subparsers) -> None:
     t.add_argument("--concurrency", type=_ints, default=list(range(1, 9)), help="comma list of N (default 1..8)")
     t.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     t.add_argument("--batch-invariant", action="store_true", help="add a batched batch_invariant=True column")
+    t.add_argument("--max-repeats", type=int, default=None,
+                   help="per N, more rounds while any mode's tok/s CV exceeds 5%%, up to this (default 3 x --repeats)")
     t.set_defaults(func=_gemv_threshold)
 
     kn = sub.add_parser("kernels", help="Triton dequantize-GEMV GB/s per weight type on 7B shapes vs copy bandwidth (CUDA)")
@@ -89,6 +91,9 @@ def add_bench_parser(subparsers) -> None:
     c.add_argument("--page-size", type=int, default=16)
     c.add_argument("--parts", type=lambda v: v.split(","), default=None,
                    help="comma list of experiments to run: batching, kv (default both)")
+    c.add_argument("--max-repeats", type=int, default=None,
+                   help="per row, more rounds while either mode's tok/s CV exceeds 5%%, up to this "
+                        "(default 3 x --repeats)")
     c.set_defaults(func=_continuous_batching)
 
     pc = sub.add_parser("prefix-cache", help="the prefix-cache article's tables: warm-prefix TTFT, cold bursts, "
@@ -264,6 +269,9 @@ def add_bench_parser(subparsers) -> None:
     s.add_argument("--max-batched-tokens", type=int, default=64, help="small, so prefills are chunked")
     s.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--max-repeats", type=int, default=None,
+                   help="per workload, more rounds while a watched TTFT's CV exceeds 5%%, up to this "
+                        "(default 3 x --repeats)")
     s.set_defaults(func=_scheduling)
 
     of = sub.add_parser("offline", help="offline throughput: N random-token requests (lengths uniform in ranges, EOS "
@@ -395,7 +403,8 @@ def _gemv_threshold(args: argparse.Namespace) -> int:
     from minivllm.bench.gemv_threshold import run
 
     run(args.model, args.inference_device, args.activation_dtype, concurrency=args.concurrency,
-        max_tokens=args.max_tokens, repeats=args.repeats, batch_invariant=args.batch_invariant)
+        max_tokens=args.max_tokens, repeats=args.repeats, max_repeats=args.max_repeats,
+        batch_invariant=args.batch_invariant)
     return 0
 
 
@@ -404,7 +413,8 @@ def _continuous_batching(args: argparse.Namespace) -> int:
 
     run(args.model, args.inference_device, args.activation_dtype, concurrency=args.concurrency,
         max_tokens=args.max_tokens, decode_lengths=args.decode_lengths, quick=args.quick, repeats=args.repeats,
-        max_batched_tokens=args.max_batched_tokens, page_size=args.page_size, parts=args.parts)
+        max_repeats=args.max_repeats, max_batched_tokens=args.max_batched_tokens, page_size=args.page_size,
+        parts=args.parts)
     return 0
 
 
@@ -412,8 +422,8 @@ def _scheduling(args: argparse.Namespace) -> int:
     from minivllm.bench.scheduling import run
 
     run(args.model, args.inference_device, args.activation_dtype, policies=args.policies, repeats=args.repeats,
-        long_prompts=args.long_prompts, long_tokens=args.long_tokens, short_tokens=args.short_tokens,
-        fair_prompts=args.fair_prompts, fair_tokens=args.fair_tokens, max_batched_tokens=args.max_batched_tokens,
+        max_repeats=args.max_repeats, long_prompts=args.long_prompts, long_tokens=args.long_tokens,
+        short_tokens=args.short_tokens, fair_prompts=args.fair_prompts, fair_tokens=args.fair_tokens, max_batched_tokens=args.max_batched_tokens,
         max_tokens=args.max_tokens, page_size=args.page_size)
     return 0
 
