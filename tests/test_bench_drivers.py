@@ -1,4 +1,5 @@
-"""Smoke tests of the continuous-batching and scheduling benchmark drivers (tiny sizes, no timing checks)."""
+"""Smoke tests of the continuous-batching, scheduling, prefix-cache, speculative and other benchmark
+drivers (tiny sizes, no timing checks)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_continuous_batching_driver(results_dir, smollm2_path):
     assert len(out["batching"]) == 2 and len(out["kv"]) == 1
 
 
-@pytest.mark.parametrize("driver", ["continuous_batching", "gemv_threshold", "scheduling"])
+@pytest.mark.parametrize("driver", ["continuous_batching", "gemv_threshold", "scheduling", "prefix_cache"])
 def test_max_repeats_below_repeats_is_refused(driver):
     import importlib
 
@@ -56,6 +57,51 @@ def test_max_repeats_below_repeats_is_refused(driver):
 
     with pytest.raises(ConfigError, match="max_repeats"):  # refused before the model is loaded
         importlib.import_module(f"minivllm.bench.{driver}").run("smollm2-135m", repeats=3, max_repeats=2)
+
+
+def test_speculative_max_runs_below_runs_is_refused():
+    from minivllm.bench.speculative import run
+    from minivllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_runs"):  # refused before the models are loaded
+        run("no-such-target", "no-such-draft", runs=3, max_runs=2)
+
+
+def test_prefix_cache_driver(results_dir, tmp_path, monkeypatch):
+    """Two of the tables (a two-case row and one-case rows) on a tiny model with short paragraphs:
+    one run asked for, at most one allowed, so exactly one run per case, recorded per row and in
+    the settings."""
+    from synthetic_gguf import write_tiny_model
+
+    from minivllm.bench import prefix_cache
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", n_layers=1, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2,
+                             vocab_size=512, context_length=4096)
+    monkeypatch.setattr(prefix_cache, "paragraph", lambda namespace, i: f"{namespace} paragraph {i}.")
+    tables = prefix_cache.run(str(model), repeats=1, max_repeats=1, output_tokens=2,
+                              parts=["incremental", "single-flight"], groups=(2,))
+    data = _load(results_dir, "prefix-cache-")
+    settings = data["provenance"]["settings"]
+    assert settings["repeats"] == 1 and settings["max_repeats"] == 1 and settings["cv_target"] == 0.05
+    assert [(r["table"], r["case"], r["runs"], r["max_runs"], r["stopped"]) for r in settings["rounds"]] == [
+        ("incremental", "at_completion", 1, 1, "stable"), ("incremental", "incremental", 1, 1, "stable"),
+        ("single-flight", "independent", 1, 1, "stable"), ("single-flight", "at_completion", 1, 1, "stable"),
+        ("single-flight", "after_prefill", 1, 1, "stable")]
+    assert settings["rounds"][0]["watched"] == ["mean_ttft_s", "followers_mean_ttft_s"]
+    assert all(len(r["cvs"]) == 2 for r in settings["rounds"])
+    (inc,) = tables["incremental"]
+    assert inc["at_completion_runs"] == inc["incremental_runs"] == 1 and inc["stopped"] == "stable"
+    assert inc["incremental_mean_ttft_s_cv"] == inc["incremental_followers_ttft_s_cv"] == inc["cv"] == 0
+    assert len(inc["incremental_samples"]) == 1
+    assert inc["incremental_restored_per_follower"] and inc["incremental_restored_per_follower"][0] > 0
+    flight = tables["single-flight"]
+    assert [r["release"] for r in flight] == ["independent", "at_completion", "after_prefill"]
+    for r in flight:
+        assert r["runs"] == 1 and len(r["samples"]) == 1 and r["stopped"] == "stable"
+        assert r["mean_ttft_s_cv"] == r["slowest_completion_s_cv"] == r["cv"] == 0
+    md = sorted(results_dir.glob("prefix-cache-*.md"))[0].read_text()
+    assert "mean ± sample std over 1 runs (at least 1, more while the CV" in md and "| Runs |" in md
+    assert "| 1/1 |" in md and "| 1/1/1 |" in md
 
 
 def test_scheduling_driver(results_dir, smollm2_path):
@@ -227,9 +273,20 @@ def test_speculative_driver(results_dir, tmp_path):
                               vocab_size=512, context_length=4096, seed=1)
     draft = write_tiny_model(tmp_path / "draft.gguf", n_layers=1, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2,
                              vocab_size=512, context_length=4096, seed=2)
-    tables = run(str(target), str(draft), max_tokens=6, runs=1, seeds=2, tv_budgets=(0.0, 1.0), prompts=["code"],
-                 engine_options={"gemv_max_rows": 0})
+    tables = run(str(target), str(draft), max_tokens=6, runs=1, max_runs=1, seeds=2, tv_budgets=(0.0, 1.0),
+                 prompts=["code"], engine_options={"gemv_max_rows": 0})
     data = _load(results_dir, "speculative-")
+    # one run asked for, at most one allowed: exactly one run per case (one generation per seed), recorded
+    settings = data["provenance"]["settings"]
+    assert settings["runs"] == 1 and settings["max_runs"] == 1 and settings["cv_target"] == 0.05
+    assert len(settings["rounds"]) == len(data["rows"])
+    assert all((r["runs"], r["max_runs"], r["stopped"]) == (1, 1, "stable") for r in settings["rounds"])
+    assert settings["rounds"][0]["watched"] == ["e2e_s"]  # greedy: no seed
+    assert settings["rounds"][-1]["watched"] == ["e2e_s_seed0", "e2e_s_seed1"]  # sampling: one series per seed
+    for r in data["rows"]:
+        assert r["runs"] == 1 and r["cv"] == 0 and r["stopped"] == "stable"
+        assert r["n"] == (1 if r["table"] == "greedy" else 2)
+        assert (r["e2e_s_cv"] == 0) if r["table"] == "greedy" else (r["e2e_s_seed0_cv"] == r["e2e_s_seed1_cv"] == 0)
     assert {r["table"] for r in data["rows"]} == {"greedy", "sampling"}  # sampling on the one prompt given
     greedy = [r for r in tables["greedy"] if r["prompt"] == "code"]
     assert [r["case"] for r in greedy] == ["target-only", "fixed-4", "fixed-6", "fixed-8", "acceptance-rate",

@@ -19,7 +19,7 @@ def results_dir(tmp_path, monkeypatch):
 
 
 def test_bench_routing_quick(results_dir, smollm2_path, capsys):
-    assert main(["bench", "routing", "--quick", "--model", str(smollm2_path),
+    assert main(["bench", "routing", "--quick", "--max-runs", "1", "--model", str(smollm2_path),
                  "--inference-device", "cpu:1", "--inference-device", "cpu:1"]) == 0
     files = sorted(results_dir.glob("routing-*.json"))
     assert len(files) == 1 and files[0].with_name(files[0].name[:-5] + ".md").exists()
@@ -29,6 +29,10 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     settings = meta["settings"]
     assert settings["bursts"] == [4] and settings["runs"] == 1 and settings["max_tokens"] == 8
     assert settings["prompt_tokens"] == 64 and settings["prefix_tokens"] == 48
+    # one run asked for, at most one allowed: exactly one run per (policy, burst), recorded with its CV
+    assert settings["max_runs"] == 1 and settings["cv_target"] == 0.05
+    assert [(r["burst"], r["policy"], r["runs"], r["max_runs"], r["stopped"], r["watched"]) for r in settings["rounds"]] \
+        == [(4, p, 1, 1, "stable", ["completion_s"]) for p in ("forced-fastest", "round-robin", "cost")]
     assert [w["name"] for w in meta["workers"]] == ["cpu", "cpu#2"]
     fastest = meta["forced_fastest"]["worker"]
     assert fastest in ("cpu", "cpu#2")
@@ -38,6 +42,7 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     assert rows["forced-fastest"]["router"] == f"forced:{fastest}"
     for policy, row in rows.items():
         assert row["burst"] == 4 and len(row["runs"]) == 1
+        assert row["runs_n"] == 1 and row["completion_s_cv"] == row["cv"] == 0 and row["stopped"] == "stable"
         assert row["completion_s_mean"] > 0 and row["output_tok_s_mean"] > 0
         for run in row["runs"]:
             assert sum(run["requests_per_worker"].values()) == 4
@@ -54,6 +59,15 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     assert all(c["cached_tokens"] == 48 for d in decisions for c in d["candidates"])
     out = capsys.readouterr().out
     assert "## Burst of 4" in out and "| cost |" in out and "Cost router decisions" in out
+    assert "mean ± sample std over 1 runs (at least 1, more while the CV of a case's completion time" in out
+
+
+def test_bench_routing_max_runs_below_runs_is_refused():
+    from minivllm.bench.routing import run
+    from minivllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_runs"):  # refused before any worker starts
+        run("smollm2-135m", runs=3, max_runs=2)
 
 
 def test_smoke_one_cpu_worker(smollm2_path, capsys):

@@ -34,6 +34,13 @@ mean ± sample std over the runs, and the mean throughput and completion time re
 forced-fastest's in the same invocation. The cost router's decision records (every
 candidate's active/queued, cache estimate, terms and score) are kept for every cost run:
 they are the article's diagnostic table. Wall times exclude start-up and seeding.
+
+Runs: per (policy, burst) at least `runs` runs (each on a fresh cluster by default, as
+above); then more while the completion time varies by more than 5% across the runs so far
+(coefficient of variation), up to `max_runs` runs (default 3 x runs;
+`results.runs_until_stable`). Each row records the count as `runs_n` (its `runs` key already
+holds the per-run records), `completion_s_cv`, `cv` (the same: one watched series) and
+`stopped`; the settings record every case's rounds.
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minivllm.bench.continuous_batching import _loadavg, model_label
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.continuous_batching import CV_TARGET, _loadavg, _runs_note, model_label
+from minivllm.bench.results import StableRuns, provenance, runs_until_stable, summarize, write_results
 from minivllm.bench.stats import percentile as _percentile
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
@@ -248,11 +255,13 @@ def _stats(row: dict, key: str, samples: list[float]) -> None:
 
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "f32", *,
         bursts: list[int] | None = None, policies: list[str] | None = None, runs: int | None = None,
-        max_tokens: int | None = None, prompt_tokens: int | None = None, prefix_tokens: int | None = None,
+        max_runs: int | None = None, max_tokens: int | None = None, prompt_tokens: int | None = None, prefix_tokens: int | None = None,
         arrival_ms: float = 50.0, max_active: int = 4, fresh_per_run: bool = True, quick: bool = False,
         engine_options: dict | None = None) -> list[dict]:
     """Run every (burst, policy) case; write benchmarks/results/routing-<model>-<stamp>.{json,md};
-    return the aggregate rows (each with its per-run records under "runs")."""
+    return the aggregate rows (each with its per-run records under "runs"). Per (policy, burst) at
+    least `runs` runs, more while the completion time's CV exceeds 5%, at most `max_runs` (default
+    3 x runs)."""
     from minivllm.serving import Cluster
 
     base = QUICK if quick else DEFAULTS
@@ -270,6 +279,9 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
             parse_router_policy(p)
     if runs < 1:
         raise ConfigError("runs", runs, "must be >= 1")
+    max_runs = 3 * runs if max_runs is None else max_runs
+    if max_runs < runs:
+        raise ConfigError("max_runs", max_runs, f"must be >= runs ({runs})")
     if not bursts or any(b < 1 for b in bursts):
         raise ConfigError("bursts", bursts, "give one or more burst sizes >= 1")
     if not 0 <= prefix_tokens < prompt_tokens:
@@ -310,33 +322,43 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
         return cluster, rates
 
     rows: list[dict] = []
+    all_rounds: list[StableRuns] = []
     t_all = time.perf_counter()
     for burst in bursts:
         for policy in policies:
             records = []
-            cluster = None
+            cluster = rates = None
+
+            def one_run(burst=burst, policy=policy, records=records) -> dict:
+                nonlocal cluster, rates
+                r = len(records)
+                if cluster is None or fresh_per_run:
+                    if cluster is not None:
+                        cluster.stop()
+                    cluster, rates = start(policy)
+                workload = state["workload"]
+                seeded = seed(cluster, workload)
+                rec = burst_run(cluster, workload.prompts(r, burst), params, arrival_ms / 1000.0)
+                ids = rec.pop("_request_ids")
+                rec.update({"run": r + 1, "router": cluster.router.policy, "rates_at_start": rates,
+                            "seed_cached_tokens": seeded})
+                if cluster.router.policy == "cost":
+                    rec["decisions"] = [d for d in cluster.snapshot()["router"]["decisions"] if d["request_id"] in ids]
+                records.append(rec)
+                print(f"routing burst={burst} {policy} run {r + 1} (at least {runs}, at most {max_runs}): completion "
+                      f"{rec['completion_s']:.3f} s, {rec['output_tok_s']:.1f} tok/s, per worker "
+                      f"{rec['requests_per_worker']}, cached {rec['cached_prompt_tokens']}", flush=True)
+                return rec
+
             try:
-                for r in range(runs):
-                    if cluster is None or fresh_per_run:
-                        if cluster is not None:
-                            cluster.stop()
-                        cluster, rates = start(policy)
-                    workload = state["workload"]
-                    seeded = seed(cluster, workload)
-                    rec = burst_run(cluster, workload.prompts(r, burst), params, arrival_ms / 1000.0)
-                    ids = rec.pop("_request_ids")
-                    rec.update({"run": r + 1, "router": cluster.router.policy, "rates_at_start": rates,
-                                "seed_cached_tokens": seeded})
-                    if cluster.router.policy == "cost":
-                        rec["decisions"] = [d for d in cluster.snapshot()["router"]["decisions"] if d["request_id"] in ids]
-                    records.append(rec)
-                    print(f"routing burst={burst} {policy} run {r + 1}/{runs}: completion {rec['completion_s']:.3f} s, "
-                          f"{rec['output_tok_s']:.1f} tok/s, per worker {rec['requests_per_worker']}, "
-                          f"cached {rec['cached_prompt_tokens']}", flush=True)
+                rounds = runs_until_stable(one_run, min_runs=runs, max_runs=max_runs, cv_target=CV_TARGET,
+                                           key="completion_s")
             finally:
                 if cluster is not None:
                     cluster.stop()
-            row = {"burst": burst, "policy": policy, "router": records[0]["router"], "runs_n": runs}
+            all_rounds.append(rounds)
+            row = {"burst": burst, "policy": policy, "router": records[0]["router"], "runs_n": rounds.runs,
+                   "completion_s_cv": rounds.cvs[0], "cv": rounds.cv, "stopped": rounds.stopped}
             for key in MEASURES:
                 _stats(row, key, [rec[key] for rec in records])
             names = list(records[0]["requests_per_worker"])
@@ -351,7 +373,10 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
 
     workload = state["workload"]
     settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "bursts": bursts,
-                "policies": policies, "runs": runs, "max_tokens": max_tokens, "prompt_tokens": prompt_tokens,
+                "policies": policies, "runs": runs, "max_runs": max_runs, "cv_target": CV_TARGET,
+                "rounds": [{"burst": r["burst"], "policy": r["policy"], **rounds.info(), "watched": ["completion_s"]}
+                           for r, rounds in zip(rows, all_rounds, strict=True)],
+                "max_tokens": max_tokens, "prompt_tokens": prompt_tokens,
                 "prefix_tokens": workload.prefix_tokens, "page_size": page_size, "arrival_ms": arrival_ms,
                 "max_active_requests": max_active, "engine_options": engine_options, "fresh_per_run": fresh_per_run,
                 "quick": quick, "sampling": "greedy, ignore_eos", "text": str(TEXT_FILE.relative_to(TEXT_FILE.parents[2])),
@@ -366,9 +391,9 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     meta["workers"] = state["workers"]
     meta["forced_fastest"] = {"worker": state["fastest"], "scores": state["fastest_scores"]}
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
-    notes = render(rows, state, settings)
+    notes = render(rows, state, settings, _runs_note(all_rounds, runs, max_runs, "case's completion time"))
     columns = ["burst", "policy", "router", "completion_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s",
-               "e2e_p95_s", "throughput_vs_forced_fastest", "completion_vs_forced_fastest"]
+               "e2e_p95_s", "throughput_vs_forced_fastest", "completion_vs_forced_fastest", "runs_n", "cv"]
     flat = [{**r, **{k: f"{r[k + '_mean']:.4g} ± {r[k + '_std']:.2g}" for k in MEASURES}} for r in rows]
     json_path, md_path = write_results(f"routing-{model_label(model)}", meta, flat, columns, notes)
     print(notes, flush=True)
@@ -387,12 +412,15 @@ def _ratio(v: float | None) -> str:
     return "—" if v is None else f"{v:.3f}"
 
 
-def render(rows: list[dict], state: dict, settings: dict) -> str:
+def render(rows: list[dict], state: dict, settings: dict, runs_note: str | None = None) -> str:
+    """The tables in Markdown; `runs_note` (over how many runs, how they stopped) replaces the plain
+    "over N run(s)" when given."""
+    over = runs_note or f"mean ± sample std over {settings['runs']} run(s)"
     out = [f"Model {settings['model']}, workers " + ", ".join(f"{w['name']} = {w['backend']}" for w in state["workers"])
            + f"; prompts {settings['prompt_tokens']} tokens ({settings['prefix_tokens']} shared, seeded), "
            f"{settings['max_tokens']} output tokens, arrivals every {settings['arrival_ms']:g} ms, "
-           f"max {settings['max_active_requests']} active per worker; mean ± sample std over {settings['runs']} "
-           f"run(s), {'a fresh cluster per run' if settings['fresh_per_run'] else 'one cluster per case'}. "
+           f"max {settings['max_active_requests']} active per worker; {over.replace('column runs', 'column Runs')}, "
+           f"{'a fresh cluster per run' if settings['fresh_per_run'] else 'one cluster per case'}. "
            "Times in seconds, client side (submit -> first token / end); completion = first submission -> last end.", ""]
     if state["fastest"]:
         out += [f"forced-fastest = forced:{state['fastest']} (one request alone, by calibrated rates: "
@@ -400,15 +428,15 @@ def render(rows: list[dict], state: dict, settings: dict) -> str:
     for burst in sorted({r["burst"] for r in rows}):
         out += [f"## Burst of {burst}", "",
                 "| Policy | Completion (s) | Output tok/s | TTFT p50 | TTFT p95 | E2E p50 | E2E p95 | Requests per worker "
-                "(per run) | Cached prompt tokens | Throughput vs forced-fastest | Completion vs forced-fastest |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "(per run) | Cached prompt tokens | Throughput vs forced-fastest | Completion vs forced-fastest | Runs |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["burst"] == burst):
             per_worker = ", ".join(f"{n}: {'/'.join(map(str, v))}" for n, v in r["requests_per_worker"].items())
             label = r["policy"] + (f" ({r['router']})" if r["policy"] == FORCED_FASTEST else "")
             out.append(f"| {label} | {_pm(r, 'completion_s')} | {_pm(r, 'output_tok_s', '.1f')} | {_pm(r, 'ttft_p50_s')} | "
                        f"{_pm(r, 'ttft_p95_s')} | {_pm(r, 'e2e_p50_s')} | {_pm(r, 'e2e_p95_s')} | {per_worker} | "
                        f"{r['cached_prompt_tokens_mean']:.0f} | {_ratio(r['throughput_vs_forced_fastest'])} | "
-                       f"{_ratio(r['completion_vs_forced_fastest'])} |")
+                       f"{_ratio(r['completion_vs_forced_fastest'])} | {r.get('runs_n', len(r['runs']))} |")
         out.append("")
     for r in rows:
         for rec in r["runs"]:

@@ -7,7 +7,7 @@ Tables:
             target-only, fixed 4/6/8, acceptance-rate, accepted-length, adaptive
             (acceptance-rate behind the pay-off gate), and the draft model alone as a
             control. Greedy output does not depend on a seed, so each case runs `runs`
-            times.
+            times (or more while its e2e time varies; see Runs below).
   sampling  the creative prompt at temperature 0.7: target-only, then a fixed draft length
             (default 8, the article's) with TV budgets 0 (lossless), 0.5, 0.75 and 1, and
             the draft alone; `seeds` seeds x `runs` runs.
@@ -20,6 +20,16 @@ tok/s ((tokens - 1) / (e2e - TTFT)) and of overall tok/s (tokens / e2e), and the
 of the median e2e over target-only in the same run. The generated texts are saved with
 the numbers (the Markdown file lists them), so a reader can see what a faster lossy
 setting changed.
+
+Runs: a run is one generation per seed (greedy: one, no seed), on the case's one engine.
+Per case at least `runs` runs; then more while, for any seed, the e2e time across the runs
+so far varies by more than 5% (coefficient of variation), up to `max_runs` runs
+(`results.runs_until_stable`). Watched per seed, not pooled over seeds: seeds generate
+different texts, so their e2e times differ by design (acceptance, rounds), and a pooled CV
+would measure the seeds rather than the timing noise. The engine stays one per case (fresh,
+warmed up) as before; only the number of runs on it changes. Each row records `runs`, the
+watched `e2e_s_cv` (greedy) or `e2e_s_seed<k>_cv` (sampling), `cv` (their max) and
+`stopped`; the settings record every case's rounds.
 """
 
 from __future__ import annotations
@@ -30,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import _loadavg, model_label
-from minivllm.bench.results import provenance, write_results
+from minivllm.bench.continuous_batching import (CV_TARGET, _loadavg, _max_repeats, _record_rounds, _runs_note,
+                                                model_label)
+from minivllm.bench.results import StableRuns, provenance, runs_until_stable, write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -58,6 +69,8 @@ class Bench:
     def __init__(self, llm: LLM, engine_options: dict, max_tokens: int):
         self.llm = llm
         self.max_tokens = max_tokens
+        self.rounds: list[StableRuns] = []  # every case's, in order
+        self.record: list[dict] = []        # the same for the settings
         self.options = {"prefix_cache": False, "max_model_len": 2048, "max_active_requests": 2,
                         "max_batched_tokens": 1024, **engine_options}
 
@@ -88,20 +101,35 @@ class Bench:
                 "tv_mean": spec.get("tv_mean"), "text": out.text}
 
     def case(self, label: str, policy: str | None, ids: list[int], *, runs: int, seeds: list[int | None],
-             temperature: float, tv_budget: float = 0.0) -> dict:
+             temperature: float, tv_budget: float = 0.0, max_runs: int | None = None, table: str = "") -> dict:
+        """At least `runs` runs of every seed on one fresh engine, more while a seed's e2e CV exceeds
+        5%, at most `max_runs` (default `runs`)."""
         engine = self.engine(policy, tv_budget)
         warm = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=0)
         self.once(engine, ids, warm)
-        samples = []
-        for run in range(runs):
+        done = 0
+
+        def one_run() -> list[dict]:  # every seed once
+            nonlocal done
+            out = []
             for seed in seeds:
                 params = SamplingParams(temperature=temperature, max_tokens=self.max_tokens, ignore_eos=True,
                                         seed=seed)
                 sample = self.once(engine, ids, params)
-                sample.update(run=run, seed=seed)
-                samples.append(sample)
+                sample.update(run=done, seed=seed)
+                out.append(sample)
+            done += 1
+            return out
+
+        rounds = runs_until_stable(one_run, min_runs=runs, max_runs=runs if max_runs is None else max_runs,
+                                   cv_target=CV_TARGET, key=lambda r: [s["e2e_s"] for s in r])
         del engine
-        return summarize_case(label, policy, tv_budget, samples)
+        watched = ["e2e_s" if seed is None else f"e2e_s_seed{seed}" for seed in seeds]
+        self.rounds.append(rounds)
+        self.record.append({"table": table, "case": label, **rounds.info(), "watched": watched})
+        row = summarize_case(label, policy, tv_budget, [s for r in rounds.samples for s in r])
+        _record_rounds(row, rounds, watched)
+        return row
 
 
 def summarize_case(label: str, policy: str | None, tv_budget: float, samples: list[dict]) -> dict:
@@ -143,7 +171,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", device: str = "cpu",
-        dtype: str = "f32", *, max_tokens: int = 256, runs: int = 3, seeds: int = 3, parts: list[str] | None = None,
+        dtype: str = "f32", *, max_tokens: int = 256, runs: int = 3, max_runs: int | None = None, seeds: int = 3, parts: list[str] | None = None,
         prompts: list[str] | None = None, cases: list[str] | None = None, sampling_policy: str = "fixed:8",
         tv_budgets: tuple[float, ...] = (0.0, 0.5, 0.75, 1.0), temperature: float = 0.7,
         engine_options: dict | None = None, synthetic_pair: bool = False,
@@ -151,7 +179,9 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
     """`sampling_policy` may list several policies separated by "/" (each gets every TV budget).
     `synthetic_pair`: a synthetic Qwen2.5-7B Q4_K_M target and a 0.5B-class draft with
     random weights (GPU timing without downloads): acceptance then means nothing except at
-    TV budget 1, where every draft token is accepted, which isolates what a round costs."""
+    TV budget 1, where every draft token is accepted, which isolates what a round costs.
+    Per case at least `runs` runs (each one generation per seed), more while a seed's e2e time
+    varies by more than 5% (CV), at most `max_runs` (default 3 x runs)."""
     parts = parts or list(PARTS)
     prompts = prompts or list(PROMPTS)
     for p in parts:
@@ -166,6 +196,9 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
             raise ConfigError("cases", c, f"allowed: {', '.join(known)}")
     if runs < 1 or seeds < 1 or max_tokens < 2:
         raise ConfigError("runs/seeds/max_tokens", (runs, seeds, max_tokens), "need runs >= 1, seeds >= 1, max_tokens >= 2")
+    max_runs = 3 * runs if max_runs is None else max_runs
+    if max_runs < runs:
+        raise ConfigError("max_runs", max_runs, f"must be >= runs ({runs})")
     if synthetic_pair:
         from minivllm.bench.synthetic_model import QWEN25_05B_CLASS, QWEN25_7B, ensure_synthetic_model
 
@@ -190,11 +223,12 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
             for label, policy in GREEDY_CASES:
                 if cases and label not in cases and label != "target-only":
                     continue
-                row = bench.case(label, policy, ids[p], runs=runs, seeds=[None], temperature=0.0)
+                row = bench.case(label, policy, ids[p], runs=runs, max_runs=max_runs, seeds=[None], temperature=0.0,
+                                 table=f"greedy {p}")
                 row["prompt"] = p
                 table.append(row)
-                print(f"greedy {p} {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']}",
-                      flush=True)
+                print(f"greedy {p} {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']} "
+                      f"({row['runs']} runs, {row['stopped']})", flush=True)
             add_ratios(table)
             rows += table
         tables["greedy"] = rows
@@ -205,29 +239,32 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
             (f"{policy} TV={d:g}", policy, d) for policy in sampling_policy.split("/") for d in tv_budgets] + [
             ("draft-only", "draft-only", 0.0)]
         for label, policy, d in sampling_cases:
-            row = bench.case(label, policy, ids[p], runs=runs, seeds=list(range(seeds)), temperature=temperature,
-                             tv_budget=d)
+            row = bench.case(label, policy, ids[p], runs=runs, max_runs=max_runs, seeds=list(range(seeds)),
+                             temperature=temperature, tv_budget=d, table=f"sampling {p}")
             row["prompt"] = p
             table.append(row)
-            print(f"sampling {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']}", flush=True)
+            print(f"sampling {label}: median e2e {row['e2e_median_s']:.2f} s, acceptance {row['acceptance']} "
+                  f"({row['runs']} runs, {row['stopped']})", flush=True)
         add_ratios(table)
         tables["sampling"] = table
     settings = {"target": target, "draft": draft, "synthetic_pair": synthetic_pair, "inference_device": device, "activation_dtype": dtype,
-                "max_tokens": max_tokens, "runs": runs, "seeds": seeds, "temperature_sampling": temperature,
+                "max_tokens": max_tokens, "runs": runs, "max_runs": max_runs, "cv_target": CV_TARGET, "seeds": seeds, "temperature_sampling": temperature,
                 "sampling_policy": sampling_policy, "tv_budgets": list(tv_budgets), "prompts": prompts,
                 "prompt_tokens": {p: len(v) for p, v in ids.items()}, "chat_template": chat, "ignore_eos": True,
                 "engine_options": bench.options, "torch_threads": torch.get_num_threads(),
                 "kernel_options": bench.engine(None).kernel_options.describe(), "load_s": round(load_s, 1),
                 "method": "one request at a time; fresh engine per case with a 16-token warm-up; prefix cache off"}
     settings["wall_s"] = round(time.perf_counter() - t0, 1)
+    settings["rounds"] = bench.record  # per case: runs, each watched seed's e2e CV ("cvs", in "watched" order), stopped
     meta = provenance(str(llm.model.device) if llm.model.device.type == "cuda" else device,
                       sha256_file(Path(llm.model_path)), settings)
     meta["draft_model_sha256"] = sha256_file(Path(llm.draft_model_path))
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
     rows = [{"table": name, **row} for name, table in tables.items() for row in table]
-    notes = render(tables)
+    notes = render(tables, _runs_note(bench.rounds, runs, max_runs, "seed's e2e time") if bench.rounds else "")
     label = f"{model_label(target)}-from-{model_label(draft)}-{llm.model.device.type}"
-    json_path, md_path = write_results(f"speculative-{label}", meta, rows, ["table", "prompt", "case"], notes)
+    json_path, md_path = write_results(f"speculative-{label}", meta, rows, ["table", "prompt", "case", "runs", "cv"],
+                                       notes)
     print(notes, flush=True)
     print(f"wrote {json_path} and {md_path}", flush=True)
     return tables
@@ -237,18 +274,20 @@ def _pm(row: dict, key: str) -> str:
     return f"{row[key + '_mean']:.2f} ± {row[key + '_std']:.2f}"
 
 
-def render(tables: dict[str, list[dict]]) -> str:
-    out = []
+def render(tables: dict[str, list[dict]], runs_note: str = "") -> str:
+    """The tables in Markdown; `runs_note` (over how many runs, how they stopped) heads them."""
+    out = [f"decode tok/s and tok/s: {runs_note}, pooled over the seeds; column runs: a case's runs "
+           f"(each one generation per seed).", ""] if runs_note else []
     for name, rows in tables.items():
         out += [f"## {name}", "", "| prompt | case | acceptance | rounds/req | plain steps/req | median e2e (s) | "
-                "decode tok/s | tok/s | speed-up (median e2e) | decode ratio | draft lengths |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "decode tok/s | tok/s | speed-up (median e2e) | decode ratio | draft lengths | runs |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             acc = "—" if r["acceptance"] is None else f"{r['acceptance']:.1%} ({r['accepted']}/{r['proposed']})"
             out.append(f"| {r['prompt']} | {r['case']} | {acc} | {r['rounds_per_request']:.1f} | "
                        f"{r['plain_steps_per_request']:.1f} | {r['e2e_median_s']:.2f} | {_pm(r, 'decode_tok_s')} | "
                        f"{_pm(r, 'tok_s')} | {r.get('speedup_e2e', 0):.3f}x | {r.get('decode_ratio', 0):.3f}x | "
-                       f"{r['draft_length_histogram'] or '—'} |")
+                       f"{r['draft_length_histogram'] or '—'} | {r.get('runs', '')} |")
         out.append("")
     out += ["## Generated texts", ""]
     for name, rows in tables.items():

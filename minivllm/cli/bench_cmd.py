@@ -111,6 +111,9 @@ def add_bench_parser(subparsers) -> None:
     pc.add_argument("--synthetic-tokenizer", default=None, help="GGUF to copy the synthetic model's tokenizer from")
     pc.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every case (repeatable), e.g. dequant_cache=true")
+    pc.add_argument("--max-repeats", type=int, default=None,
+                    help="per case, more runs (each on a fresh engine) while a watched TTFT or completion time's CV "
+                         "exceeds 5%%, up to this (default 3 x --repeats)")
     pc.set_defaults(func=_prefix_cache)
 
     sp = sub.add_parser("speculative", help="speculative decoding: target-only vs fixed and adaptive draft lengths "
@@ -120,6 +123,9 @@ def add_bench_parser(subparsers) -> None:
     sp.add_argument("--inference-device", default="cpu", help="cpu, gpu, cuda:N")
     sp.add_argument("--activation-dtype", default="f32", help="f32, f16, bf16")
     sp.add_argument("--runs", type=int, default=3, help="timed runs per case (after a warm-up)")
+    sp.add_argument("--max-runs", type=int, default=None,
+                    help="per case, more runs (each of every seed) while a seed's e2e time CV exceeds 5%%, up to this "
+                         "(default 3 x --runs)")
     sp.add_argument("--seeds", type=int, default=3, help="seeds per run in the sampling table")
     sp.add_argument("--max-tokens", type=int, default=256, help="generated tokens per request (EOS ignored)")
     sp.add_argument("--parts", type=lambda v: v.split(","), default=None, help="comma list: greedy, sampling")
@@ -149,6 +155,9 @@ def add_bench_parser(subparsers) -> None:
                     help="comma list: forced-fastest, round-robin, least-loaded, cost, forced:<worker> "
                          "(default forced-fastest,round-robin,cost)")
     ro.add_argument("--runs", type=int, default=None, help="runs per (policy, burst) (default 3)")
+    ro.add_argument("--max-runs", type=int, default=None,
+                    help="per (policy, burst), more runs while the completion time's CV exceeds 5%%, up to this "
+                         "(default 3 x --runs)")
     ro.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 128)")
     ro.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default 516)")
     ro.add_argument("--prefix-tokens", type=int, default=None,
@@ -431,7 +440,7 @@ def _scheduling(args: argparse.Namespace) -> int:
 def _prefix_cache(args: argparse.Namespace) -> int:
     from minivllm.bench.prefix_cache import run
 
-    run(args.model, args.inference_device, args.activation_dtype, repeats=args.repeats,
+    run(args.model, args.inference_device, args.activation_dtype, repeats=args.repeats, max_repeats=args.max_repeats,
         output_tokens=args.output_tokens, parts=args.parts, groups=tuple(args.groups), page_size=args.page_size,
         max_batched_tokens=args.max_batched_tokens, max_active_requests=args.max_active_requests,
         synthetic=args.synthetic, synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option))
@@ -442,7 +451,7 @@ def _speculative(args: argparse.Namespace) -> int:
     from minivllm.bench.speculative import run
 
     run(args.model, args.draft_model, args.inference_device, args.activation_dtype, max_tokens=args.max_tokens,
-        runs=args.runs, seeds=args.seeds, parts=args.parts, prompts=args.prompts, cases=args.cases,
+        runs=args.runs, max_runs=args.max_runs, seeds=args.seeds, parts=args.parts, prompts=args.prompts, cases=args.cases,
         sampling_policy=args.sampling_policy, tv_budgets=args.tv_budgets, temperature=args.temperature,
         engine_options=_options(args.option), synthetic_pair=args.synthetic_pair,
         synthetic_tokenizer=args.synthetic_tokenizer)
@@ -453,7 +462,7 @@ def _routing(args: argparse.Namespace) -> int:
     from minivllm.bench.routing import run
 
     run(args.model, args.inference_device, args.dtype, bursts=args.bursts, policies=args.policies, runs=args.runs,
-        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, prefix_tokens=args.prefix_tokens,
+        max_runs=args.max_runs, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, prefix_tokens=args.prefix_tokens,
         arrival_ms=args.arrival_ms, max_active=args.max_active, fresh_per_run=args.fresh_per_run, quick=args.quick,
         engine_options=_options(args.option))
     return 0
