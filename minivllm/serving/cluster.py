@@ -23,7 +23,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from minivllm.devices import resolve_dtype
@@ -77,6 +77,13 @@ class Cluster:
         self.ready_timeout_s = ready_timeout_s
         self.on_progress = on_progress
         self.workers: dict[str, WorkerHandle] = {}
+        # Every handle this cluster ever made, so stop() reaps processes a restart replaced
+        # or started late; restarts in progress by worker name (a second call joins it).
+        self._spawned: list[WorkerHandle] = []
+        self._lifecycle = threading.Lock()
+        self._restarts: dict[str, Future] = {}
+        self._closing = False
+        self.restart_counters = {"started": 0, "joined": 0, "failed": 0}
         self._route_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
@@ -87,13 +94,19 @@ class Cluster:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _new_handle(self, device) -> WorkerHandle:
-        return WorkerHandle(device, self.worker_config, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                            stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress)
+        handle = WorkerHandle(device, self.worker_config, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                              stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress)
+        with self._lifecycle:
+            if self._closing:
+                raise WorkerStartError(f"worker {device.name} was not started: the cluster is stopping")
+            self._spawned.append(handle)
+        return handle
 
     def start(self) -> "Cluster":
         """Start every worker and wait until all are loaded, warmed up and calibrated."""
         if self.started:
             return self
+        self._closing = False
         self.workers = {d.name: self._new_handle(d) for d in self.devices}
         for handle in self.workers.values():
             handle.start()
@@ -109,20 +122,64 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Shut every worker down; requests still running end with an error event."""
-        with ThreadPoolExecutor(max_workers=max(1, len(self.workers))) as pool:
-            list(pool.map(lambda h: h.stop(), self.workers.values()))
+        """Shut every worker down; requests still running end with an error event. Every
+        process this cluster started (replaced ones and those of a restart still loading
+        included) is waited for, and killed if it does not exit."""
+        with self._lifecycle:
+            self._closing = True
+            handles = list(self._spawned)
+            self._spawned.clear()
+        with ThreadPoolExecutor(max_workers=max(1, len(handles))) as pool:
+            list(pool.map(lambda h: h.stop(), handles))
         self.started = False
 
     def restart_worker(self, name: str) -> None:
-        """Replace one worker (dead or alive) with a fresh process; the others keep serving."""
-        old = self._worker(name)
+        """Replace one worker (dead or alive) with a fresh process; the others keep serving.
+
+        Serialised per worker: a call while a restart of the same worker is in progress
+        joins that restart (returns when it ends, raising its error) instead of starting
+        another process. A call after it ended restarts again."""
+        self.restart_worker_async(name).result()
+
+    def restart_worker_async(self, name: str) -> Future:
+        """`restart_worker` without waiting: the restart in progress for `name`, or a new one
+        on its own thread. The HTTP API awaits this, so joined calls hold no thread."""
+        self._worker(name)
+        with self._lifecycle:
+            pending = self._restarts.get(name)
+            if pending is not None:
+                self.restart_counters["joined"] += 1
+                return pending
+            pending = self._restarts[name] = Future()
+            self.restart_counters["started"] += 1
+        threading.Thread(target=self._run_restart, args=(name, pending), name=f"minivllm-restart-{name}",
+                         daemon=True).start()
+        return pending
+
+    def _run_restart(self, name: str, pending: Future) -> None:
+        try:
+            self._replace_worker(name)
+        except BaseException as exc:  # noqa: BLE001 - handed to every caller through the future
+            with self._lifecycle:
+                self._restarts.pop(name, None)
+                self.restart_counters["failed"] += 1
+            pending.set_exception(exc)
+        else:
+            with self._lifecycle:
+                self._restarts.pop(name, None)
+            pending.set_result(None)
+
+    def _replace_worker(self, name: str) -> None:
+        old = self.workers[name]
         old.stop()
+        with self._lifecycle:
+            if old in self._spawned:
+                self._spawned.remove(old)  # stopped and reaped: nothing left to account for
         handle = self._new_handle(old.device)
         self.workers[name] = handle
         handle.start()
         if not handle.wait_ready(self.ready_timeout_s) or handle.state != "ready":
-            raise WorkerStartError(f"worker {name} did not restart: {handle.error}")
+            raise WorkerStartError(f"worker {name} did not restart: {handle.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}")
 
     def set_router(self, policy: str) -> None:
         """Switch the routing policy; later requests use it (decisions so far are kept)."""
@@ -275,7 +332,7 @@ class Cluster:
                         h.snapshot = snap
         return {"schema": SCHEMA, "time": time.time(), "model": self.model_name, "model_path": str(self.model_path),
                 "router": self.router.snapshot(), "health": self.health()["status"],
-                "requests": self.accounting.as_dict(),
+                "requests": self.accounting.as_dict(), "restarts": dict(self.restart_counters),
                 "workers": [h.describe() for h in handles]}
 
     def rates_profile(self) -> dict:

@@ -114,12 +114,14 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
 
     @app.post("/v1/cluster/workers/{name}/restart")
     async def restart_worker(name: str):
-        """Replace one worker with a fresh process (dead or alive); the others keep serving."""
+        """Replace one worker with a fresh process (dead or alive); the others keep serving.
+        Calls while a restart of that worker is in progress wait for it instead of starting
+        another (`Cluster.restart_worker_async`)."""
         if name not in cluster.workers:
             return error_response(404, f"no worker named {name!r}; workers: {', '.join(cluster.workers)}",
                                   "invalid_request_error", "name")
         try:
-            await asyncio.to_thread(cluster.restart_worker, name)
+            await asyncio.wrap_future(cluster.restart_worker_async(name))
         except MinivllmError as exc:
             return error_response(503, str(exc), "service_unavailable")
         return cluster.health()

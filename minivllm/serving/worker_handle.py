@@ -74,12 +74,16 @@ class WorkerHandle:
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._qids = itertools.count()
         self._stopping = False
+        self._lifecycle = threading.Lock()  # start() and stop() never interleave
         self._reader: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.transport = self.transport_factory("minivllm.serving.worker", self.config, name=self.name)
+        with self._lifecycle:
+            if self._stopping:  # stopped before it started: never spawn the process
+                return
+            self.transport = self.transport_factory("minivllm.serving.worker", self.config, name=self.name)
         self.last_message = time.monotonic()
         self._reader = threading.Thread(target=self._read, name=f"minivllm-reader-{self.name}", daemon=True)
         self._reader.start()
@@ -92,8 +96,12 @@ class WorkerHandle:
         return self.state == "ready"
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        if self.transport is None:
+        """Ask the worker to exit, wait for it (killing it after `timeout`) and reap it."""
+        with self._lifecycle:
+            self._stopping = True
+            transport = self.transport
+        if transport is None:
+            self._mark_down("stopped", f"worker {self.name} was stopped before it started")
             return
         try:
             self.transport.send({"op": "shutdown"})
