@@ -50,10 +50,16 @@ class Cluster:
                  dtype: str = "f32", draft_model: str | None = None, rates_profile: str | None = None,
                  calibrate: bool = True, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, ready_timeout_s: float = 1800.0,
-                 fault_injection: bool = False, on_progress=None, progress: bool = False, **engine_options):
+                 fault_injection: bool = False, on_progress=None, progress: bool = False,
+                 prompt_special_tokens: bool = True, **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (f32 on CPU workers,
         f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
-        loop hang (drills, tests, teaching); workers refuse it otherwise. `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        loop hang (drills, tests, teaching); workers refuse it otherwise. Chat messages are
+        always encoded with control tokens only where the template puts them
+        (`Tokenizer.encode_chat`); `prompt_special_tokens` says whether control-token text in
+        a raw string prompt becomes control ids (True, the default, as in llama.cpp and vLLM:
+        the prompt is the client's own, template and all) or stays plain text (False: for
+        servers whose raw prompts carry untrusted text). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it)."""
         from minivllm.gguf.tokenizer import Tokenizer
@@ -72,6 +78,7 @@ class Cluster:
                               "draft_model": str(self.draft_model_path) if self.draft_model_path else None,
                               "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile,
                               "fault_injection": bool(fault_injection)}
+        self.prompt_special_tokens = bool(prompt_special_tokens)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -224,12 +231,14 @@ class Cluster:
     # -- requests ------------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text, ids). Message content never becomes control tokens; a raw string
+        prompt's control-token text does unless the cluster has prompt_special_tokens=False."""
         if messages is not None:
             if prompt is not None:
                 raise ConfigError("messages", "<messages>", "give a prompt or messages, not both")
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, parse_special=self.prompt_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ConfigError("prompt", type(prompt).__name__, "expected a string, a list of token ids, or messages=")
