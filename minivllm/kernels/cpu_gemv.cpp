@@ -1,0 +1,298 @@
+// f32-faithful dequantize-in-registers GEMV over GGUF blocks, for CPU decode.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] for x (M, K) float32 and w (N, K) stored as its GGUF
+// blocks (N rows of row_bytes each), read in place: every weight byte is read once per
+// call, whatever M. Each group of W consecutive weights (W = 8 with AVX2, 16 with
+// AVX-512) is decoded to float32 in a register, bit-exact with the torch dequantization
+// (every weight is d * (q - offset), d * q + m or (d * sc) * q - dmin * m, whose
+// products are exact in float32, so the one rounding of an FMA gives the same bits),
+// and multiplied into float32 accumulators with FMA.
+//
+// Summation order: NACC accumulators per activation row, group g goes to accumulator
+// g % NACC, then (a0 + a1) + (a2 + a3) and a lane reduction. The order depends only on
+// K and the ISA, never on M or the thread count, so a row's result is the same alone or
+// in a batch. M = 1 decodes and multiplies in registers; M > 1 decodes a weight row
+// once into an L1 buffer and runs M dot products over it, with the same order.
+//
+// Compiled by minivllm/kernels/cpu_gemv.py with -mavx2 -mfma -mf16c, or additionally
+// -mavx512f -mavx512bw when the CPU has them (chosen at run time from the CPU flags).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int W = 16;
+typedef __m512 vf;
+typedef __m512i vi;
+static inline vi u8x(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+static inline vi i8x(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+static inline vf tof(vi v) { return _mm512_cvtepi32_ps(v); }
+static inline vi srl(vi v, int s) { return _mm512_srli_epi32(v, s); }
+static inline vi srlv(vi v, vi s) { return _mm512_srlv_epi32(v, s); }
+static inline vi andc(vi v, int c) { return _mm512_and_si512(v, _mm512_set1_epi32(c)); }
+static inline vi or_(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi sll(vi v, int s) { return _mm512_slli_epi32(v, s); }
+static inline vi seti(int c) { return _mm512_set1_epi32(c); }
+static inline vi iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline vi addi(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vf setf(float c) { return _mm512_set1_ps(c); }
+static inline vf zero() { return _mm512_setzero_ps(); }
+static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int W = 8;
+typedef __m256 vf;
+typedef __m256i vi;
+static inline vi u8x(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline vi i8x(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline vf tof(vi v) { return _mm256_cvtepi32_ps(v); }
+static inline vi srl(vi v, int s) { return _mm256_srli_epi32(v, s); }
+static inline vi srlv(vi v, vi s) { return _mm256_srlv_epi32(v, s); }
+static inline vi andc(vi v, int c) { return _mm256_and_si256(v, _mm256_set1_epi32(c)); }
+static inline vi or_(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi sll(vi v, int s) { return _mm256_slli_epi32(v, s); }
+static inline vi seti(int c) { return _mm256_set1_epi32(c); }
+static inline vi iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+static inline vi addi(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vf setf(float c) { return _mm256_set1_ps(c); }
+static inline vf zero() { return _mm256_setzero_ps(); }
+static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+constexpr int NACC = 4;
+
+static inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Each decoder calls emit(e, w) for every group of W consecutive weights of one block,
+// e = the group's first element within the block, w = the weights as float32.
+
+struct Q4_0 {  // f16 d | 16 B nibbles (elements 0-15 low, 16-31 high); w = d * (q - 8)
+  static constexpr int BS = 32, TS = 18;
+  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+    const vf d = setf(f16(b)), o = setf(-8.0f * f16(b));
+#pragma GCC unroll 4
+    for (int e = 0; e < 32; e += W)
+      emit(e, fma(tof(andc(srl(u8x(b + 2 + e % 16), e < 16 ? 0 : 4), 0xF)), d, o));
+  }
+};
+
+struct Q4_1 {  // f16 d | f16 m | 16 B nibbles; w = d * q + m
+  static constexpr int BS = 32, TS = 20;
+  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+    const vf d = setf(f16(b)), m = setf(f16(b + 2));
+#pragma GCC unroll 4
+    for (int e = 0; e < 32; e += W)
+      emit(e, fma(tof(andc(srl(u8x(b + 4 + e % 16), e < 16 ? 0 : 4), 0xF)), d, m));
+  }
+};
+
+struct Q5_0 {  // f16 d | u32 qh (bit i: 5th bit of element i) | 16 B nibbles; w = d * (q - 16)
+  static constexpr int BS = 32, TS = 22;
+  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+    const vf d = setf(f16(b)), o = setf(-16.0f * f16(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const vi h = seti((int)qh);
+#pragma GCC unroll 4
+    for (int e = 0; e < 32; e += W) {
+      vi lo = andc(srl(u8x(b + 6 + e % 16), e < 16 ? 0 : 4), 0xF);
+      vi hi = sll(andc(srlv(h, addi(iota(), seti(e))), 1), 4);
+      emit(e, fma(tof(or_(lo, hi)), d, o));
+    }
+  }
+};
+
+struct Q8_0 {  // f16 d | 32 x int8; w = d * q
+  static constexpr int BS = 32, TS = 34;
+  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+    const vf d = setf(f16(b));
+#pragma GCC unroll 4
+    for (int e = 0; e < 32; e += W) emit(e, mul(tof(i8x(b + 2 + e)), d));
+  }
+};
+
+struct Q4_K {  // f16 d | f16 dmin | 12 B 6-bit scales/mins | 128 B nibbles; w = (d*sc) * q - dmin*m
+  static constexpr int BS = 256, TS = 144;
+  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* s = b + 4;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      if (j < 4) {
+        sc = s[j] & 63;
+        mn = s[j + 4] & 63;
+      } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      }
+      const vf dl = setf(d * (float)sc), ml = setf(-(dmin * (float)mn));
+      const uint8_t* q = b + 16 + 32 * (j / 2);
+#pragma GCC unroll 4
+      for (int e = 0; e < 32; e += W) emit(32 * j + e, fma(tof(andc(srl(u8x(q + e), 4 * (j & 1)), 0xF)), dl, ml));
+    }
+  }
+};
+
+struct Q6_K {  // 128 B low nibbles | 64 B high 2 bits | 16 int8 scales | f16 d; w = (d*sc) * (q - 32)
+  static constexpr int BS = 256, TS = 210;
+  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+    const float d = f16(b + 208);
+    const int8_t* sc = (const int8_t*)(b + 192);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = b + 64 * half;
+      const uint8_t* qh = b + 128 + 32 * half;
+#pragma GCC unroll 16
+      for (int e = 0; e < 128; e += W) {
+        const float s = d * (float)sc[8 * half + e / 16];
+        vi lo = andc(srl(u8x(ql + e % 64), 4 * (e / 64)), 0xF);
+        vi hi = sll(andc(srl(u8x(qh + e % 32), 2 * (e / 32)), 3), 4);
+        emit(128 * half + e, fma(tof(or_(lo, hi)), setf(s), setf(-32.0f * s)));
+      }
+    }
+  }
+};
+
+static inline float reduce(const vf* a) { return hsum(add(add(a[0], a[1]), add(a[2], a[3]))); }
+
+// One weight row times one activation row, decoded in registers. The group at element
+// E of the row goes to accumulator (E / W) % NACC; U blocks per iteration make that index
+// a compile-time constant after unrolling, so the accumulators stay in registers.
+template <class T>
+static inline float dot_fused(const uint8_t* row, const float* x, int64_t nblocks) {
+  constexpr int U = (NACC * W > T::BS) ? NACC * W / T::BS : 1;
+  vf acc[NACC] = {zero(), zero(), zero(), zero()};
+  int64_t i = 0;
+  for (; i + U <= nblocks; i += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const float* xb = x + (i + u) * T::BS;
+      T::block(row + (i + u) * T::TS, [&](int e, vf w) {
+        const int j = ((u * T::BS + e) / W) % NACC;
+        acc[j] = fma(w, load(xb + e), acc[j]);
+      });
+    }
+  }
+  for (; i < nblocks; ++i) {
+    const float* xb = x + i * T::BS;
+    T::block(row + i * T::TS, [&](int e, vf w) {
+      const int j = ((i * T::BS + e) / W) % NACC;
+      acc[j] = fma(w, load(xb + e), acc[j]);
+    });
+  }
+  return reduce(acc);
+}
+
+// The same sum over an already decoded row: same groups, same accumulators.
+static inline float dot_decoded(const float* w, const float* x, int64_t k) {
+  vf acc[NACC] = {zero(), zero(), zero(), zero()};
+  int64_t i = 0;
+  for (; i + NACC * W <= k; i += NACC * W)
+    for (int j = 0; j < NACC; ++j) acc[j] = fma(load(w + i + j * W), load(x + i + j * W), acc[j]);
+  for (int j = 0; i < k; i += W, ++j) acc[j] = fma(load(w + i), load(x + i), acc[j]);
+  return reduce(acc);
+}
+
+template <class T>
+static void rows(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x, int64_t m, float* y,
+                 int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nblocks = k / T::BS;
+  if (m == 1) {
+    for (int64_t n = n0; n < n1; ++n) y[n] = dot_fused<T>(w + n * row_bytes, x, nblocks);
+    return;
+  }
+  thread_local std::vector<float> buf;
+  if ((int64_t)buf.size() < k) buf.resize(k);
+  float* dec = buf.data();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t i = 0; i < nblocks; ++i) {
+      float* out = dec + i * T::BS;
+      T::block(row + i * T::TS, [&](int e, vf v) { store(out + e, v); });
+    }
+    for (int64_t r = 0; r < m; ++r) y[r * ldy + n] = dot_decoded(dec, x + r * k, k);
+  }
+}
+
+// GGML type ids (gguf GGMLQuantizationType).
+enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+typedef void (*rows_fn)(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+
+static rows_fn pick(int64_t type) {
+  switch (type) {
+    case T_Q4_0: return rows<Q4_0>;
+    case T_Q4_1: return rows<Q4_1>;
+    case T_Q5_0: return rows<Q5_0>;
+    case T_Q8_0: return rows<Q8_0>;
+    case T_Q4_K: return rows<Q4_K>;
+    case T_Q6_K: return rows<Q6_K>;
+    default: return nullptr;
+  }
+}
+
+static int64_t block_size(int64_t type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : 32; }
+
+}  // namespace
+
+bool supports(int64_t type) { return pick(type) != nullptr; }
+
+int64_t vector_width() { return W; }
+
+// y_i = x @ w_i.T for every weight w_i (same K): one parallel region over all their rows,
+// so a layer's Q/K/V (or gate/up) cost one call.
+std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
+                                std::vector<int64_t> ns) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous (M, K) float32");
+  TORCH_CHECK(ws.size() == types.size() && ws.size() == ns.size(), "one type and N per weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const size_t nw = ws.size();
+  std::vector<torch::Tensor> ys;
+  std::vector<rows_fn> fns(nw);
+  std::vector<int64_t> start(nw + 1, 0), row_bytes(nw);
+  for (size_t i = 0; i < nw; ++i) {
+    fns[i] = pick(types[i]);
+    TORCH_CHECK(fns[i] != nullptr, "unsupported GGML type ", types[i]);
+    TORCH_CHECK(k % block_size(types[i]) == 0, "K must be a multiple of the block size");
+    TORCH_CHECK(ws[i].scalar_type() == torch::kUInt8 && ws[i].is_contiguous(), "weights: contiguous uint8 blocks");
+    row_bytes[i] = ws[i].numel() / ns[i];
+    ys.push_back(torch::empty({m, ns[i]}, x.options()));
+    start[i + 1] = start[i] + ns[i];
+  }
+  if (m == 0) return ys;
+  // Grain: enough rows per task that thread start-up stays small next to the work.
+  at::parallel_for(0, start[nw], 16, [&](int64_t b, int64_t e) {
+    for (size_t i = 0; i < nw; ++i) {
+      const int64_t lo = std::max(b, start[i]), hi = std::min(e, start[i + 1]);
+      if (lo >= hi) continue;
+      fns[i](ws[i].data_ptr<uint8_t>(), row_bytes[i], k, xp, m, ys[i].data_ptr<float>(), ns[i], lo - start[i],
+             hi - start[i]);
+    }
+  });
+  return ys;
+}

@@ -1,0 +1,115 @@
+"""The compiled f32 GEMV over GGUF blocks (cpu_gemv.cpp), built once per machine.
+
+`extension()` returns the loaded module, or None when it cannot be had: not x86-64 with
+AVX2/FMA/F16C, no C++ compiler, or the build failed. `unavailable_reason()` then says
+why, and the caller runs the pure-torch float32 path instead (the dequantized matrix
+through the float32 BLAS), which is slower but computes the same thing.
+
+The build goes through `torch.utils.cpp_extension.load_inline`, which caches the shared
+library in torch's extensions directory (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions) keyed by the source text, so only the first process on a
+machine compiles (about half a minute on two cores). The instruction set is chosen here
+from the CPU's flags: AVX-512 (F + BW) when present, else AVX2 + FMA + F16C.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+_T = GGMLQuantizationType
+
+# The types cpu_gemv.cpp decodes (keep in sync with its `pick`).
+F32_GEMV_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
+
+_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+_LOCK = threading.Lock()
+_STATE: dict = {}  # "module", "reason", "isa": filled on the first call
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _isa() -> tuple[str | None, list[str]]:
+    """(name, compiler flags) of the widest instruction set the kernel has for this CPU."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, []
+    flags = _cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return None, []
+    base = ["-mavx2", "-mfma", "-mf16c"]
+    if {"avx512f", "avx512bw"} <= flags and os.environ.get("MINIVLLM_CPU_GEMV_ISA", "") != "avx2":
+        return "avx512", base + ["-mavx512f", "-mavx512bw"]
+    return "avx2", base
+
+
+def extension():
+    """The compiled module (functions `gemv`, `supports`, `vector_width`), or None."""
+    if "reason" in _STATE:
+        return _STATE.get("module")
+    with _LOCK:
+        if "reason" not in _STATE:
+            _STATE["module"], _STATE["reason"] = _build()
+    return _STATE["module"]
+
+
+def unavailable_reason() -> str | None:
+    """Why `extension()` is None (None when it loaded)."""
+    extension()
+    return _STATE["reason"]
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernel was built for ("avx512", "avx2"), or None."""
+    return _STATE.get("isa") if extension() is not None else None
+
+
+def _build():
+    if os.environ.get("MINIVLLM_CPU_GEMV", "") == "torch":
+        return None, "disabled by MINIVLLM_CPU_GEMV=torch"
+    name, flags = _isa()
+    if name is None:
+        return None, "the CPU lacks AVX2/FMA/F16C (or is not x86-64)"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return None, "no C++ compiler on PATH (install g++, as `make setup` does)"
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            name=f"minivllm_cpu_gemv_{name}",
+            cpp_sources=[_SOURCE.read_text()],
+            functions=["gemv", "supports", "vector_width"],
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as err:  # a compiler error, a missing header, a read-only cache dir
+        return None, f"building the extension failed: {type(err).__name__}: {str(err).strip().splitlines()[-1:]}"
+    _STATE["isa"] = name
+    return module, None
+
+
+def gemv(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
+    """[x @ w.dequantize(float32).T for w in weights], in one parallel call.
+
+    `x` is (M, K) float32 on the CPU; each weight a `QuantizedWeight` of a type in
+    F32_GEMV_TYPES with the same K. Needs `extension()` to be loaded.
+    """
+    ext = extension()
+    x = x.contiguous()
+    return ext.gemv(x, [w.raw for w in weights], [int(w.ggml_type) for w in weights], [w.shape[0] for w in weights])
