@@ -9,6 +9,7 @@ from minivllm.cli.generate_cmd import (add_kernel_arguments, add_prefix_cache_ar
                                        kernel_options_from, prefix_cache_options_from, speculative_options_from)
 from minivllm.devices import DTYPE_CHOICES
 from minivllm.models import DEFAULT_MODEL
+from minivllm.serving.http_connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from minivllm.serving.http_guards import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
 
@@ -47,6 +48,16 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                    help="generation requests at once, streams included; more get a 429 "
                         f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection waiting for a request may take to send complete headers before it "
+                        f"gets a 408 and is closed; slow and idle clients cannot hold sockets (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open HTTP connections at once; more get a 503 and are closed at accept "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--prompt-special-tokens", choices=("parse", "text"), default="parse",
+                   help="raw /v1/completions string prompts: 'parse' (default, as llama.cpp and vLLM) turns control-token "
+                        "text such as <|im_start|> into control tokens; 'text' keeps it plain text. Chat message "
+                        "content is always plain text")
     add_kernel_arguments(p)
     add_prefix_cache_arguments(p)
     add_speculative_arguments(p)
@@ -68,12 +79,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
 
-    limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_concurrent_requests=args.max_concurrent_requests)
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_concurrent_requests=args.max_concurrent_requests,
+                          header_timeout_s=args.header_timeout, max_connections=args.max_connections)
 
     def progress(name, state, stage):
         print(f"[{name}] {state}: {stage}", file=sys.stderr)
 
-    cluster = Cluster(args.model, router=args.router, on_progress=progress, progress=True, **cluster_kwargs(args),
+    cluster = Cluster(args.model, router=args.router, on_progress=progress, progress=True,
+                      prompt_special_tokens=args.prompt_special_tokens == "parse", **cluster_kwargs(args),
                       **kernel_options_from(args), **prefix_cache_options_from(args), **speculative_options_from(args))
     with cluster:
         for w in cluster.snapshot()["workers"]:

@@ -16,6 +16,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from minivllm.serving.http_connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a 128k-token prompt is ~0.5 MB of text
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -26,6 +28,10 @@ OPEN_PATHS = ("/health",)
 class ServerLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    # connection guards (http_connections.py): request headers must be complete this many
+    # seconds after a connection starts waiting for a request; connections open at once
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __post_init__(self):
         from minivllm.errors import ConfigError
@@ -34,6 +40,11 @@ class ServerLimits:
             raise ConfigError("max_request_bytes", self.max_request_bytes, "must be an integer >= 1024")
         if not isinstance(self.max_concurrent_requests, int) or self.max_concurrent_requests < 1:
             raise ConfigError("max_concurrent_requests", self.max_concurrent_requests, "must be an integer >= 1")
+        if (not isinstance(self.header_timeout_s, (int, float)) or isinstance(self.header_timeout_s, bool)
+                or not 0 < self.header_timeout_s <= 3600):
+            raise ConfigError("header_timeout_s", self.header_timeout_s, "must be a number of seconds in (0, 3600]")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise ConfigError("max_connections", self.max_connections, "must be an integer >= 1")
 
 
 async def send_error(send, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> None:

@@ -18,6 +18,7 @@ import time
 import uvicorn
 
 from minivllm.serving.http_api import create_app
+from minivllm.serving.http_connections import guarded_protocol
 from minivllm.serving.http_guards import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
@@ -33,7 +34,14 @@ def serve(cluster, *, host: str = DEFAULT_HOST, port: int = 8000, api_key: str |
           limits: ServerLimits | None = None, log_level: str = "info") -> None:
     """Serve until interrupted (Ctrl-C); the caller owns the cluster."""
     app = create_app(cluster, api_key=api_key, limits=limits)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                http=connection_guards(limits))
+
+
+def connection_guards(limits: ServerLimits | None) -> type:
+    """uvicorn's h11 protocol with the header-read timeout and the connection cap."""
+    limits = limits or ServerLimits()
+    return guarded_protocol(limits.header_timeout_s, limits.max_connections)
 
 
 class BackgroundServer:
@@ -42,9 +50,16 @@ class BackgroundServer:
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(cluster, api_key=api_key, limits=limits)
-        config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5)
+        self.protocol = connection_guards(limits)
+        config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5,
+                                http=self.protocol)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="minivllm-http", daemon=True)
+
+    @property
+    def connection_stats(self) -> dict[str, int]:
+        """Connections closed by the guards: {"header_timeouts": n, "refused": n}."""
+        return dict(self.protocol.stats)
 
     @property
     def url(self) -> str:

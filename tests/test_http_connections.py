@@ -1,0 +1,123 @@
+"""Slow and idle clients are closed by the header-read timeout; the connection cap refuses
+the rest; normal requests are served all the while.
+
+One real worker (SmolLM2-135M, one CPU thread) behind the real uvicorn stack. Slow
+clients are raw sockets that send a request's headers one byte every 50 ms (the headers
+are long enough to take minutes); silent clients connect and send nothing. What is
+asserted are events: each slow or silent connection gets the 408 and EOF from the server
+after the timeout (never before it, and within a generous margin after it), its headers
+were never complete, and completions sent meanwhile over the official `openai` client
+succeed. The cap is checked on a second server over the same cluster with a long
+timeout, so only the cap can close anything there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from minivllm.serving import Cluster
+from minivllm.serving.http_guards import ServerLimits
+from minivllm.serving.http_server import start_server_in_background
+
+HEADER_TIMEOUT_S = 2.0
+MARGIN_S = 20.0  # liveness: the timer may fire late on a busy machine, never early
+SLOW, SILENT = 20, 5
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_path):
+    c = Cluster(str(smollm2_path), ["cpu:1"], max_model_len=128, calibrate=False, router="round-robin").start()
+    yield c
+    c.stop()
+
+
+async def slow_client(port: int, byte_interval_s: float, send: bool) -> dict:
+    """Headers one byte at a time (or nothing); returns what the server sent and when it closed."""
+    header = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"X-Padding: " + b"a" * 4000 + b"\r\n\r\n")
+    opened = time.monotonic()  # before the connect, so the server's timer cannot start earlier
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = 0
+
+    async def dribble():
+        nonlocal sent
+        try:
+            while send and sent < len(header):
+                writer.write(header[sent:sent + 1])
+                await writer.drain()
+                sent += 1
+                await asyncio.sleep(byte_interval_s)
+        except (ConnectionError, OSError):
+            pass
+
+    sender = asyncio.create_task(dribble())
+    received = b""
+    try:
+        while chunk := await reader.read(65536):
+            received += chunk
+    except (ConnectionError, OSError):
+        pass
+    closed = time.monotonic()
+    sender.cancel()
+    writer.close()
+    return {"after_s": closed - opened, "received": received, "sent": sent, "header_len": len(header)}
+
+
+def test_slow_and_silent_clients_are_closed_after_the_header_timeout(cluster):
+    srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=HEADER_TIMEOUT_S, max_connections=64))
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    try:
+        async def drill():
+            clients = [asyncio.create_task(slow_client(srv.port, 0.05, True)) for _ in range(SLOW)]
+            clients += [asyncio.create_task(slow_client(srv.port, 0.05, False)) for _ in range(SILENT)]
+            served = []
+            for i in range(3):  # served while the slow clients hold their sockets
+                r = await asyncio.to_thread(client.completions.create, model=cluster.model_name, prompt=f"Hi {i}",
+                                            max_tokens=3, temperature=0)
+                served.append((r.usage.completion_tokens, sum(not c.done() for c in clients)))
+            return served, await asyncio.gather(*clients)
+
+        served, results = asyncio.run(drill())
+        times = sorted(r["after_s"] for r in results)
+        print(f"slow/silent connections closed after {times[0]:.2f} .. {times[-1]:.2f} s "
+              f"(median {times[len(times) // 2]:.2f} s; header timeout {HEADER_TIMEOUT_S} s)")
+        assert all(tokens == 3 for tokens, _ in served), served
+        assert served[0][1] > 0  # at least the first completion was served while slow clients were open
+        for r in results:
+            assert r["received"].startswith(b"HTTP/1.1 408 "), r["received"][:200]
+            assert b"--header-timeout" in r["received"]
+            assert HEADER_TIMEOUT_S <= r["after_s"] <= HEADER_TIMEOUT_S + MARGIN_S, r["after_s"]
+            assert r["sent"] < r["header_len"]  # the headers never finished: the timeout closed it
+        assert srv.connection_stats["header_timeouts"] == SLOW + SILENT
+        # and a client that behaves is still served afterwards
+        assert client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
+
+
+def test_connections_over_the_cap_get_a_503_and_are_closed(cluster):
+    cap = 8
+    srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=600.0, max_connections=cap))
+    try:
+        async def drill():
+            held = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(cap)]
+            over = await slow_client(srv.port, 0.05, False)
+            for _, writer in held:
+                writer.close()
+            return over
+
+        over = asyncio.run(drill())
+        assert over["received"].startswith(b"HTTP/1.1 503 "), over["received"][:200]
+        assert b"--max-connections" in over["received"] and b"retry-after: 1" in over["received"].lower()
+        assert srv.connection_stats == {"header_timeouts": 0, "refused": 1}
+        # Once the held sockets are closed, requests are served again.
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=5, timeout=120)
+        assert client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
