@@ -9,6 +9,7 @@ from minivllm.cli.generate_cmd import (add_kernel_arguments, add_prefix_cache_ar
                                        kernel_options_from, prefix_cache_options_from, speculative_options_from)
 from minivllm.devices import DTYPE_CHOICES
 from minivllm.models import DEFAULT_MODEL
+from minivllm.serving.cluster import DEFAULT_MAX_QUEUED_PROMPT_TOKENS
 from minivllm.serving.http_connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from minivllm.serving.http_guards import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
@@ -33,6 +34,10 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                    help="seconds a worker's step loop may stay stuck while its heartbeat goes on before it is "
                         f"declared hung and killed (default {DEFAULT_STALL_TIMEOUT_S:g})")
+    p.add_argument("--max-queued-prompt-tokens", type=int, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+                   help="per worker: prompt tokens still to prefill for its requests; a request that would pass it "
+                        "goes to another worker or gets a 429 (a worker with none queued takes any prompt that "
+                        f"fits; 0: no limit; default {DEFAULT_MAX_QUEUED_PROMPT_TOKENS})")
 
 
 def add_serve_parser(subparsers) -> None:
@@ -68,7 +73,8 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
     return {"devices": args.inference_device or ["cpu"], "dtype": args.activation_dtype,
             "max_model_len": args.max_model_len, "max_active_requests": args.max_active_requests,
             "page_size": args.page_size, "rates_profile": args.rates_profile,
-            "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout}
+            "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout,
+            "max_queued_prompt_tokens": args.max_queued_prompt_tokens or None}
 
 
 def run_serve(args: argparse.Namespace) -> int:

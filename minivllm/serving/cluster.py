@@ -34,7 +34,7 @@ from minivllm.errors import ConfigError, MinivllmError
 from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
-from minivllm.serving.router import IncomingRequest, NoWorkerAvailable, Router
+from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
 
 SCHEMA = "minivllm.cluster.snapshot/1"
@@ -45,13 +45,24 @@ class WorkerStartError(MinivllmError):
     """A worker process could not load its model or device."""
 
 
+class AdmissionRefused(MinivllmError):
+    """Every worker that could take the request already has too much prompt work queued
+    (`max_queued_prompt_tokens`); the HTTP API answers 429."""
+
+
+# Per worker: prompt tokens still to prefill for its in-flight requests, beyond which new
+# requests are refused. About 30 s of CPU prefill for a 0.5B model, a fraction of a second on a GPU.
+DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 32768
+
+
 class Cluster:
     def __init__(self, model: str = "smollm2-135m", devices: Sequence[str] | str = ("cpu",), *, router: str = "cost",
                  dtype: str = "f32", draft_model: str | None = None, rates_profile: str | None = None,
                  calibrate: bool = True, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, ready_timeout_s: float = 1800.0,
                  fault_injection: bool = False, on_progress=None, progress: bool = False,
-                 prompt_special_tokens: bool = True, **engine_options):
+                 prompt_special_tokens: bool = True,
+                 max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS, **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (f32 on CPU workers,
         f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
         loop hang (drills, tests, teaching); workers refuse it otherwise. Chat messages are
@@ -59,7 +70,8 @@ class Cluster:
         (`Tokenizer.encode_chat`); `prompt_special_tokens` says whether control-token text in
         a raw string prompt becomes control ids (True, the default, as in llama.cpp and vLLM:
         the prompt is the client's own, template and all) or stays plain text (False: for
-        servers whose raw prompts carry untrusted text). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        servers whose raw prompts carry untrusted text). `max_queued_prompt_tokens` bounds
+        each worker's queued prompt work (see `_admissible`; None: no bound). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it)."""
         from minivllm.gguf.tokenizer import Tokenizer
@@ -79,6 +91,12 @@ class Cluster:
                               "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile,
                               "fault_injection": bool(fault_injection)}
         self.prompt_special_tokens = bool(prompt_special_tokens)
+        if max_queued_prompt_tokens is not None and (not isinstance(max_queued_prompt_tokens, int)
+                                                     or isinstance(max_queued_prompt_tokens, bool)
+                                                     or max_queued_prompt_tokens < 1):
+            raise ConfigError("max_queued_prompt_tokens", max_queued_prompt_tokens, "must be an integer >= 1, or None for no limit")
+        self.max_queued_prompt_tokens = max_queued_prompt_tokens
+        self.admission_counters = {"refused": 0}
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -268,7 +286,7 @@ class Cluster:
         with self._route_lock:
             handles = list(self.workers.values())
             cached = self._cached_tokens(handles, prompt_ids) if self.router.policy == "cost" or worker else {}
-            candidates = [h.candidate(cached.get(h.name, 0)) for h in handles]
+            candidates = self._admissible([h.candidate(cached.get(h.name, 0)) for h in handles], len(prompt_ids), worker)
             rates = {h.name: h.rates for h in handles}
             if worker is not None:
                 forced = Router(f"forced:{worker}")
@@ -283,6 +301,34 @@ class Cluster:
             chosen.submit(stream, prompt_ids, params, estimate)
         return stream
 
+    def _admissible(self, candidates: list[Candidate], prompt_tokens: int, worker: str | None) -> list[Candidate]:
+        """The healthy workers whose queued prompt work leaves room for this prompt.
+
+        A worker's queued prompt work is the prefill its in-flight requests still need
+        (routing-time cache estimates for those not running yet). A worker with none takes
+        any prompt that fits the context, so a long prompt is never refused outright; one
+        with some takes the prompt only while the sum stays within max_queued_prompt_tokens.
+        Raises AdmissionRefused (HTTP 429) when no healthy worker (or not the forced one) has room."""
+        limit = self.max_queued_prompt_tokens
+        if limit is None:
+            return candidates
+
+        def room(c: Candidate) -> bool:
+            incoming = max(0, prompt_tokens - c.cached_tokens)
+            return c.existing_prefill_tokens == 0 or c.existing_prefill_tokens + incoming <= limit
+
+        full = [c for c in candidates if c.healthy and not room(c)]
+        if not full:
+            return candidates
+        left = [c for c in candidates if c not in full]
+        if any(c.healthy for c in left) and (worker is None or any(c.worker == worker for c in left)):
+            return left
+        self.admission_counters["refused"] += 1
+        queued = ", ".join(f"{c.worker} has {c.existing_prefill_tokens}" for c in full)
+        raise AdmissionRefused(f"no worker has room for a {prompt_tokens}-token prompt: {queued} prompt tokens queued, "
+                               f"and the limit is {limit} per worker (max_queued_prompt_tokens, serve "
+                               "--max-queued-prompt-tokens); retry shortly, send a shorter prompt or raise the limit")
+
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The checks every worker would make, done here so a bad request fails before routing.
         Stricter than the engine in one way, as OpenAI's API is: prompt + max_tokens must fit
@@ -295,6 +341,9 @@ class Cluster:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
+            bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError("stop_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
         if limit is not None and len(prompt_ids) >= limit:
             raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>", f"the prompt must be shorter than "
                               f"max_model_len={limit}; shorten it or start the cluster with a larger max_model_len")
@@ -342,6 +391,7 @@ class Cluster:
         return {"schema": SCHEMA, "time": time.time(), "model": self.model_name, "model_path": str(self.model_path),
                 "router": self.router.snapshot(), "health": self.health()["status"],
                 "requests": self.accounting.as_dict(), "restarts": dict(self.restart_counters),
+                "admission": {"max_queued_prompt_tokens": self.max_queued_prompt_tokens, **self.admission_counters},
                 "workers": [h.describe() for h in handles]}
 
     def rates_profile(self) -> dict:
@@ -359,4 +409,4 @@ class Cluster:
         return path
 
 
-__all__ = ["Cluster", "NoWorkerAvailable", "WorkerStartError"]
+__all__ = ["AdmissionRefused", "Cluster", "NoWorkerAvailable", "WorkerStartError"]

@@ -10,7 +10,10 @@
     GET  /metrics                Prometheus text format
 
 Every route but /health needs the API key when one is set; bodies over the size limit get
-a 413 and generation requests over the concurrency limit a 429 (`http_guards.py`).
+a 413 and generation requests over the concurrency limit a 429 (`http_guards.py`), as do
+requests no worker has room for under its queued-prompt-token limit (`Cluster._admissible`).
+Connections are guarded below the app (`http_connections.py`): a header-read timeout and
+a cap on open connections.
 
 Streams follow OpenAI's SSE format: one `data: {chunk}` per token event, a last chunk
 with finish_reason, an optional usage chunk (stream_options.include_usage), then
@@ -32,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.cluster import AdmissionRefused
 from minivllm.serving.http_guards import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit, ServerLimits
 from minivllm.serving.metrics import ServingMetrics
 from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -42,11 +46,12 @@ CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> Response:
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
     # ASCII-escaped JSON: an error quoting the client's bad input may hold lone surrogates,
     # which JSONResponse's UTF-8 encoding would turn into a 500.
     body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}})
-    return Response(body, status_code=status, media_type="application/json")
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def timing_extension(stream: RequestStream) -> dict:
@@ -144,6 +149,9 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         except ConfigError as exc:
             metrics.rejected.labels("invalid").inc()
             return error_response(400, str(exc), "invalid_request_error", exc.field)
+        except AdmissionRefused as exc:
+            metrics.rejected.labels("queued_tokens").inc()
+            return error_response(429, str(exc), "rate_limit_error", None, {"retry-after": "1"})
         except NoWorkerAvailable as exc:
             return error_response(503, str(exc), "service_unavailable")
         return stream

@@ -149,6 +149,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class ErrorBody(BaseModel):
     message: str
-    type: Literal["invalid_request_error", "authentication_error", "server_error", "service_unavailable"]
+    type: Literal["invalid_request_error", "authentication_error", "rate_limit_error", "server_error",
+                  "service_unavailable"]
     param: str | None = None
     code: str | None = None
