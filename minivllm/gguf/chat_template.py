@@ -12,7 +12,9 @@ Three things are stricter than Jinja's own sandbox: touching an unsafe attribute
 (`self._TemplateReference__context`) fails at once instead of rendering as "",
 `{% include %}`/`{% import %}`/`{% extends %}` are refused (the loader reads nothing), and
 memory bombs (`'x' * 10**10`, `10 ** 10**9`, `''.ljust(10**10)`, or output past
-MAX_RENDERED_CHARS) are refused before they allocate. A template that only burns CPU in
+MAX_RENDERED_CHARS) are refused before they allocate. A template over MAX_TEMPLATE_CHARS
+(256 KiB) or MAX_TEMPLATE_TOKENS Jinja tokens, or nested too deeply to compile, is
+refused with `ChatTemplateTooLarge` when the model loads, so compiling it is bounded. A template that only burns CPU in
 empty loops is not stopped (Jinja caps `range` at 100,000 items, not nesting).
 
 Every failure (syntax error, `raise_exception`, sandbox violation, a bug in the
@@ -99,6 +101,49 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# Bounds checked when a model loads, before anything is compiled. Real templates are a few
+# KB and a few thousand lexer tokens (Qwen2.5's: 2.5 KB, 530); compiling costs about 15 µs
+# per token, so a template at the token bound compiles in well under a second, while a
+# 10 MB one took 33 s and 449 MB.
+MAX_TEMPLATE_CHARS = 256 * 1024
+MAX_TEMPLATE_TOKENS = 32768
+# Blocks and brackets open at once (real templates: under 10). Deeper ones overflow the
+# parser's recursion or Python's block nesting when compiled.
+MAX_TEMPLATE_NESTING = 48
+_BLOCK_OPENERS = frozenset({"if", "for", "macro", "call", "filter", "with", "autoescape", "block"})
+
+
+class ChatTemplateTooLarge(TokenizerError):
+    """A chat template over the size, token or nesting bounds; refused when the model loads."""
+
+
+def check_template_bounds(source: str, origin: str = "tokenizer.chat_template") -> None:
+    """Refuse a template too large to compile quickly: over MAX_TEMPLATE_CHARS characters or
+    MAX_TEMPLATE_TOKENS Jinja tokens (lexing stops at the bound, so this check is cheap)."""
+    advice = "this is not a real chat template; do not trust this model file, or use one with a normal template"
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateTooLarge(f"the model's chat template ({origin}) has {len(source)} characters, over the limit "
+                                   f"of {MAX_TEMPLATE_CHARS}; {advice}")
+    depth, after_block_begin = 0, False
+    try:
+        for n, (line, kind, value) in enumerate(_environment().lex(source), 1):
+            if n > MAX_TEMPLATE_TOKENS:
+                raise ChatTemplateTooLarge(f"the model's chat template ({origin}) has more than {MAX_TEMPLATE_TOKENS} "
+                                           f"Jinja tokens, over the limit; {advice}")
+            if kind == "whitespace":
+                continue
+            if (kind == "operator" and value in "([{") or (after_block_begin and kind == "name" and value in _BLOCK_OPENERS):
+                depth += 1
+                if depth > MAX_TEMPLATE_NESTING:
+                    raise ChatTemplateTooLarge(f"the model's chat template ({origin}) nests blocks and brackets more "
+                                               f"than {MAX_TEMPLATE_NESTING} deep (line {line}); {advice}")
+            elif (kind == "operator" and value in ")]}") or (after_block_begin and kind == "name" and value.startswith("end")):
+                depth -= 1
+            after_block_begin = kind == "block_begin"
+    except jinja2.TemplateSyntaxError:
+        return  # reported with its line when the template is compiled
+
+
 class ChatTemplate:
     """A compiled chat template plus the special-token strings templates expect."""
 
@@ -110,12 +155,16 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.origin = origin
+        check_template_bounds(source, origin)
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(
                 f"the model's chat template ({origin}) does not compile: {exc.message} (line {exc.lineno})"
             ) from exc
+        except (RecursionError, SyntaxError, MemoryError):  # Python's own limits on the generated code
+            raise ChatTemplateTooLarge(f"the model's chat template ({origin}) nests too deeply to compile; this is "
+                                       "not a real chat template: use a model file with a normal one") from None
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **context: Any) -> str:
         """The prompt text for `messages`; extra keyword arguments (e.g. `tools`) reach the template."""

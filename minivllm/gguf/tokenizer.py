@@ -30,7 +30,7 @@ from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from minivllm.errors import InvalidMetadataError, TokenizerError
-from minivllm.gguf.chat_template import ChatTemplate
+from minivllm.gguf.chat_template import ChatTemplate, check_template_bounds
 from minivllm.gguf.pretokenizers import PreTokenizerRule, pre_tokenizer_rule
 from minivllm.gguf.reader import GGUFFile
 
@@ -241,11 +241,14 @@ class Tokenizer:
         if add_bos and bos_id is None:
             raise TokenizerError(f"{gguf.path}: the model asks for a BOS token but defines none")
 
+        chat_template = gguf.get_as("tokenizer.chat_template", "str")
+        if chat_template:
+            check_template_bounds(chat_template, f"tokenizer.chat_template of {gguf.path}")
         hf = _build_hf(tokens, vocab, merges, attrs, rule, str(gguf.path))
         return cls(
             hf_tokenizer=hf, tokens=tokens, vocab=vocab, attrs=attrs, rule=rule, pre=pre, bos_id=bos_id,
             eos_id=eos_id, eos_ids=frozenset(eog), add_bos=add_bos,
-            chat_template=gguf.get_as("tokenizer.chat_template", "str"),
+            chat_template=chat_template,
             source=str(gguf.path),
         )
 
