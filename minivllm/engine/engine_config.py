@@ -34,6 +34,10 @@ class EngineConfig:
     gemv_max_rows: int | None = None
     dequant_cache: bool | str = "auto"
     batch_invariant: bool = False
+    # What a CPU GEMV runs (kernel_options.CPU_GEMV_MODES): "auto" keeps float32 activations
+    # and accumulation for a float32 model and takes the low-precision packs ("lowp") only
+    # when the activation dtype is bfloat16.
+    cpu_gemv: str = "auto"
     enforce_eager: bool = False
     # Prefix cache (cache/prefix_index.py). None: on in paged mode, off in contiguous mode
     # (a page there is a whole sequence, so nothing could be shared). publication says
@@ -90,7 +94,7 @@ class EngineConfig:
         if self.draft_policy is None:
             self.draft_policy = "fixed"
         parse_draft_policy(self.draft_policy, self.num_draft_tokens)  # raises ConfigError naming the policy
-        self.kernel_options()  # validates gemv_max_rows, dequant_cache, batch_invariant
+        self.kernel_options()  # validates gemv_max_rows, dequant_cache, batch_invariant, cpu_gemv
         if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
             raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")
 
@@ -100,4 +104,4 @@ class EngineConfig:
 
     def kernel_options(self) -> KernelOptions:
         return KernelOptions(gemv_max_rows=self.gemv_max_rows, dequant_cache=self.dequant_cache,
-                             batch_invariant=self.batch_invariant)
+                             batch_invariant=self.batch_invariant, cpu_gemv=self.cpu_gemv)

@@ -1,4 +1,9 @@
-"""CPU matmuls that stream GGUF weights in a compact form instead of float32.
+"""The low-precision CPU GEMV packs ("lowp"): GGUF weights in a compact torch layout.
+
+These round activations, scales and outputs to bf16 or f16, so they run only when the
+user asked for that precision: `dtype="bfloat16"` on a CPU, or the kernel option
+`cpu_gemv="lowp"` (see linear.py). A float32 model's GEMV is the float32 kernel in
+cpu_gemv.cpp (or the dense float32 GEMM where that cannot be built).
 
 Small-batch decode on a CPU is memory-bound: every token streams every weight from
 DRAM, so bytes per weight set the speed. A float32 copy of a 4-bit model moves 8x the
@@ -59,6 +64,16 @@ _PACK_ROWS = 4096
 # headroom. An output is bounded by max|x| * sum|w| over its weight row, and rescaled
 # activations are < 2 in magnitude; weights whose rows could exceed it go to bf16.
 _F16_SAFE_OUTPUT = 32768.0
+
+
+def packed_kind(w: QuantizedWeight) -> str | None:
+    """The `kind` `CpuPackedWeight.from_quantized(w)` would give, without packing (an f16
+    weight whose rows could overflow f16 turns out "bf16" once packed)."""
+    if w.ggml_type in _INT4_GROUPS:
+        return Int4PackedWeight.kind
+    if w.ggml_type in _HALF_TYPES:
+        return "bf16" if w.ggml_type == _T.BF16 else "f16"
+    return None
 
 
 class CpuPackedWeight:

@@ -24,6 +24,13 @@ class KernelOptions:
     dequant_cache: bool | str = "auto"
     # Every row's arithmetic independent of the batch, chunking and gemv_max_rows.
     batch_invariant: bool = False
+    # What the GEMV path runs on a CPU (CPU_GEMV_MODES): "auto" is the float32 kernel
+    # (cpu_gemv.cpp: float32 activations, float32 accumulation) unless the model's
+    # activation dtype is bfloat16, which selects "lowp"; "f32" that kernel whatever the
+    # dtype; "torch" the pure-torch dense GEMM in the activation dtype (what runs when
+    # the kernel cannot be built); "lowp" the low-precision packs (cpu_packed.py: bf16
+    # activations and scales for 4-bit types, f16 weights and activations otherwise).
+    cpu_gemv: str = "auto"
     # Per-path call counts since the last reset; shown in the engine snapshot.
     path_counts: Counter = field(default_factory=Counter)
 
@@ -34,6 +41,8 @@ class KernelOptions:
             raise ConfigError("dequant_cache", self.dequant_cache, "allowed: True, False, 'auto'")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be True or False")
+        if self.cpu_gemv not in CPU_GEMV_MODES:
+            raise ConfigError("cpu_gemv", self.cpu_gemv, f"allowed: {', '.join(CPU_GEMV_MODES)}")
 
     def resolved(self, device, dense_bytes: int | None = None) -> "KernelOptions":
         """A copy with device defaults filled in (None / "auto" replaced). `dense_bytes`:
@@ -54,17 +63,22 @@ class KernelOptions:
                 cache = True
             else:
                 cache = dense_bytes is not None and dense_bytes <= torch.cuda.mem_get_info(device)[0] // 2
-        return KernelOptions(gemv_max_rows=rows, dequant_cache=cache, batch_invariant=self.batch_invariant)
+        return KernelOptions(gemv_max_rows=rows, dequant_cache=cache, batch_invariant=self.batch_invariant,
+                             cpu_gemv=self.cpu_gemv)
 
     def assign(self, other: "KernelOptions") -> None:
         """Take `other`'s settings in place (every layer holds a reference to self)."""
         self.gemv_max_rows = other.gemv_max_rows
         self.dequant_cache = other.dequant_cache
         self.batch_invariant = other.batch_invariant
+        self.cpu_gemv = other.cpu_gemv
 
     def describe(self) -> dict:
         return {"gemv_max_rows": self.gemv_max_rows, "dequant_cache": self.dequant_cache,
-                "batch_invariant": self.batch_invariant}
+                "batch_invariant": self.batch_invariant, "cpu_gemv": self.cpu_gemv}
+
+
+CPU_GEMV_MODES = ("auto", "f32", "torch", "lowp")
 
 
 def default_gemv_max_rows(device) -> int:

@@ -39,17 +39,19 @@ class QuantLinear:
         self.compute_dtype = compute_dtype
         self.name = name  # the projection, shown in traces ("attn_q", "ffn_down", ...)
         self._dense: torch.Tensor | None = None  # the dequant cache, when enabled
-        self._packed = None  # CPU packed representation (cpu_packed.CpuPackedWeight) or None
+        self._packed = None  # the low-precision CPU pack (cpu_packed.CpuPackedWeight), built on first use
+        self._cpu_quant = False  # a quantized weight on the CPU: the GEMV follows options.cpu_gemv
+        self._cpu_mode: tuple[str, str] | None = None  # (options.cpu_gemv, what it resolved to)
         self._triton_ok = False
+        self._repacked = None  # CUDA: the GPU layout of the blocks (kernels/triton/repacked_gemv.py)
         device = weight.device
         if device.type == "cuda":
             from minivllm.kernels.triton.dequant_gemv import SUPPORTED_GEMV_TYPES
 
             self._triton_ok = weight.ggml_type in SUPPORTED_GEMV_TYPES
+            self._repack(weight)
         elif not weight.is_float:
-            from minivllm.kernels.cpu_packed import CpuPackedWeight
-
-            self._packed = CpuPackedWeight.from_quantized(weight)
+            self._cpu_quant = True
 
     @property
     def out_features(self) -> int:
@@ -58,11 +60,41 @@ class QuantLinear:
     @property
     def gemv_kind(self) -> str:
         """What the GEMV path runs for this weight (shown in snapshots)."""
+        if self._repacked is not None and _cuda_kernel_usable(self._repacked_key()):
+            return f"triton-repacked-{self.weight.type_name}"
+        if self._repacked is not None:
+            return f"dequant-cublas-{self.weight.type_name}"  # the Triton kernel failed to compile here
         if self._triton_ok:
             return f"triton-{self.weight.type_name}"
-        if self._packed is not None:
-            return f"cpu-{self._packed.kind}"
+        if self._cpu_quant:
+            from minivllm.kernels import cpu_gemv
+            from minivllm.kernels.cpu_packed import packed_kind
+
+            mode = self.cpu_gemv_mode()
+            if mode == "f32":
+                return f"cpu-f32-{cpu_gemv.isa()}"  # the compiled kernel: float32 in, float32 sums
+            if mode == "lowp":
+                return f"cpu-lowp-{self._packed.kind if self._packed is not None else packed_kind(self.weight)}"
+            return f"cpu-{str(self.compute_dtype).replace('torch.', '')}-torch"  # dense GEMV in the activation dtype
         return "rowwise-dense"
+
+    def cpu_gemv_mode(self) -> str:
+        """What this CPU weight's GEMV runs under the current options: "f32" (the compiled
+        float32 kernel), "lowp" (the low-precision packs) or "torch" (the dense matrix in
+        the activation dtype: types the kernel lacks, or no kernel on this machine)."""
+        asked = self.options.cpu_gemv
+        if self._cpu_mode is not None and self._cpu_mode[0] == asked:
+            return self._cpu_mode[1]
+        mode = asked
+        if mode == "auto":
+            mode = "lowp" if self.compute_dtype == torch.bfloat16 else "f32"
+        if mode == "f32":
+            from minivllm.kernels import cpu_gemv
+
+            if self.weight.ggml_type not in cpu_gemv.F32_GEMV_TYPES or cpu_gemv.extension() is None:
+                mode = "torch"
+        self._cpu_mode = (asked, mode)
+        return mode
 
     # -- the dense matrix for GEMM ------------------------------------------------------
 
@@ -93,6 +125,11 @@ class QuantLinear:
         with trace_scope("qmatmul", self.name, path=path):  # which path ran, in the trace
             if path == "gemm":
                 y = x.to(self.compute_dtype) @ self.dense().T
+            elif self._repacked is not None and x.shape[0] > 0:
+                y = self._repacked_gemv(x, invariant=path == "gemv-invariant")
+                if y is not None:
+                    return y  # the bias is added inside the kernel, before its one rounding
+                y = self._dense_rows(x)  # the kernel failed to compile on this device (warned once)
             else:
                 y = self._gemv(x, invariant=path == "gemv-invariant")
             if self.bias is not None:
@@ -107,16 +144,88 @@ class QuantLinear:
             from minivllm.kernels.triton.dequant_gemv import triton_gemv
 
             return triton_gemv(x.to(out_dtype).contiguous(), self.weight, invariant=invariant).to(out_dtype)
-        if self._packed is not None:
-            xf = x.float()
-            if invariant and x.shape[0] > 1:  # one M=1 call per row: the same kernel whatever the batch
-                return torch.cat([self._packed.matmul(xf[i:i + 1]) for i in range(x.shape[0])]).to(out_dtype)
-            return self._packed.matmul(xf).to(out_dtype)
+        if self._cpu_quant:
+            mode = self.cpu_gemv_mode()
+            if mode == "f32":
+                from minivllm.kernels.cpu_gemv import gemv
+
+                # Each row's sum order is fixed by K alone (cpu_gemv.cpp), so one call
+                # over every row is already batch-invariant.
+                return gemv(x.float(), [self.weight])[0].to(out_dtype)
+            if mode == "lowp":
+                packed = self._lowp()
+                xf = x.float()
+                if invariant and x.shape[0] > 1:  # one M=1 call per row: the same kernel whatever the batch
+                    return torch.cat([packed.matmul(xf[i:i + 1]) for i in range(x.shape[0])]).to(out_dtype)
+                return packed.matmul(xf).to(out_dtype)
+        return self._dense_rows(x)
+
+    def _dense_rows(self, x: torch.Tensor) -> torch.Tensor:
         # Row-wise GEMV over the dense matrix: one M=1 product per row, so every row
         # takes the same BLAS kernel whatever the batch.
         w = self.dense()
         xc = x.to(self.compute_dtype)
         return torch.cat([xc[i:i + 1] @ w.T for i in range(x.shape[0])])
+
+    # -- CUDA: the repacked-layout GEMV ---------------------------------------------------
+
+    def _repack(self, weight: QuantizedWeight) -> None:
+        """Keep the blocks in the GPU layout only (memory about the file size). A weight
+        shared with the embedding (a tied LM head) keeps its file blocks there too."""
+        import os
+
+        if os.environ.get("MINIVLLM_REPACKED_GEMV", "1") == "0":
+            return
+        try:
+            from minivllm.kernels.triton.repacked_gemv import REPACKED_TYPES, RepackedQuantizedWeight, repack
+        except ImportError:  # no Triton: the dense path below serves every call
+            return
+        if weight.ggml_type not in REPACKED_TYPES:
+            return
+        self._repacked = repack(weight)
+        self.weight = RepackedQuantizedWeight(self._repacked)
+
+    def _repacked_key(self) -> tuple:
+        return (self.weight.type_name, self.weight.shape[1], self.compute_dtype)
+
+    def _repacked_gemv(self, x: torch.Tensor, *, invariant: bool) -> torch.Tensor | None:
+        """The repacked GEMV, or None where Triton cannot compile it for this device
+        (then this and every later call take dequantize + cuBLAS, after one warning)."""
+        from minivllm.kernels.triton.repacked_gemv import repacked_gemv
+
+        key = self._repacked_key()
+        if key in _CUDA_KERNEL_FAILED:
+            return None
+        if key in _CUDA_KERNEL_OK:
+            return repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias)
+        try:
+            y = repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias)
+        except Exception as exc:  # a Triton compile/launch failure on this GPU (e.g. sm_75 on a newer Triton)
+            import warnings
+
+            _CUDA_KERNEL_FAILED.add(key)
+            warnings.warn(f"Triton kernel repacked_gemv[{self.weight.type_name}] could not run on {x.device} "
+                          f"({type(exc).__name__}: {str(exc)[:200]}); {self.weight.type_name} layers fall back to "
+                          f"dequantize + cuBLAS", RuntimeWarning, stacklevel=3)
+            return None
+        _CUDA_KERNEL_OK.add(key)
+        return y
+
+    def _lowp(self):
+        if self._packed is None:
+            from minivllm.kernels.cpu_packed import CpuPackedWeight
+
+            self._packed = CpuPackedWeight.from_quantized(self.weight)
+        return self._packed
+
+
+# (type, K, compute dtype) of the repacked-GEMV kernels that ran here / failed to compile.
+_CUDA_KERNEL_OK: set[tuple] = set()
+_CUDA_KERNEL_FAILED: set[tuple] = set()
+
+
+def _cuda_kernel_usable(key: tuple) -> bool:
+    return key not in _CUDA_KERNEL_FAILED
 
 
 class QuantEmbedding:
