@@ -151,13 +151,16 @@ def test_worker_killed_mid_stream(smollm2_path, reference, tmp_path):
             assert time.monotonic() < deadline, "no first tokens"
             time.sleep(0.02)
         victim_pid = cluster.workers["cpu"].transport.pid
+        survivor_at_kill = len(survivor.token_ids)
         cluster.kill_worker("cpu")
         killed_at = time.monotonic()
         out = victim.result(10.0)  # liveness: the error event arrives within 10 s
         assert time.monotonic() - killed_at < 10.0
         assert out.finish_reason == "error" and worker_named(victim.error, "cpu"), victim.error
         assert len(out.token_ids) < 300
-        assert not survivor.finished
+        # The survivor was mid-generation at the kill; it must still end with every token
+        # (checked below). Whether it is still running now depends on this machine's speed.
+        assert survivor_at_kill < 300
         health = cluster.health()
         assert health["status"] == "degraded"
         assert {w["name"]: w["state"] for w in health["workers"]} == {"cpu": "dead", "cpu#2": "ready"}

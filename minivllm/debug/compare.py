@@ -120,6 +120,7 @@ def compare(model, prompt: str | list[int], a: dict | None = None, b: dict | Non
         max_tokens=max_tokens, top_k=top_k,
         a_token_ids=ids_a, b_token_ids=ids_b, a_text=tok.decode(ids_a), b_text=tok.decode(ids_b),
         records=records, first_divergence=first, layer_diffs=layer_diffs, replay=replay,
+        machine=_machine(llm.device),
     )
 
 
@@ -134,6 +135,16 @@ def _base_llm(model, device, dtype, progress):
         raise ConfigError("model", model, "expected a registered model name, a .gguf path or a minivllm.LLM")
     llm = LLM(str(model), device=device or "cpu", dtype=dtype or "float32", progress=progress)
     return llm, str(model)
+
+
+def _machine(device: torch.device) -> dict:
+    from minivllm.obs.machine import cpu_fingerprint
+
+    machine = cpu_fingerprint()
+    if device.type == "cuda":
+        machine["gpu"] = describe_device(device)
+        machine["cuda"] = torch.version.cuda
+    return machine
 
 
 def _side_settings(llm) -> dict:

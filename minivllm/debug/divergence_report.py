@@ -111,6 +111,9 @@ class DivergenceReport:
     first_divergence: FirstDivergence | None
     layer_diffs: list[LayerDiff] = field(default_factory=list)  # empty when there is no divergence
     replay: ReplayCheck | None = None
+    # Where it ran (obs.machine.cpu_fingerprint, plus the GPU on CUDA): the split position is
+    # a fact about these kernels on this processor, not about the code alone.
+    machine: dict = field(default_factory=dict)
 
     @property
     def diverged(self) -> bool:
@@ -138,6 +141,7 @@ class DivergenceReport:
             f"model   {self.model} (sha256 {self.model_sha256[:16]}…), {self.device}, {self.activation_dtype}",
             f"a       {_opts(self.a_options)}   [ran with {_opts(self.a_settings)}]",
             f"b       {_opts(self.b_options)}   [ran with {_opts(self.b_settings)}]",
+            f"machine {_machine(self.machine)}",
             f"prompt  {len(self.prompt_token_ids)} tokens{' (chat template)' if self.chat else ''}; "
             f"generated a={len(self.a_token_ids)} b={len(self.b_token_ids)} tokens (greedy, max {self.max_tokens})",
         ]
@@ -208,3 +212,12 @@ def _top_cell(side: SideToken | None, i: int) -> str:
         return ""
     t = side.top[i]
     return f"{t.token_id:>6} {t.text!r:<20.20} {t.logit:.6f}"
+
+
+def _machine(m: dict) -> str:
+    if not m:
+        return "not recorded"
+    parts = [m.get("gpu") or m.get("cpu", "?"), f"torch {m.get('torch', '?')}"]
+    if not m.get("gpu"):
+        parts += [f"{m.get('torch_cpu_capability', '?')} kernels", m.get("blas", "?"), f"{m.get('torch_threads', '?')} threads"]
+    return ", ".join(parts)
