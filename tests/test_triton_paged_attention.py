@@ -217,3 +217,38 @@ def test_replays_in_a_cuda_graph_with_refilled_metadata():
         for i, (s, p) in enumerate(zip([0, 1], step_pos)):
             ref = _plain_attention(q[i], _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1))
             torch.testing.assert_close(out[i].double(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("split", [16, None], ids=["split16", "default-split"])
+def test_long_rows_across_many_splits(device, split, monkeypatch):
+    """Flash-decoding: rows longer than one split (and, with 16-token splits, more
+    splits than one merge trip takes) match float64 attention, and stay bitwise the
+    same alone as in the batch, whatever the other rows' lengths."""
+    from minivllm.kernels.triton import paged_attention as pa
+
+    if split is not None:
+        monkeypatch.setattr(pa, "SPLIT_TOKENS", split)
+    seq_lens = [300, 45, 129]
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=torch.float32, device=device,
+                                       seed=17)
+    row_seq = [0, 1, 2, 0, 2]
+    row_pos = [299, 44, 128, 63, 64]  # split boundaries: the 64th and 65th keys
+    q = torch.randn(len(row_seq), 6, HEAD_DIM, generator=torch.Generator().manual_seed(18)).to(device)
+
+    def run(rows):
+        seq = torch.tensor([row_seq[i] for i in rows], dtype=torch.int32, device=device)
+        pos = torch.tensor([row_pos[i] for i in rows], dtype=torch.int32, device=device)
+        return paged_attention(q[rows].contiguous(), k, v, tables, seq, pos)
+
+    full = run(list(range(len(row_seq))))
+    for i, (s, p) in enumerate(zip(row_seq, row_pos)):
+        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(full[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+    for i in range(len(row_seq)):
+        assert torch.equal(run([i])[0], full[i]), f"row {i} differs when run alone"
+    # A narrower block table (fewer splits in the grid) gives the same bits for the short row.
+    seq1 = torch.tensor([0], dtype=torch.int32, device=device)
+    narrow = paged_attention(q[1:2].contiguous(), k, v, tables[1:2, :3].contiguous(), seq1,
+                             torch.tensor([44], dtype=torch.int32, device=device))
+    assert torch.equal(narrow[0], full[1])
