@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 DEFAULT_MODEL := smollm2-135m
 
-.PHONY: setup demo test test-gpu model peers bench-quick clean-venv
+.PHONY: setup demo test test-gpu test-portability model peers bench-quick clean-venv
 
 setup: $(INSTALLED) model
 
@@ -26,6 +26,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The suite as other machines run it: under `taskset -c 0`, with one OpenMP thread, and the
+# numerics tests under each other CPU kernel path torch offers here (ATEN_CPU_CAPABILITY).
+# About 3x `make test`; pick variants with VARIANTS="one-core omp-1 cpu-avx2 cpu-default".
+VARIANTS ?=
+test-portability: setup
+	bash scripts/test_portability.sh $(PY) $(VARIANTS)
 
 # On a machine with an NVIDIA GPU: only the CUDA tests.
 test-gpu: setup
