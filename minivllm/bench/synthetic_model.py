@@ -63,6 +63,13 @@ class SyntheticSpec:
     context_length: int = 32768
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
+    # llama.cpp's rule for rows that are not whole 256-element super-blocks (d_model 896):
+    # such tensors take Q5_0 instead of Q4_K and Q8_0 instead of Q6_K. Off: refuse them.
+    kquant_fallback: bool = False
+    # Which layers get llama.cpp's extra bits: use_more_bits(k) for the k-th layer in the
+    # order the quantizer met them. Some published files were quantized from tensors in
+    # lexicographic order (blk.0, blk.1, blk.10, ...), as the real Qwen2.5-0.5B one was.
+    more_bits_lexicographic: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -76,8 +83,9 @@ class SyntheticSpec:
             raise ConfigError("n_heads", self.n_heads,
                               "d_model must split into n_heads equal heads, and n_heads into n_kv_heads groups")
         for field, n in (("d_model", self.d_model), ("d_ff", self.d_ff)):
-            if quantized and n % 256:
-                raise ConfigError(field, n, "must be a multiple of 256 (the Q4_K/Q6_K block size)")
+            if quantized and n % (32 if self.kquant_fallback else 256):
+                raise ConfigError(field, n, "must be a multiple of 32 (the Q5_0/Q8_0 block size)" if self.kquant_fallback
+                                  else "must be a multiple of 256 (the Q4_K/Q6_K block size)")
 
 
 QWEN25_7B = SyntheticSpec(name="qwen2.5-7b-q4_k_m", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4,
@@ -88,7 +96,15 @@ QWEN25_7B = SyntheticSpec(name="qwen2.5-7b-q4_k_m", n_layers=28, d_model=3584, n
 # vocabulary rows as the 7B, so the two make a tokenizer-identical speculative pair.
 QWEN25_05B_CLASS = SyntheticSpec(name="qwen2.5-0.5b-class-q4_k_m", n_layers=24, d_model=1024, n_heads=16,
                                  n_kv_heads=2, d_ff=4864, vocab_size=152064)
-SPECS = {QWEN25_7B.name: QWEN25_7B, QWEN25_05B_CLASS.name: QWEN25_05B_CLASS}
+# Qwen2.5-0.5B-Instruct Q4_K_M exactly: d_model 896 is not a whole number of super-blocks,
+# so llama.cpp's fallback gives Q5_0 / Q8_0 for the tensors whose rows are 896 long
+# (token_embd Q5_0, output Q8_0, attn_v Q8_0 or Q5_0, everything else on 896-long rows
+# Q5_0; ffn_down Q6_K / Q4_K), as in the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M file,
+# whose tensor bytes this plan reproduces (tests/test_synthetic_model.py).
+QWEN25_05B = SyntheticSpec(name="qwen2.5-0.5b-q4_k_m", n_layers=24, d_model=896, n_heads=14, n_kv_heads=2,
+                           d_ff=4864, vocab_size=151936, kquant_fallback=True, more_bits_lexicographic=True)
+SPECS = {QWEN25_7B.name: QWEN25_7B, QWEN25_05B_CLASS.name: QWEN25_05B_CLASS, QWEN25_05B.name: QWEN25_05B}
+_FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}
 
 
 @dataclass(frozen=True)
@@ -113,9 +129,11 @@ def plan_tensors(spec: SyntheticSpec) -> list[TensorPlan]:
     spec.validate(quantized=False)
     d, q_out, kv_out = spec.d_model, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     plan = [TensorPlan("token_embd.weight", (spec.vocab_size, d), T.Q4_K)]
+    order = sorted(range(spec.n_layers), key=str) if spec.more_bits_lexicographic else list(range(spec.n_layers))
+    more_layers = {layer for k, layer in enumerate(order) if use_more_bits(k, spec.n_layers)}
     for i in range(spec.n_layers):
         p = f"blk.{i}"
-        more = T.Q6_K if use_more_bits(i, spec.n_layers) else T.Q4_K
+        more = T.Q6_K if i in more_layers else T.Q4_K
         plan += [
             TensorPlan(f"{p}.attn_norm.weight", (d,), T.F32),
             TensorPlan(f"{p}.attn_q.weight", (q_out, d), T.Q4_K),
@@ -132,6 +150,9 @@ def plan_tensors(spec: SyntheticSpec) -> list[TensorPlan]:
         ]
     plan += [TensorPlan("output_norm.weight", (d,), T.F32),
              TensorPlan("output.weight", (spec.vocab_size, d), T.Q6_K)]
+    if spec.kquant_fallback:
+        plan = [replace(t, ggml_type=_FALLBACK[t.ggml_type]) if t.ggml_type in _FALLBACK and t.shape[-1] % 256 else t
+                for t in plan]
     return plan
 
 
@@ -181,7 +202,28 @@ def q6_k_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarr
     return blocks
 
 
-_BLOCK_WRITERS = {T.Q4_K: q4_k_blocks, T.Q6_K: q6_k_blocks}
+# Q5_0: value d * (q - 16) with q uniform in 0..31 (random nibbles and high bits).
+_Q5_0_STD_PER_D = math.sqrt((32 * 32 - 1) / 12 + 0.25)
+# Q8_0: value d * q with q uniform in -127..127.
+_Q8_0_STD_PER_D = math.sqrt(sum(q * q for q in range(-127, 128)) / 255)
+
+
+def q5_0_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """(n_blocks, 22) uint8: Q5_0 blocks (f16 d, 32 high bits, 16 nibble bytes) of about `std` spread."""
+    blocks = np.frombuffer(rng.bytes(n_blocks * 22), dtype=np.uint8).reshape(n_blocks, 22).copy()
+    blocks[:, 0:2] = _super_scales(rng, n_blocks, std, _Q5_0_STD_PER_D).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def q8_0_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """(n_blocks, 34) uint8: Q8_0 blocks (f16 d, 32 int8 in -127..127) of about `std` spread."""
+    blocks = np.empty((n_blocks, 34), dtype=np.uint8)
+    blocks[:, 0:2] = _super_scales(rng, n_blocks, std, _Q8_0_STD_PER_D).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(-127, 128, (n_blocks, 32), dtype=np.int8).view(np.uint8)
+    return blocks
+
+
+_BLOCK_WRITERS = {T.Q4_K: q4_k_blocks, T.Q6_K: q6_k_blocks, T.Q5_0: q5_0_blocks, T.Q8_0: q8_0_blocks}
 
 
 def weight_std(t: TensorPlan) -> float:
@@ -226,7 +268,22 @@ _NUMPY_TYPES = {np.int32: GGUFValueType.INT32, np.uint32: GGUFValueType.UINT32, 
 
 
 def _tokenizer_fields(source: Path) -> dict[str, object]:
-    """Every `tokenizer.*` key of `source` (minivllm's reader: gguf-py's takes ~40 s on a 150k vocabulary)."""
+    """Every `tokenizer.*` key of `source` (minivllm's reader: gguf-py's takes ~40 s on a 150k vocabulary).
+
+    `source` may also be a JSON object of those fields (`.json`, or `.json.xz`), such as
+    ../shared/peers/qwen2.5-tokenizer-fields.json.xz: 1 MB, so it travels to an offline GPU
+    machine where no Qwen2.5 GGUF is."""
+    if source.name.endswith((".json", ".json.xz")):
+        import json
+        import lzma
+
+        opener = lzma.open if source.name.endswith(".xz") else open
+        with opener(source, "rt", encoding="utf-8") as f:
+            fields = json.load(f)
+        fields = {k: v for k, v in fields.items() if k.startswith("tokenizer.")}
+        if "tokenizer.ggml.token_type" in fields:
+            fields["tokenizer.ggml.token_type"] = np.asarray(fields["tokenizer.ggml.token_type"], dtype=np.int32)
+        return fields
     with GGUFFile(source) as gf:
         return {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
 

@@ -39,7 +39,7 @@ def add_bench_parser(subparsers) -> None:
     d.add_argument("--llama-cpp-path", default=None,
                    help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
     d.add_argument("--no-baselines", action="store_true", help="skip llama.cpp and transformers on CPU")
-    d.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m"],
+    d.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m", "qwen2.5-0.5b-q4_k_m"],
                    help="measure a synthetic model with this layout (random weights; written to the cache once; GPU)")
     d.add_argument("--synthetic-tokenizer", default=None,
                    help="Qwen2.5 GGUF to copy the synthetic model's tokenizer from (default: qwen2.5-coder-0.5b)")
