@@ -122,6 +122,14 @@ def test_every_route_but_health_needs_the_key(server, method, path):
     ('{"prompt": [1, 2, -4]}', "prompt_token_ids"),
     ('{"prompt": "' + "word " * 200 + '"}', "prompt"),
     ('{"prompt": "x", "max_tokens": 128}', "max_tokens"),
+    # JSON types are not coerced (issue 26)
+    ('{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    ('{"prompt": "x", "temperature": "0.5"}', "temperature"),
+    ('{"prompt": "x", "ignore_eos": 1}', "ignore_eos"),
+    ('{"prompt": "x", "stream": "yes"}', "stream"),
+    # stop_token_ids are checked against the vocabulary (SmolLM2: 49152 tokens)
+    ('{"prompt": "x", "stop_token_ids": [1180591620717411303424]}', "stop_token_ids"),
+    ('{"prompt": "x", "stop_token_ids": [2, 49152]}', "stop_token_ids"),
 ])
 def test_out_of_range_values_get_a_400_naming_the_field(server, raw, param):
     srv, _ = server
@@ -140,6 +148,7 @@ def test_out_of_range_values_get_a_400_naming_the_field(server, raw, param):
     ([{"role": "user", "content": "hi \udc80 there"}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content"),
     ("hello", "messages"),
+    ([{"role": "user", "content": 5}], "messages.0.content"),
 ])
 def test_bad_chat_messages_get_a_400(server, messages, param):
     srv, _ = server
@@ -160,6 +169,34 @@ def test_bodies_that_are_not_json_objects_get_a_400(server, body, words):
     srv, _ = server
     r = httpx.post(srv.url + "/v1/completions", content=body, timeout=30, headers={**AUTH, "Content-Type": "application/json"})
     assert_error(r, 400, *words)
+
+
+def test_invalid_json_names_no_field(server):
+    """The parser's error position is a character offset, not a parameter (issue 26)."""
+    srv, _ = server
+    r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 3,,}', timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    err = assert_error(r, 400, "not valid JSON", "at character")
+    assert err["param"] is None
+
+
+@pytest.mark.parametrize("extra, param", [({"top_logprobs": 10**6}, "top_logprobs"), ({"top_logprobs": 21}, "top_logprobs"),
+                                          ({"top_logprobs": 5}, "top_logprobs"), ({"logprobs": True}, "logprobs")])
+def test_chat_logprob_fields_are_refused_not_ignored(server, extra, param):
+    srv, _ = server
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra})
+    assert_error(r, 400, param)
+    ok = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                             "top_logprobs": 0, "logprobs": False})
+    assert ok.status_code == 200, ok.text
+
+
+def test_models_route_does_not_reveal_the_file_path(server, smollm2_path):
+    srv, cluster = server
+    body = httpx.get(srv.url + "/v1/models", headers=AUTH).text
+    assert str(smollm2_path) not in body and str(smollm2_path.parent) not in body
+    (model,) = json.loads(body)["data"]
+    assert model["id"] == model["root"] == cluster.model_name
 
 
 def test_oversized_bodies_get_a_413_declared_or_chunked(server):

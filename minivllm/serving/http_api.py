@@ -97,8 +97,13 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         metrics.rejected.labels("validation").inc()
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            at = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+            return error_response(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'bad JSON')}"
+                                       f"{f' at character {at}' if at is not None else ''}); send a JSON object with "
+                                       "Content-Type: application/json", "invalid_request_error", None)
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'bad value')}",
                               "invalid_request_error", where)
 
@@ -110,7 +115,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "minivllm", "root": str(cluster.model_path)}]}
+                                            "owned_by": "minivllm", "root": model_name}]}  # never the server's file path
 
     @app.get("/v1/cluster/snapshot")
     async def cluster_snapshot(fresh: bool = False):

@@ -30,11 +30,15 @@ def checked_text(field: str, text: str) -> str:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types are not coerced ("5" is not an integer, 1 is not a boolean), as in
+    # OpenAI's API; unknown fields are ignored, as clients send extensions of other servers.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     # The ranges are part of the OpenAPI schema (clients and fuzzers see them); SamplingParams
     # checks the same ones again for Python callers.
@@ -50,7 +54,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="ids in [0, vocabulary size)")
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -106,7 +110,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     content: str | list[dict] | None = None
@@ -117,11 +121,14 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def chat_messages(self) -> list[dict]:
         if self.logprobs:
             raise ConfigError("logprobs", self.logprobs, "logprobs are not served over HTTP yet; use the Python API")
+        if self.top_logprobs:
+            raise ConfigError("top_logprobs", self.top_logprobs, "top_logprobs needs logprobs, which are not served "
+                              "over HTTP yet; leave it out or use the Python API")
         if not self.messages:
             raise ConfigError("messages", [], "give at least one message")
         out = []
