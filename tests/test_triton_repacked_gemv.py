@@ -108,12 +108,17 @@ def test_matches_reference_cuda(ggml_type):
         w = random_weight(ggml_type, n, k, device="cuda", seed=30)
         rw = repack(w)
         assert torch.equal(unpack_raw(rw), w.raw)
+        # The autotuned configurations on one shape (each new shape costs compiles).
+        tune = (n, k) == (18944, 3584)
         for m in (1, 2, 8):
             x = torch.randn(m, k, generator=gen).cuda()
             ref = reference(x, w)
-            assert_close_to_reference(repacked_gemv(x, rw), ref, k)
+            assert_close_to_reference(repacked_gemv(x, rw, autotune=tune), ref, k)
             assert_close_to_reference(repacked_gemv(x, rw, invariant=True), ref, k)
-            assert_close_to_reference(repacked_gemv(x.half(), rw), reference(x.half(), w), k)
+            assert_close_to_reference(repacked_gemv(x.half(), rw, autotune=tune), reference(x.half(), w), k)
+            y16 = repacked_gemv(x.half(), rw, out_dtype=torch.float16, autotune=tune)
+            assert y16.dtype == torch.float16
+            torch.testing.assert_close(y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * ref.abs().max().item())
 
 
 @pytest.mark.cuda
@@ -165,3 +170,51 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
     assert len(result) == 12
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False}, key
+
+
+def test_repacked_quantized_weight_stands_in_for_the_blocks():
+    from minivllm.kernels.triton.repacked_gemv import RepackedQuantizedWeight
+
+    w = random_weight(T.Q6_K, 8, 256, seed=32)
+    rq = RepackedQuantizedWeight(repack(w))
+    assert rq.shape == w.shape and rq.ggml_type == w.ggml_type and rq.type_name == "Q6_K" and not rq.is_float
+    assert torch.equal(rq.raw, w.raw)
+    assert torch.equal(rq.dequantize(torch.float16), w.dequantize(torch.float16))
+    assert rq.nbytes == w.nbytes and rq.device == w.device and "Q6_K" in repr(rq)
+
+
+@pytest.mark.cuda
+def test_quant_linear_uses_the_repacked_kernel_and_falls_back_with_a_warning(monkeypatch):
+    """On CUDA a QuantLinear keeps only the repacked planes, adds its bias inside the
+    kernel, and, where the kernel cannot compile, warns once naming it and takes
+    dequantize + cuBLAS."""
+    from minivllm.kernels import linear as lin
+    from minivllm.kernels.kernel_options import KernelOptions
+    from minivllm.kernels.triton import repacked_gemv as rg
+
+    w = random_weight(T.Q4_K, 512, 1024, device="cuda", seed=33)
+    bias = torch.randn(512, device="cuda")
+    layer = lin.QuantLinear(w, bias, options=KernelOptions(gemv_max_rows=8, dequant_cache=False),
+                            compute_dtype=torch.float16, name="attn_q")
+    assert layer.gemv_kind == "triton-repacked-Q4_K" and isinstance(layer.weight, rg.RepackedQuantizedWeight)
+    x = torch.randn(2, 1024, device="cuda").half()
+    ref = reference(x, w) + bias
+    y = layer(x)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+    w6 = random_weight(T.Q6_K, 256, 512, device="cuda", seed=34)
+    broken = lin.QuantLinear(w6, None, options=KernelOptions(gemv_max_rows=8, dequant_cache=False),
+                             compute_dtype=torch.float16, name="ffn_down")
+
+    def fail(*a, **k):
+        raise RuntimeError("PTX compile failed (simulated)")
+
+    monkeypatch.setattr(rg, "repacked_gemv", fail)
+    monkeypatch.setattr(lin, "_CUDA_KERNEL_FAILED", set())
+    monkeypatch.setattr(lin, "_CUDA_KERNEL_OK", set())
+    x6 = torch.randn(1, 512, device="cuda").half()
+    with pytest.warns(RuntimeWarning, match=r"repacked_gemv\[Q6_K\].*dequantize \+ cuBLAS"):
+        y6 = broken(x6)
+    torch.testing.assert_close(y6.float(), reference(x6, w6), rtol=2e-3, atol=2e-3 * y6.abs().max().item())
+    assert broken.gemv_kind == "dequant-cublas-Q6_K"

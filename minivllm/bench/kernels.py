@@ -8,7 +8,11 @@ memory's speed. Per weight type and Qwen2.5-7B matrix shape this reports
   its weight bytes / time, and that as a fraction of the measured copy bandwidth;
 * the batch-invariant configuration at M = 1 and both at M = 8 (the invariant mode's
   cost: one row per program, so M rows decode the weight M times);
-* the F16 cuBLAS GEMV (`F.linear`) on the same shape, the dense baseline.
+* the F16 cuBLAS GEMV (`F.linear`) on the same shape, the dense baseline;
+* for the types with a repacked layout (kernels/triton/repacked_gemv.py: Q4_0, Q4_1,
+  Q5_0, Q8_0, Q4_K, Q6_K), the repacked GEMV at M = 1 (autotuned and invariant) and at
+  M = batch_rows, its GB/s counted over the bytes it reads (the repacked planes; the
+  file's bytes within 3%), as a fraction of the copy bandwidth: the path decode takes.
 
 Copy bandwidth: a large device-to-device `copy_`, bytes read + written / time.
 Times are medians of `triton.testing.do_bench`: CUDA events around each call, after a
@@ -110,6 +114,7 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     from gguf import GGMLQuantizationType
 
     from minivllm.kernels.triton.dequant_gemv import SUPPORTED_GEMV_TYPES, triton_gemv
+    from minivllm.kernels.triton.repacked_gemv import REPACKED_TYPES, repack, repacked_gemv
 
     dev = torch.device(device)
     torch.cuda.set_device(dev)
@@ -154,6 +159,25 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
                 "f16_cublas_frac_of_copy": cublas_gbs / copy_gbs,
             }
             rows.append(row)
+            if t in REPACKED_TYPES:
+                rw = repack(w)
+                for xx in (x1, xb):
+                    repacked_gemv(xx, rw, out_dtype=torch.float16)  # autotune and compile outside the timing
+                    repacked_gemv(xx, rw, invariant=True, out_dtype=torch.float16)
+                rms = {"m1": _median_ms(lambda: repacked_gemv(x1, rw, out_dtype=torch.float16)),
+                       "m1_inv": _median_ms(lambda: repacked_gemv(x1, rw, invariant=True, out_dtype=torch.float16)),
+                       "mb": _median_ms(lambda: repacked_gemv(xb, rw, out_dtype=torch.float16))}
+                rgbs = rw.nbytes / (rms["m1"] * 1e-3) / 1e9
+                row.update({"repacked_MB": rw.nbytes / 1e6, "repacked_m1_us": rms["m1"] * 1e3,
+                            "repacked_m1_GBps": rgbs, "repacked_m1_frac_of_copy": rgbs / copy_gbs,
+                            "repacked_m1_invariant_us": rms["m1_inv"] * 1e3,
+                            "repacked_m1_invariant_frac_of_copy": rw.nbytes / (rms["m1_inv"] * 1e-3) / 1e9 / copy_gbs,
+                            f"repacked_m{batch_rows}_us": rms["mb"] * 1e3})
+                print(f"      repacked {row['repacked_MB']:7.1f} MB  M=1 {row['repacked_m1_us']:7.1f} us {rgbs:6.0f} GB/s "
+                      f"({row['repacked_m1_frac_of_copy']:.0%})  inv {row['repacked_m1_invariant_us']:7.1f} us "
+                      f"({row['repacked_m1_invariant_frac_of_copy']:.0%})  M={batch_rows} "
+                      f"{row[f'repacked_m{batch_rows}_us']:7.1f} us", flush=True)
+                del rw
             print(f"{name:5s} {n:6d}x{k:<6d} {row['weight_MB']:7.1f} MB  M=1 {row['m1_us']:7.1f} us "
                   f"{gbs:6.0f} GB/s ({row['m1_frac_of_copy']:.0%})  inv {row['m1_invariant_us']:7.1f} us  "
                   f"M={batch_rows} {row[f'm{batch_rows}_us']:7.1f} / inv {row[f'm{batch_rows}_invariant_us']:7.1f} us  "
@@ -163,14 +187,22 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     if write:
         summary = {name: statistics.median(r["m1_frac_of_copy"] for r in rows if r["type"] == name)
                    for name in dict.fromkeys(r["type"] for r in rows)}
+        summary_repacked = {name: statistics.median(r["repacked_m1_frac_of_copy"] for r in rows if r["type"] == name)
+                            for name in dict.fromkeys(r["type"] for r in rows if "repacked_m1_us" in r)}
+        big = {name: statistics.median(r["repacked_m1_frac_of_copy"] for r in rows
+                                       if r["type"] == name and r["N"] * r["K"] >= 3584 * 18944)
+               for name in summary_repacked}
         meta = provenance(str(dev), None, {"types": types, "shapes": shapes, "batch_rows": batch_rows,
                                            "copy_bandwidth_GBps": copy_gbs, "activation_dtype": "f16",
                                            "median_frac_of_copy_by_type": summary,
+                                           "repacked_median_frac_of_copy_by_type": summary_repacked,
+                                           "repacked_ffn_shapes_frac_of_copy_by_type": big,
                                            "timing": "triton.testing.do_bench median (CUDA events, L2 flushed "
                                                      "before every call)"})
         cols = ["type", "N", "K", "weight_MB", "m1_us", "m1_GBps", "m1_frac_of_copy", "m1_invariant_us",
                 f"m{batch_rows}_us", f"m{batch_rows}_invariant_us", "f16_cublas_us", "f16_cublas_GBps",
-                "f16_cublas_frac_of_copy"]
+                "f16_cublas_frac_of_copy", "repacked_m1_us", "repacked_m1_GBps", "repacked_m1_frac_of_copy",
+                "repacked_m1_invariant_us", "repacked_m1_invariant_frac_of_copy", f"repacked_m{batch_rows}_us"]
         notes = (f"Fused dequantize-GEMV (Triton) on Qwen2.5-7B shapes; weight bytes / median kernel time vs the "
                  f"device's copy bandwidth ({copy_gbs:.0f} GB/s, read + write). M=1 uses the autotuned config; "
                  f"'invariant' is the batch-invariant config (one row per program). Activations f16.")

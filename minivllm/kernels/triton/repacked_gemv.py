@@ -318,7 +318,7 @@ def _repacked_gemv_kernel(
     # all but the first find its weights in L2.
     pid = tl.program_id(0)
     pid_m = pid % M
-    nb = (pid // M).to(tl.int64)
+    nb = pid // M  # int32 offsets: a plane holds far fewer than 2**31 elements
     offs_g = tl.arange(0, BLOCK_G)
     offs_t = tl.arange(0, T)
     offs_r = tl.arange(0, RR)
@@ -469,3 +469,35 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     else:
         _repacked_gemv_tuned[grid](*args, **common)
     return out
+
+
+class RepackedQuantizedWeight(QuantizedWeight):
+    """A `QuantizedWeight` whose blocks live only in repacked form on the device.
+
+    `raw` is rebuilt from the planes on access (a temporary, e.g. for the GEMM path's
+    dequantization), so the device holds one copy of the weight, about the file's size.
+    """
+
+    def __init__(self, repacked: RepackedWeight):  # noqa: D107 (no dataclass __init__: raw is derived)
+        self.repacked = repacked
+        self.ggml_type = repacked.ggml_type
+        self.shape = repacked.shape
+        self.name = repacked.name
+
+    @property
+    def raw(self) -> torch.Tensor:  # type: ignore[override]
+        return unpack_raw(self.repacked)
+
+    @property
+    def nbytes(self) -> int:
+        return self.repacked.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.repacked.device
+
+    def __repr__(self) -> str:
+        return f"RepackedQuantizedWeight({self.name!r}, {self.type_name}, shape={self.shape}, nbytes={self.nbytes})"
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
