@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 DEFAULT_MODEL := smollm2-135m
 
-.PHONY: setup demo test test-gpu test-portability model peers bench-quick clean-venv
+.PHONY: setup demo test test-gpu test-portability model peers bench-quick clean-venv wheel
 
 setup: $(INSTALLED) model
 
@@ -33,6 +33,13 @@ test: setup
 VARIANTS ?=
 test-portability: setup
 	bash scripts/test_portability.sh $(PY) $(VARIANTS)
+
+# dist/minivllm-<version>-py3-none-any.whl with minivllm_widgets inside (what Kaggle users
+# attach as a dataset; README "On Kaggle"). Built with the venv's setuptools, offline.
+wheel: $(INSTALLED)
+	rm -rf build dist/minivllm-*.whl
+	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist .
+	@ls dist/minivllm-*.whl
 
 # On a machine with an NVIDIA GPU: only the CUDA tests.
 test-gpu: setup
