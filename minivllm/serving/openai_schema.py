@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models (they also make the
 server's OpenAPI schema), and their translation into `SamplingParams`.
 
-Fields the engine cannot honour (n > 1, best_of, echo, logprobs on chat) are refused with
+Fields the engine cannot honour (n > 1, best_of, echo, logprobs, response_format, tools) are refused with
 a 400 naming the field rather than silently ignored. minivllm extensions (top_k, min_p,
 repetition_penalty, ignore_eos) are accepted like vLLM's.
 """
@@ -60,10 +60,21 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured output and tool calls are not implemented: refused with a 400, never ignored.
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.n != 1:
             raise ConfigError("n", self.n, "only n=1 is supported; send several requests instead")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ConfigError("response_format", self.response_format, "structured output (json_object, json_schema) "
+                              "is not supported yet; leave response_format out (or {\"type\": \"text\"})")
+        if self.tools:
+            raise ConfigError("tools", f"<{len(self.tools)} tools>", "tool calling is not supported yet; leave tools out")
+        if self.tool_choice not in (None, "none"):
+            raise ConfigError("tool_choice", self.tool_choice, "tool calling is not supported yet; leave tool_choice out")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_SEQUENCES:
             raise ConfigError("stop", f"<{len(stop)} sequences>", f"give at most {MAX_STOP_SEQUENCES} stop sequences")
