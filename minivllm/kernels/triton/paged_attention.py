@@ -132,8 +132,8 @@ def _paged_attention_merge_kernel(
     base = (row.to(tl.int64) * tl.num_programs(1) + head) * n_splits
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, CHUNK)
-    m_run = float("-inf")
-    l_run = 0.0
+    m_run = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)  # fp32 scalars (loop-carried)
+    l_run = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
     # Chunks of CHUNK splits in split order; every row runs the same code per chunk.
     c0 = 0
