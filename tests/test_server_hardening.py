@@ -81,6 +81,8 @@ def test_loopback_is_the_default_bind():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1" == DEFAULT_HOST
     assert args.api_key is None and args.max_request_bytes == 1 << 20 and args.max_concurrent_requests == 256
+    assert args.header_timeout == 10.0 and args.max_connections == 512 and args.max_queued_prompt_tokens == 32768
+    assert args.prompt_special_tokens == "parse"
 
 
 @pytest.mark.parametrize("method, path", [
