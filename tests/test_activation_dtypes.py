@@ -90,3 +90,85 @@ def test_bf16_policy_follows_compute_capability():
         else:
             with pytest.raises(DeviceError, match="--activation-dtype f16"):
                 check_dtype_supported(device, torch.bfloat16)
+
+
+# --- float32 means float32 (issue 20) ---------------------------------------------------
+# Greedy continuations of the default CPU path against transformers loading the same GGUF
+# in float32, on prompts no other test uses. A greedy token is only determined where the
+# reference's top-1/top-2 margin is clear of rounding, so each continuation is compared
+# up to the first position whose reference margin is below MARGIN: there, every token must
+# agree, for the request alone and inside a batch with long fillers (whose prefill chunks
+# share steps with its decode rows, so its rows see both the GEMV and the GEMM path).
+
+FRESH_PROMPTS = [
+    "A lighthouse keeper counted the ships that passed each night, and",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    "The recipe calls for three eggs, a cup of flour and",
+    "In 1854 the cholera outbreak in London was traced to",
+    "Q: Why do cats purr?\nA:",
+    "Translate to French: The library opens at nine in the morning.\nFrench:",
+]
+FILLERS = [
+    "Write a long and detailed history of the printing press, from movable type in East Asia "
+    "to Gutenberg's workshop in Mainz and the spread of print shops across Europe. " * 12,
+    "Explain, step by step and with examples, how a compiler turns source code into machine "
+    "code: lexing, parsing, type checking, optimisation and code generation. " * 12,
+]
+MARGIN = 0.01
+NEW_TOKENS = 24
+
+
+def _transformers_greedy(path, prompts_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and the top-1/top-2 logit margin at each, from transformers in f32."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
+    out = []
+    for ids in prompts_ids:
+        seq, margins = list(ids), []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(torch.tensor([seq])).logits[0, -1].float()
+                top2 = torch.topk(logits, 2).values
+                margins.append(float(top2[0] - top2[1]))
+                seq.append(int(logits.argmax()))
+        out.append((seq[len(ids):], margins))
+    return out
+
+
+def _determined(ref: tuple[list[int], list[float]]) -> int:
+    """How many leading reference tokens have a margin of at least MARGIN."""
+    tokens, margins = ref
+    return next((i for i, m in enumerate(margins) if m < MARGIN), len(tokens))
+
+
+def _greedy_agreement(llm, refs, ids) -> tuple[list, list]:
+    from minivllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].token_ids for p in ids]
+    # The prompts first, then the fillers (each longer than a step's token budget): the
+    # prompts' decode rows share their first steps with the fillers' prefill chunks.
+    fillers = [llm.tokenizer.encode(f) for f in FILLERS]
+    outs = llm.generate(ids + fillers, [params] * len(ids) + [SamplingParams(temperature=0.0, max_tokens=4)] * 2)
+    return alone, [o.token_ids for o in outs[:len(ids)]]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_float32_greedy_matches_transformers_alone_and_batched(smollm2_path):
+    from minivllm import LLM
+
+    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", progress=False)  # the default path
+    ids = [llm.tokenizer.encode(p) for p in FRESH_PROMPTS]
+    assert sum(map(len, ids)) + len(llm.tokenizer.encode(FILLERS[0])) > llm.engine.config.max_batched_tokens
+    refs = _transformers_greedy(smollm2_path, ids, NEW_TOKENS)
+    alone, batched = _greedy_agreement(llm, refs, ids)
+    checked = 0
+    for prompt, ref, a, b in zip(FRESH_PROMPTS, refs, alone, batched):
+        n = _determined(ref)
+        checked += n
+        assert list(a[:n]) == ref[0][:n], f"alone, {prompt!r}: {list(a[:n])} vs {ref[0][:n]}"
+        assert list(b[:n]) == ref[0][:n], f"batched, {prompt!r}: {list(b[:n])} vs {ref[0][:n]}"
+    assert checked >= NEW_TOKENS * len(FRESH_PROMPTS) // 2  # most positions are determined
+    kinds = llm.snapshot()["kernels"]["gemv_kinds"]
+    assert set(kinds) <= {"cpu-f32-avx512", "cpu-f32-avx2", "cpu-float32-torch"}, kinds  # nothing below f32

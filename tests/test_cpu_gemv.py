@@ -1,0 +1,174 @@
+"""The compiled float32 CPU GEMV (kernels/cpu_gemv.cpp) against the torch dequantization.
+
+References: minivllm's torch dequantization (bit-exact with gguf.quants, test_dequant.py)
+and a float64 matmul of its weights. The kernel's only rounding is float32 accumulation,
+so the bound is the classical one for a K-term float32 dot product: |error| <=
+K * 2^-24 * sum_k |x_k w_k| (plus the decoded weights being exact, checked bit for bit
+through the identity matrix). A wrong nibble, scale or offset gives errors of order
+sum |x w|, about 10^4 times the bound at K = 512.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from minivllm.gguf.reader import GGUFFile
+from minivllm.kernels import cpu_gemv
+from minivllm.kernels.quant_weight import QuantizedWeight
+from test_cpu_packed import _random_weight
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+U_F32 = 2.0**-24
+
+
+def _can_build() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return shutil.which("g++") is not None and all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+
+
+def test_the_extension_builds_where_it_can():
+    """Which path runs here: the compiled kernel wherever g++ and AVX2/FMA/F16C exist
+    (CI included: `make setup` needs nothing more), else the named torch fallback."""
+    if _can_build():
+        assert cpu_gemv.extension() is not None, cpu_gemv.unavailable_reason()
+        assert cpu_gemv.isa() in ("avx2", "avx512")
+        assert cpu_gemv.extension().vector_width() == {"avx2": 8, "avx512": 16}[cpu_gemv.isa()]
+    else:
+        assert cpu_gemv.extension() is None and cpu_gemv.unavailable_reason()
+
+
+needs_ext = pytest.mark.skipif(not _can_build(), reason="no g++ or no AVX2/FMA/F16C: the torch fallback runs")
+
+
+def _bound_check(w: QuantizedWeight, x: torch.Tensor, y: torch.Tensor) -> None:
+    W = w.dequantize(torch.float32).double()
+    ref = x.double() @ W.T
+    bound = w.shape[1] * U_F32 * (x.double().abs() @ W.abs().T)
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"{w.name}: error {float((err / bound).max()):.2f}x the f32 bound"
+
+
+@needs_ext
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_matches_float64_reference_within_f32_accumulation(qtype, rows):
+    k = 768 if qtype in (T.Q4_K, T.Q6_K) else 544  # odd block counts exercise the tails
+    w = _random_weight(qtype, 72, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = cpu_gemv.gemv(x, [w])[0]
+    assert y.dtype == torch.float32 and y.shape == (rows, 72)
+    _bound_check(w, x, y)
+
+
+@needs_ext
+@pytest.mark.parametrize("qtype", TYPES)
+def test_decoded_weights_are_bit_exact(qtype):
+    """x = I_K: each output is one product w * 1 plus zeros, so y.T is the decoded matrix."""
+    k = 256
+    w = _random_weight(qtype, 40, k, seed=7)
+    eye = torch.eye(k)
+    got = torch.cat([cpu_gemv.gemv(eye[i:i + 8], [w])[0] for i in range(0, k, 8)]).T
+    assert torch.equal(got, w.dequantize(torch.float32))
+
+
+@needs_ext
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
+def test_rows_are_bitwise_independent_of_the_batch(qtype):
+    """A row's sums run in an order fixed by K alone: alone, in 8 rows or in 17, the same bits."""
+    w = _random_weight(qtype, 64, 512, seed=2)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(3))
+    together = cpu_gemv.gemv(x, [w])[0]
+    for i in range(17):
+        assert torch.equal(cpu_gemv.gemv(x[i:i + 1], [w])[0][0], together[i])
+    assert torch.equal(cpu_gemv.gemv(x[:8], [w])[0], together[:8])
+
+
+@needs_ext
+def test_several_weights_in_one_call_equal_separate_calls():
+    ws = [_random_weight(T.Q4_1, 96, 512, seed=1), _random_weight(T.Q8_0, 32, 512, seed=2),
+          _random_weight(T.Q6_K, 48, 512, seed=3)]
+    x = torch.randn(2, 512)
+    for y, w in zip(cpu_gemv.gemv(x, ws), ws):
+        assert torch.equal(y, cpu_gemv.gemv(x, [w])[0])
+
+
+@needs_ext
+def test_thread_count_does_not_change_the_bits():
+    w = _random_weight(T.Q4_0, 200, 512, seed=4)
+    x = torch.randn(3, 512)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemv.gemv(x, [w])[0]
+        torch.set_num_threads(2)
+        two = cpu_gemv.gemv(x, [w])[0]
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def _real(path, name: str) -> QuantizedWeight:
+    f = GGUFFile(path)
+    info = f.tensor_info(name)
+    return QuantizedWeight(f.tensor_bytes(name), info.ggml_type, tuple(info.shape), name)
+
+
+@needs_ext
+@pytest.mark.parametrize("model, name", [
+    ("smollm2", "blk.0.attn_k.weight"), ("smollm2", "blk.3.ffn_down.weight"), ("smollm2", "token_embd.weight"),
+    ("qwen05", "blk.0.ffn_gate.weight"), ("qwen05", "blk.0.attn_v.weight"), ("qwen05", "blk.0.ffn_down.weight"),
+    ("qwen05", "blk.11.ffn_down.weight"),
+])  # fmt: skip
+def test_real_model_tensors(model, name, smollm2_path, qwen05_path):
+    w = _real(smollm2_path if model == "smollm2" else qwen05_path, name)
+    assert w.ggml_type in cpu_gemv.F32_GEMV_TYPES
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0))
+    _bound_check(w, x, cpu_gemv.gemv(x, [w])[0])
+
+
+def test_torch_fallback_when_the_kernel_is_disabled(smollm2_path):
+    """MINIVLLM_CPU_GEMV=torch stands in for a machine without a compiler: the engine
+    says it runs the dense float32 path, and still generates."""
+    code = (
+        "from minivllm import LLM, SamplingParams\n"
+        "from minivllm.kernels import cpu_gemv\n"
+        f"llm = LLM({str(smollm2_path)!r}, device='cpu', dtype='float32', progress=False, max_model_len=64)\n"
+        "out = llm.generate(['Hello'], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]\n"
+        "print(sorted(llm.snapshot()['kernels']['gemv_kinds']), len(out.token_ids), cpu_gemv.unavailable_reason())\n"
+    )
+    env = {**os.environ, "MINIVLLM_CPU_GEMV": "torch"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "['cpu-float32-torch'] 3 disabled by MINIVLLM_CPU_GEMV=torch"
+
+
+@needs_ext
+def test_avx2_build_where_avx512_is_the_default(tmp_path):
+    """The AVX2 variant (what an AVX2-only CI machine builds) gives the same bounded results."""
+    if cpu_gemv.isa() != "avx512":
+        pytest.skip("this machine already builds the AVX2 variant")
+    code = (
+        "import sys, torch\nsys.path.insert(0, 'tests')\n"
+        "from test_cpu_packed import _random_weight\nfrom test_cpu_gemv import TYPES, _bound_check\n"
+        "from minivllm.kernels import cpu_gemv\n"
+        "assert cpu_gemv.isa() == 'avx2', cpu_gemv.unavailable_reason()\n"
+        "for t in TYPES:\n"
+        "    w = _random_weight(t, 40, 512, seed=1)\n"
+        "    for m in (1, 5):\n"
+        "        x = torch.randn(m, 512)\n"
+        "        _bound_check(w, x, cpu_gemv.gemv(x, [w])[0])\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "MINIVLLM_CPU_GEMV_ISA": "avx2"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
