@@ -224,3 +224,38 @@ def test_throughput_tracker_records_step_latency():
     tr.update(snap(2.0, 10, 5, 0.02))  # idle: the same step again is not a new measurement
     tr.update(snap(3.0, 30, 9, 0.05))
     assert tr.step_ms == {"w": [(1.0, 20.0), (3.0, 50.0)]}
+
+
+def test_throughput_is_smooth_when_polls_outpace_snapshots():
+    """Snapshots every 0.25 s polled at 10 Hz: no saw-tooth between 0 and spikes."""
+    tr = ThroughputTracker()
+    snap = lambda t, d: {"time": t, "workers": [{"name": "w", "snapshot": {"counters": {"decode_tokens": d,
+                                                                                          "prefill_tokens": 0}}}]}
+    for i in range(60):
+        t = i * 0.1
+        series = tr.update(snap(t, int(t / 0.25) * 10))  # 40 tok/s, counted in steps of 10
+    rates = [v for t, v, _ in series["w"] if t >= 2.0]
+    assert min(rates) > 30 and max(rates) < 50
+
+
+def test_small_views_say_what_they_mean():
+    from minivllm_widgets.composer import composer_html
+    from minivllm_widgets.html_views import queues_html, router_html, throughput_svg
+    from minivllm_widgets.launcher import Launcher
+
+    idle = queues_html({"cpu": {"state": "ready", "device": "cpu", "requests": []}})
+    assert "preempted</div>" in idle and "idle" in idle  # not "0 preemptedidle"
+    decision = {"request_id": "r1", "policy": "cost", "reason": "cost", "chosen": "a", "candidates": [
+        {"worker": "a", "healthy": True, "active": 1, "queued": 0, "cached": 16, "prefill_s": 0.00012272300000404357,
+         "decode_s": 2.0, "finish_s": 2.5, "score": 2.5}]}
+    router = router_html({"policy": "cost", "decisions": [decision]})
+    assert "123 µs" in router and "2 s" in router and "16 tokens" in router and "0.000122723" not in router
+    chart = throughput_svg({"w": [(0.0, 10.0, 0.0), (30.0, 20.0, 0.0)]})
+    assert "now" in chart and "-30 s" in chart and "tok/s" in chart
+    rows = (None, (("r1", "cpu", "", "stop", 0, "completion"), ("r2", "cpu", "a\nb", "length", 2, "chat")))
+    shown = composer_html(rows)
+    assert "0 tokens: the model ended at once" in shown and "try chat" in shown and "pre-wrap" in shown
+    launcher = Launcher("smollm2-135m", ["cpu:1", "cpu:1"])
+    assert launcher.options()["devices"] == ["cpu:1", "cpu:1"]
+    launcher.cpu_count.value, launcher.cpu_threads.value = 3, 0
+    assert launcher.options()["devices"] == ["cpu", "cpu", "cpu"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from minivllm.devices import DTYPE_CHOICES
 from minivllm.models import DEFAULT_MODEL
@@ -51,7 +52,8 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
 def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
     """Prefix-cache options (see cache/prefix_index.py and cache/flight_coordinator.py)."""
     p.add_argument("--prefix-cache", choices=("off", "on"), default=None,
-                   help="share full KV pages between requests with a common prefix (default: on with --kv-mode paged)")
+                   help="share full KV pages between requests with a common prefix (default: on, except for "
+                        "generate's --kv-mode contiguous)")
     p.add_argument("--publication", choices=("at_completion", "incremental"), default="incremental",
                    help="when a request's full pages become reusable (default incremental: after each forward)")
     p.add_argument("--single-flight", choices=("off", "at_completion", "after_prefill"), default="off",
@@ -110,15 +112,24 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = llm.chat_prompt(messages)
     else:
         sys.stdout.write(prompt)
-    last = None
+    last, tokens, first_at = None, 0, None
+    started = time.perf_counter()
     for event in llm.stream(prompt, params):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         last = event
+        if event.token_id >= 0:
+            tokens += 1
+            first_at = first_at or time.perf_counter()
+    ended = time.perf_counter()
     sys.stdout.write("\n")
     if not args.quiet and last is not None:
         info = llm.info()
-        print(f"[{info['device']}, {info['activation_dtype']}] finish={last.finish_reason}", file=sys.stderr)
+        # The first token closes the prefill; decode speed counts the tokens after it.
+        ttft = (first_at or ended) - started
+        decode = (tokens - 1) / (ended - first_at) if tokens > 1 and first_at and ended > first_at else 0.0
+        print(f"[{info['device']}, {info['activation_dtype']}] finish={last.finish_reason} tokens={tokens} "
+              f"ttft={ttft:.3f}s decode={decode:.1f} tok/s", file=sys.stderr)
         if llm.draft is not None:
             s = llm.snapshot()["speculative"]
             rate = s["acceptance_rate"]

@@ -27,6 +27,17 @@ def _fmt(v, spec: str = ".3f") -> str:
     return "–" if v is None else format(v, spec)
 
 
+def _secs(v) -> str:
+    """Seconds with a unit, 3 significant digits (0.000123 -> '123 µs')."""
+    if v is None:
+        return "–"
+    if abs(v) < 1e-3:
+        return f"{v * 1e6:.3g} µs"
+    if abs(v) < 1:
+        return f"{v * 1e3:.3g} ms"
+    return f"{v:.3g} s"
+
+
 def queues_html(view: dict) -> str:
     parts = []
     for name, w in view.items():
@@ -38,8 +49,9 @@ def queues_html(view: dict) -> str:
                  str(r["prompt_tokens"]), str(r["restored_tokens"]), str(r["output_tokens"]), str(r["flight"] or "")]
                 for r in w["requests"][:24]]
         more = f"<div>… {len(w['requests']) - 24} more</div>" if len(w["requests"]) > 24 else ""
-        table = _table(["request", "queue", "phase", "progress", "prompt", "restored", "output", "flight"], rows) if rows else "<i>idle</i>"
-        parts.append(f"<div style='margin-bottom:8px'>{title}{table}{more}</div>")
+        table = (_table(["request", "queue", "phase", "progress", "prompt", "restored", "output", "flight"], rows)
+                 if rows else "<div><i>idle: no request running or waiting</i></div>")
+        parts.append(f"<div style='margin-bottom:8px'><div>{title}</div>{table}{more}</div>")
     return "".join(parts) or "<i>no workers</i>"
 
 
@@ -74,11 +86,12 @@ def router_html(view: dict) -> str:
         for c in d["candidates"]:
             mark = "✔ " if c["worker"] == d["chosen"] else ""
             state = "" if c["healthy"] else " (down)"
-            cells.append(f"{mark}{html.escape(c['worker'])}{state}: {c['active']}/{c['queued']} act/queued, "
-                         f"cached {c['cached']}, prefill {_fmt(c['prefill_s'])} + decode {_fmt(c['decode_s'])}"
-                         f" (finish {_fmt(c['finish_s'])}) → <b>{_fmt(c['score'])}</b>")
+            cells.append(f"{mark}{html.escape(c['worker'])}{state}: {c['active']} active / {c['queued']} queued, "
+                         f"cached {c['cached']} tokens, prefill {_secs(c['prefill_s'])} + decode {_secs(c['decode_s'])}"
+                         f" (finish {_secs(c['finish_s'])}) → <b>{_secs(c['score'])}</b>")
         rows.append([html.escape(d["request_id"]), html.escape(d["reason"]), "<br>".join(cells), html.escape(d["chosen"])])
-    table = _table(["request", "reason", "candidates (score s = max(prefill + decode, finish))", "chosen"], rows)
+    table = _table(["request", "reason", "candidates (score = max(prefill + decode, finish), seconds; lowest wins)",
+                    "chosen"], rows)
     return f"<div>router: <b>{html.escape(view['policy'])}</b></div>" + (table if rows else "<i>no decisions yet</i>")
 
 
@@ -101,7 +114,7 @@ def speculative_html(view: dict) -> str:
 def throughput_svg(series: dict, width: int = 420, height: int = 90, *, label: str = "decode tokens/s",
                    unit: str = "tok/s") -> str:
     """Decode tok/s per worker over the last polls (or any (t, value, _) series), as an
-    inline SVG line chart."""
+    inline SVG line chart with a time axis (seconds before the newest point) and a y scale."""
     palette = ["#4285f4", "#ea4335", "#34a853", "#fbbc05", "#9c27b0"]
     points = [v for s in series.values() for _, v, _ in s]
     if not points:
@@ -110,15 +123,29 @@ def throughput_svg(series: dict, width: int = 420, height: int = 90, *, label: s
     t0 = min(t for s in series.values() for t, _, _ in s)
     t1 = max(t for s in series.values() for t, _, _ in s)
     span = (t1 - t0) or 1.0
+    left, bottom = 40, 14  # room for the y labels and the time axis
+    plot_w, plot_h = width - left - 5, height - bottom - 5
+    x = lambda t: left + (t - t0) / span * plot_w  # noqa: E731
+    y = lambda v: 5 + plot_h - v / top * plot_h  # noqa: E731
     lines, legend = [], []
     for i, (name, s) in enumerate(series.items()):
         colour = palette[i % len(palette)]
-        xy = " ".join(f"{(t - t0) / span * (width - 10) + 5:.1f},{height - 5 - v / top * (height - 15):.1f}" for t, v, _ in s)
+        xy = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v, _ in s)
         lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{xy}"/>')
         last = s[-1][1] if s else 0.0
         legend.append(f'<span style="color:{colour}">■ {html.escape(name)} {last:.1f} {unit}</span>')
-    return (f'<div style="font:12px sans-serif">{html.escape(label)} (max {top:.1f}) {" ".join(legend)}</div>'
-            f'<svg width="{width}" height="{height}" style="background:#fafafa">{"".join(lines)}</svg>')
+    text = 'font-size="9" fill="#666" font-family="sans-serif"'
+    axes = [f'<line x1="{left}" x2="{left}" y1="5" y2="{5 + plot_h}" stroke="#bbb"/>',
+            f'<line x1="{left}" x2="{width - 5}" y1="{5 + plot_h}" y2="{5 + plot_h}" stroke="#bbb"/>',
+            f'<text x="{left - 3}" y="12" text-anchor="end" {text}>{top:.3g}</text>',
+            f'<text x="{left - 3}" y="{5 + plot_h}" text-anchor="end" {text}>0</text>']
+    for k in range(5):  # time ticks: seconds before now
+        tx = left + k / 4 * plot_w
+        ago = span * (1 - k / 4)
+        axes.append(f'<text x="{tx:.1f}" y="{height - 2}" text-anchor="middle" {text}>'
+                    f'{"now" if k == 4 else f"-{ago:.0f} s"}</text>')
+    return (f'<div style="font:12px sans-serif">{html.escape(label)} ({unit}, last {span:.0f} s) {" ".join(legend)}</div>'
+            f'<svg width="{width}" height="{height}" style="background:#fafafa">{"".join(axes)}{"".join(lines)}</svg>')
 
 
 def latency_svg(step_ms: dict, width: int = 420, height: int = 70) -> str:
@@ -127,4 +154,4 @@ def latency_svg(step_ms: dict, width: int = 420, height: int = 70) -> str:
     series = {name: [(t, v, 0.0) for t, v in s] for name, s in step_ms.items() if s}
     if not series:
         return ""
-    return throughput_svg(series, width=width, height=height, label="step latency (ms)", unit="ms")
+    return throughput_svg(series, width=width, height=height, label="step latency", unit="ms")

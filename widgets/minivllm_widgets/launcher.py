@@ -23,12 +23,24 @@ def detected_devices() -> list[str]:
     return ["cpu"] + [f"cuda:{i}" for i in range(gpus)]
 
 
+def cpu_workers(count: int, threads: int) -> list[str]:
+    """`--inference-device` entries for `count` CPU workers: "cpu" (threads chosen by the
+    cluster) when `threads` is 0, else "cpu:THREADS" each."""
+    return [f"cpu:{threads}" if threads else "cpu"] * max(0, count)
+
+
 class Launcher:
     def __init__(self, model: str = "smollm2-135m", devices: list[str] | None = None, **defaults):
         found = detected_devices()
-        chosen = set(devices or found[:1])
+        chosen = list(devices or found[:1])
+        cpus = [d for d in chosen if d == "cpu" or d.startswith("cpu:")]
+        threads = next((int(d.split(":")[1]) for d in cpus if ":" in d), 0)
         self.model = W.Text(value=model, description="model", placeholder="name, .gguf path or hub id")
-        self.devices = {d: W.Checkbox(value=d in chosen, description=d, indent=False) for d in found}
+        # Several CPU workers (each its own process and engine) need a count, not a checkbox.
+        self.cpu_count = W.BoundedIntText(value=len(cpus), min=0, max=16, description="CPU workers")
+        self.cpu_threads = W.BoundedIntText(value=threads, min=0, max=512, description="threads each",
+                                            tooltip="0 = let the cluster split the free cores")
+        self.devices = {d: W.Checkbox(value=d in chosen, description=d, indent=False) for d in found if d != "cpu"}
         self.dtype = W.Dropdown(options=["auto", "f32", "f16", "bf16"], value=defaults.get("dtype", "auto"),
                                 description="activations")
         self.kv_mode = W.Dropdown(options=["paged", "contiguous"], value="paged", description="KV mode")
@@ -49,7 +61,7 @@ class Launcher:
         self.status = W.HTML("<i>not running</i>")
         self.widget = W.VBox([
             W.HBox([self.model, self.dtype]),
-            W.HBox([W.Label("devices")] + list(self.devices.values())),
+            W.HBox([self.cpu_count, self.cpu_threads, W.Label("GPUs")] + list(self.devices.values())),
             W.HBox([self.kv_mode, self.page_size, self.max_model_len]),
             W.HBox([self.prefix_cache, self.publication, self.single_flight]),
             W.HBox([self.draft_model, self.draft_policy, self.tv_budget]),
@@ -57,7 +69,8 @@ class Launcher:
             W.HBox([self.launch, self.stop]), self.status])
 
     def options(self) -> dict:
-        devices = [d for d, box in self.devices.items() if box.value]
+        devices = cpu_workers(self.cpu_count.value, self.cpu_threads.value) + [
+            d for d, box in self.devices.items() if box.value]
         paged = self.kv_mode.value == "paged"
         opts = {"model": self.model.value.strip(), "devices": devices, "dtype": self.dtype.value,
                 "router": self.router.value, "kv_mode": self.kv_mode.value, "page_size": self.page_size.value,
@@ -93,7 +106,7 @@ class ClusterRunner:
 
         try:
             if not options.get("devices"):
-                raise ValueError("tick at least one device")
+                raise ValueError("no worker chosen: set CPU workers to 1 or more, or tick a GPU")
             model = options.pop("model")
             devices = options.pop("devices")
             cluster = Cluster(model, devices, on_progress=self._on_progress, **options)

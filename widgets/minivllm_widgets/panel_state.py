@@ -73,13 +73,19 @@ def speculative_view(snapshot: dict) -> dict:
 
 
 class ThroughputTracker:
-    """Tokens/s per worker over time, from the engines' cumulative counters between polls,
-    and step latency (the last step's wall time: what every running request waited for
-    its next token)."""
+    """Tokens/s per worker over time, from the engines' cumulative counters, and step
+    latency (the last step's wall time: what every running request waited for its next
+    token).
 
-    def __init__(self, window: int = 120):
+    Workers send a snapshot every 0.25 s while the dashboard polls up to 20 times a second,
+    so most polls see unchanged counters: differencing consecutive polls would saw-tooth
+    between 0 and spikes. Each rate is taken over a trailing window instead (`smooth_s`,
+    from the oldest sample at least that old), which spans several snapshots."""
+
+    def __init__(self, window: int = 600, smooth_s: float = 2.0):
         self.window = window
-        self._last: dict[str, tuple[float, int, int]] = {}
+        self.smooth_s = smooth_s
+        self._samples: dict[str, list[tuple[float, int, int]]] = {}  # (t, decode, prefill) within smooth_s
         self.series: dict[str, list[tuple[float, float, float]]] = {}  # (t, decode tok/s, prefill tok/s)
         self.step_ms: dict[str, list[tuple[float, float]]] = {}  # (t, last step's duration in ms)
 
@@ -91,17 +97,26 @@ class ThroughputTracker:
                 continue
             c = snap["counters"]
             decode, prefill = c["decode_tokens"], c["prefill_tokens"]
-            prev = self._last.get(w["name"])
-            self._last[w["name"]] = (t, decode, prefill)
+            samples = self._samples.setdefault(w["name"], [])
+            prev = samples[-1] if samples else None
             step = snap.get("last_step") or {"index": 0}
             if step["index"] and (prev is None or decode != prev[1] or prefill != prev[2]):
                 lat = self.step_ms.setdefault(w["name"], [])
                 lat.append((t, 1000.0 * step["duration_s"]))
                 del lat[:-self.window]
-            if prev is None or t <= prev[0] or decode < prev[1]:
-                continue  # first sight, or the worker restarted (counters reset)
-            dt = t - prev[0]
+            if prev is not None and (t <= prev[0] or decode < prev[1]):
+                if decode < prev[1]:  # the worker restarted (counters reset): start over
+                    samples[:] = [(t, decode, prefill)]
+                continue
+            samples.append((t, decode, prefill))
+            # the newest sample at least smooth_s old is the window's start; older ones go
+            while len(samples) > 2 and t - samples[1][0] >= self.smooth_s:
+                samples.pop(0)
+            if len(samples) < 2:
+                continue  # first sight
+            t0, d0, p0 = samples[0]
+            dt = t - t0
             series = self.series.setdefault(w["name"], [])
-            series.append((t, (decode - prev[1]) / dt, (prefill - prev[2]) / dt))
+            series.append((t, (decode - d0) / dt, (prefill - p0) / dt))
             del series[:-self.window]
         return {name: list(s) for name, s in self.series.items()}
