@@ -324,8 +324,8 @@ def random_token_ids(n: int, vocab_size: int = 512, seed: int = 1234) -> list[in
     return rng.integers(0, vocab_size - len(SPECIAL_TOKENS), n).tolist()
 
 
-def load_minivllm(path: str | Path, device: str = "cpu", dtype: Any = None, gemv_max_rows: int = 0):
-    """Load with the float32 dense GEMM path by default (gemv_max_rows=0): the path the
+def load_minivllm(path: str | Path, device: str = "cpu", dtype: Any = None, gemv_max_rows: int | None = None):
+    """Load with the default kernels (float32 on every path for a float32 model): what the
     transformers comparisons pin at rounding level."""
     import torch
 

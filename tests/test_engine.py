@@ -42,10 +42,9 @@ from minivllm.errors import ConfigError
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 NEAR_TIE = 1e-4  # top-2 logit margin below which a flipped greedy token is tolerated
 MAX_MODEL_LEN = 128  # keeps contiguous "pages" (one whole sequence each) small
-# GEMM_ONLY: the reference and the engine both run every matmul through the float32
-# dense GEMM (gemv_max_rows=0). The quantized GEMV path rounds differently on purpose
-# (bf16 int4 packs on CPU); it has its own tests (test_cpu_packed, test_gemv_dispatch),
-# and test_batch_invariance covers bit-identical batching.
+# The reference and the engine run the default float32 kernels (GEMV for small row sets,
+# GEMM above gemv_max_rows). Both are float32 sums in different orders, hence NEAR_TIE;
+# test_batch_invariance covers bit-identical batching.
 
 
 # -- fixtures ----------------------------------------------------------------------------
@@ -56,13 +55,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    return LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False,
-               gemv_max_rows=0)
+    return LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False)
 
 
 def make_engine(llm, **config) -> LLMEngine:
     config.setdefault("max_model_len", MAX_MODEL_LEN)
-    config.setdefault("gemv_max_rows", 0)  # see GEMM_ONLY
     return LLMEngine(llm.model, llm.tokenizer, EngineConfig(**config))
 
 
@@ -277,8 +274,7 @@ def tiny(tmp_path_factory):
     gguf = GGUFFile(path)
     from minivllm.kernels.kernel_options import KernelOptions
 
-    model = load_model(gguf, torch.device("cpu"), torch.float32, progress=False,
-                       kernel_options=KernelOptions(gemv_max_rows=0))  # GEMM_ONLY
+    model = load_model(gguf, torch.device("cpu"), torch.float32, progress=False, kernel_options=KernelOptions())
     return model, Tokenizer.from_gguf(gguf)
 
 
@@ -335,7 +331,7 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
                  else max(1, data.draw(st.integers(8, 72), label="pool tokens") // page_size))
     prefix_cache = kv_mode == "paged" and data.draw(st.booleans(), label="prefix_cache")
     engine = LLMEngine(model, tokenizer, EngineConfig(
-        gemv_max_rows=0, kv_mode=kv_mode, page_size=page_size, max_model_len=TINY_MAX_MODEL_LEN,
+        kv_mode=kv_mode, page_size=page_size, max_model_len=TINY_MAX_MODEL_LEN,
         kv_memory_bytes=num_pages * page_bytes(model, slots),
         max_batched_tokens=data.draw(st.integers(1, 32), label="max_batched_tokens"),
         max_active_requests=data.draw(st.integers(1, 4), label="max_active_requests"),
@@ -593,7 +589,8 @@ SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "pr
 PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_pages", "in_use_pages", "cached_tokens",
                "lookups", "hits", "hit_rate", "restored_tokens", "published_pages", "duplicate_pages", "evicted_pages",
                "flights", "released", "flight_counters"}
-KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cuda_graphs", "weight_bytes", "gemv_kinds"}
+KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cpu_gemv", "cuda_graphs", "weight_bytes",
+               "gemv_kinds"}
 ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_mode", "page_size", "max_model_len",
                "max_batched_tokens", "max_active_requests", "policy"}
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}

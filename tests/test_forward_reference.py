@@ -32,10 +32,9 @@ def _max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(scope="module", params=["smollm2", "qwen05"])
 def pair(request, smollm2_path, qwen05_path):
     path = smollm2_path if request.param == "smollm2" else qwen05_path
-    # gemv_max_rows=0: every matmul takes the float32 dense GEMM, the path this file pins
-    # to transformers at float32 rounding level (the quantized GEMV path is held to its
-    # own bounds in test_cpu_packed / test_triton_gemv).
-    llm = LLM(str(path), device="cpu", dtype="float32", progress=False, gemv_max_rows=0)
+    # The default kernels: float32 means float32 on every path (decode rows take the f32
+    # GEMV of cpu_gemv.cpp, prompts the f32 GEMM), so the defaults are what this file pins.
+    llm = LLM(str(path), device="cpu", dtype="float32", progress=False)
     ref = _transformers_model(path)
     yield request.param, llm, ref
     del llm, ref
