@@ -90,7 +90,7 @@ def main():
     columns = ["limit", "round", "short_ok", "short_ttft_p50_s", "short_ttft_p99_s", "short_ttft_max_s", "long_ok",
                "long_429", "long_ttft_p50_s"]
     paths = write_results("admission-burst", provenance("cpu", sha256_file(model_path), settings), rows, columns,
-                          notes=__doc__.split("\n\n")[1])
+                          notes=__doc__.split("\n\n")[2])
     print(*paths)
 
 
