@@ -101,6 +101,53 @@ def test_slow_and_silent_clients_are_closed_after_the_header_timeout(cluster):
         srv.stop()
 
 
+def test_a_body_sent_slowly_gets_a_408_and_the_connection_is_closed(cluster):
+    """Complete headers, then the body one byte every 50 ms: the body deadline closes it."""
+    srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=HEADER_TIMEOUT_S))
+    try:
+        body = b'{"prompt": "' + b"a" * 4000 + b'", "max_tokens": 2}'
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+
+        async def drill():
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(head)
+            await writer.drain()
+            started, sent = time.monotonic(), 0
+
+            async def dribble():
+                nonlocal sent
+                try:
+                    while sent < len(body):
+                        writer.write(body[sent:sent + 1])
+                        await writer.drain()
+                        sent += 1
+                        await asyncio.sleep(0.05)
+                except (ConnectionError, OSError):
+                    pass
+
+            sender = asyncio.create_task(dribble())
+            received = b""
+            try:
+                while chunk := await reader.read(65536):
+                    received += chunk
+            except (ConnectionError, OSError):
+                pass
+            after = time.monotonic() - started
+            sender.cancel()
+            writer.close()
+            return received, after, sent
+
+        received, after, sent = asyncio.run(drill())
+        print(f"slow body closed after {after:.2f} s (timeout {HEADER_TIMEOUT_S} s)")
+        assert received.startswith(b"HTTP/1.1 408 "), received[:200]
+        assert b"did not arrive" in received and b"--header-timeout" in received
+        assert HEADER_TIMEOUT_S <= after + 0.05 and after <= HEADER_TIMEOUT_S + MARGIN_S, after
+        assert sent < len(body)
+    finally:
+        srv.stop()
+
+
 def test_connections_over_the_cap_get_a_503_and_are_closed(cluster):
     cap = 8
     srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=600.0, max_connections=cap))

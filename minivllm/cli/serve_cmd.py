@@ -54,8 +54,9 @@ def add_serve_parser(subparsers) -> None:
                    help="generation requests at once, streams included; more get a 429 "
                         f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                   help="seconds a connection waiting for a request may take to send complete headers before it "
-                        f"gets a 408 and is closed; slow and idle clients cannot hold sockets (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+                   help="seconds a connection waiting for a request may take to send complete headers, and then "
+                        "its body, before it gets a 408 and is closed; slow and idle clients cannot hold sockets "
+                        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at once; more get a 503 and are closed at accept "
                         f"(default {DEFAULT_MAX_CONNECTIONS})")

@@ -81,7 +81,8 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     # Added innermost first: the key is checked before a body is read, the body's size
     # before it is parsed, and only then does a request take a generation slot.
     app.add_middleware(ConcurrencyLimit, limit=limits.max_concurrent_requests, on_reject=reject)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, on_reject=reject)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, on_reject=reject,
+                       timeout_s=limits.header_timeout_s)
     app.add_middleware(ApiKeyGuard, api_key=api_key, on_reject=reject)
 
     @app.exception_handler(StarletteHTTPException)

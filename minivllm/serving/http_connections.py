@@ -7,9 +7,9 @@ on uvicorn's own h11 protocol class (`uvicorn.Config(http=...)` takes a class):
 
 - `header_timeout_s`: once a connection is waiting for a request (just accepted, or
   after a response on a kept-alive connection), the request's headers must be complete
-  within this many seconds, or the server answers 408 and closes it. A request whose
-  headers arrived is not affected, however long its body or its stream takes (the body
-  size limit and the client's disconnect cover those).
+  within this many seconds, or the server answers 408 and closes it. Its body then gets
+  as long again (`http_guards.BodySizeLimit`, same 408 and close); a response, however
+  long it streams, is not limited.
 - `max_connections`: a connection accepted while this many are open gets a 503 with
   Retry-After and is closed at once, before anything is read from it, so a flood of
   idle sockets cannot exhaust file descriptors or starve the event loop.

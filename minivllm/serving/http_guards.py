@@ -12,6 +12,7 @@ change it; none of them reaches a worker.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ class ServerLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     # connection guards (http_connections.py): request headers must be complete this many
-    # seconds after a connection starts waiting for a request; connections open at once
+    # seconds after a connection starts waiting for a request, and then the body this many
+    # seconds after the headers (BodySizeLimit); connections open at once
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
 
@@ -79,12 +81,15 @@ class ApiKeyGuard:
 
 class BodySizeLimit:
     """Reads a request body up to `max_bytes` before the app sees it; a larger body
-    (declared or actually sent, chunked or not) gets a 413 without being parsed."""
+    (declared or actually sent, chunked or not) gets a 413 without being parsed. A body
+    that has not all arrived `timeout_s` after its headers gets a 408 and the connection
+    is closed (the header-read timeout's counterpart for clients that dribble a body)."""
 
-    def __init__(self, app, max_bytes: int, on_reject=None):
+    def __init__(self, app, max_bytes: int, on_reject=None, timeout_s: float | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.timeout_s = timeout_s
 
     def _too_large(self, send, size: str):
         if self.on_reject:
@@ -102,8 +107,18 @@ class BodySizeLimit:
             await self._too_large(send, f"{int(declared)} bytes")
             return
         chunks, size = [], 0
+        deadline = None if self.timeout_s is None else asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await (receive() if deadline is None else
+                                 asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time())))
+            except asyncio.TimeoutError:
+                if self.on_reject:
+                    self.on_reject("body_timeout")
+                await send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s of its "
+                                            "headers (the server's --header-timeout); send the whole request at once",
+                                 "invalid_request_error", {"connection": "close"})
+                return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             chunk = message.get("body", b"")
