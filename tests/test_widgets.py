@@ -8,6 +8,7 @@ comm, so the bound holds for whatever the panels do internally.
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 import time
 import zlib
 
@@ -16,10 +17,11 @@ import pytest
 
 W = pytest.importorskip("ipywidgets")
 
+from conftest import REPO_ROOT
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm_widgets import Publisher, Workbench
-from minivllm_widgets.page_grid import COLOURS, grid_shape, render_page_grid
+from minivllm_widgets.page_grid import COLOURS, counts_from_codes, grid_layout, grid_shape, page_codes, render_page_grid
 from minivllm_widgets.panel_state import ThroughputTracker, kv_view, queues_view, router_view
 from minivllm_widgets.panels import default_panels
 
@@ -47,8 +49,11 @@ def decode_png(data: bytes) -> np.ndarray:
 
 
 def test_page_grid_pixels_follow_page_states():
-    states = ["free", "owned", "cached-idle", "shared", "shared"] + ["free"] * 20
-    refs = [0, 1, 1, 2, 5] + [0] * 20
+    # the pool's "shared" = cached and in use; the prefix index holds one of the references
+    states = ["free", "owned", "cached-idle", "shared", "shared", "shared"] + ["free"] * 20
+    refs = [0, 1, 1, 2, 3, 6] + [0] * 20
+    assert counts_from_codes(page_codes(states, refs)) == {
+        "free": 21, "owned": 1, "cached-idle": 1, "cached-in-use": 1, "shared": 2}
     img = decode_png(render_page_grid(states, refs, cell=4, columns=10))
     rows, cols = grid_shape(len(states), 10)
     assert img.shape == (rows * 5 + 1, cols * 5 + 1, 3)
@@ -58,9 +63,17 @@ def test_page_grid_pixels_follow_page_states():
         return tuple(int(v) for v in img[r * 5 + 3, c * 5 + 3])
 
     assert centre(0) == COLOURS["free"] and centre(1) == COLOURS["owned"] and centre(2) == COLOURS["cached-idle"]
-    assert centre(3) == COLOURS["shared"]  # two holders: the base colour
-    assert sum(centre(4)) < sum(centre(3))  # five holders: darker
+    assert centre(3) == COLOURS["cached-in-use"]  # cached, one request: nothing shared
+    assert centre(4) == COLOURS["shared"]  # two requests: the base colour
+    assert sum(centre(5)) < sum(centre(4))  # five requests: darker
     assert tuple(int(v) for v in img[0, 0]) == (255, 255, 255)  # the gap between cells
+
+
+def test_page_map_layout_is_fixed_width_and_at_most_300_px_tall():
+    for n in (1, 16, 1456, 10_000, 100_000):
+        pitch, columns, rows = grid_layout(n)
+        assert columns * pitch <= 600 and rows * pitch <= 300 and columns * rows >= n, (n, pitch, columns, rows)
+    assert grid_layout(1456)[0] >= 5 and grid_layout(10_000)[0] >= 3  # cells stay visible
 
 
 def fake_cluster_snapshot(llm: LLM, t: float, decisions=()) -> dict:
@@ -88,9 +101,11 @@ def test_views_follow_a_real_engine_snapshot(llm):
     assert row["queue"] == "running" and row["phase"] == "decode"
     assert row["output_tokens"] == len(req.output_ids) and row["progress"] == round(len(req.output_ids) / 8, 2)
     kv = kv_view(snap)["cpu"]
-    # published full pages are "shared" (the prefix cache holds them too), the tail page "owned"
-    assert kv["counts"].get("owned", 0) + kv["counts"].get("shared", 0) == len(req.block_table)
-    assert kv["counts"].get("shared", 0) == len(req.prompt_ids) // engine.pool.page_size
+    # one request: its published full pages are cached-in-use (one holder), the tail page
+    # owned, and nothing is shared
+    assert kv["counts"]["owned"] + kv["counts"]["cached-in-use"] == len(req.block_table)
+    assert kv["counts"]["cached-in-use"] == len(req.prompt_ids) // engine.pool.page_size
+    assert kv["counts"]["shared"] == 0
     assert sum(kv["counts"].values()) == kv["total"] == engine.pool.num_pages
     engine.abort(rid)
     engine.requests.pop(rid)
@@ -143,8 +158,8 @@ def test_publisher_sends_nothing_when_nothing_changed_and_only_what_changed(llm,
     kv["page_states"][0] = "owned" if kv["page_states"][0] != "owned" else "free"
     current["snap"] = changed
     assert pub.poll_once() == 1  # only the KV panel
-    assert [name for name, _, _ in sent] == ["HTML", "Image"]  # caption + one binary PNG
-    assert sent[1][2] == 1  # the PNG travels as a binary buffer, not JSON
+    assert [name for name, _, _ in sent] == ["PageMap"]  # one message: state bytes + caption
+    assert sent[0][2] == 1  # the bytes travel as a binary buffer, not JSON
 
 
 def test_publisher_rate_is_bounded(llm, sent):
@@ -211,8 +226,51 @@ def test_divergence_explorer_shows_both_sides_and_topk(llm):
     last = report.records[-1].a
     assert f"chose {last.text!r}".replace("'", "&#x27;") in ex.topk.value
     assert "<svg" in ex.margins.value and "<svg" in report_html(report)
+    assert "The runs agree on all 6 generated tokens" in ex.summary.value
+    assert ex.model.disabled and Path(llm.info()["model_path"]).name in ex.model.value  # the LLM it runs
     ex.a.value = "gemv_max_rows"
     assert ex.run() is None and "KEY=VALUE" in ex.status.value  # a bad option is shown, not raised
+    assert ex.report is None and ex.tokens.value == "" and ex.summary.value == ""  # the old report is gone
+
+
+def _committed_report():
+    """The committed GEMM-vs-GEMV case, as the DivergenceReport it was saved from."""
+    import json as _json
+
+    from minivllm.debug.divergence_report import (DivergenceReport, FirstDivergence, LayerDiff, PositionRecord,
+                                                  ReplayCheck, SideToken, TopToken)
+
+    d = _json.loads((REPO_ROOT / "data" / "divergence" / "smollm2-gemm-vs-gemv.json").read_text())
+    side = lambda t: None if t is None else SideToken(t["token_id"], t["text"], [TopToken(**x) for x in t["top"]],
+                                                      t["margin"])
+    top = lambda t: None if t is None else TopToken(**t)
+    fd = d["first_divergence"]
+    return DivergenceReport(**{
+        **d, "records": [PositionRecord(r["position"], side(r["a"]), side(r["b"])) for r in d["records"]],
+        "first_divergence": FirstDivergence(**{**fd, "a_token": top(fd["a_token"]), "b_token": top(fd["b_token"])}),
+        "layer_diffs": [LayerDiff(**x) for x in d["layer_diffs"]],
+        "replay": ReplayCheck(**d["replay"]) if d["replay"] else None})
+
+
+def test_explorer_explains_a_divergence_in_plain_words():
+    from minivllm_widgets.divergence import TIE_RULE, summary_sentence, tokens_html, topk_html
+
+    report = _committed_report()
+    fd = report.first_divergence
+    text = summary_sentence(report)
+    assert text.startswith(f"The runs agree for {fd.identical_tokens} tokens; at token {fd.position + 1} side a picks")
+    assert "logits" in text and "side b picks" in text and "hidden states already differed from" in text
+    assert "KV cache before the split" in text  # GEMM vs GEMV prefill: the prompt's rows already differ
+    chips = tokens_html(report)
+    assert chips.count("minivllm-chip") >= len(report.records) and "display:inline-block" in chips  # chips wrap
+    if fd.identical_tokens > 40:
+        assert "shared tokens folded" in chips
+    # an exact tie is called one, with the rule that broke it
+    rec = report.records[fd.position]
+    rec.a.margin = 0.0
+    rec.a.top[1].logit = rec.a.top[0].logit
+    assert "exact tie" in summary_sentence(report) and TIE_RULE in summary_sentence(report)
+    assert "exact tie" in topk_html(report, fd.position)
 
 
 def test_throughput_tracker_records_step_latency():
@@ -259,3 +317,94 @@ def test_small_views_say_what_they_mean():
     assert launcher.options()["devices"] == ["cpu:1", "cpu:1"]
     launcher.cpu_count.value, launcher.cpu_threads.value = 3, 0
     assert launcher.options()["devices"] == ["cpu", "cpu", "cpu"]
+
+
+def test_two_requests_on_one_prefix_share_its_pages(llm):
+    """A real prefix hit: while both run, the common full pages have two holders."""
+    engine = llm.engine
+    ps = engine.pool.page_size
+    common = llm.tokenizer.encode("You are a patient teacher. Explain one idea in a short paragraph, with one example. " * 3)
+    a = engine.add_request(common + llm.tokenizer.encode(" Gravity."), SamplingParams(temperature=0, max_tokens=32))
+    for _ in range(4):
+        engine.step()  # a's prompt is in and published (incremental publication)
+    b = engine.add_request(common + llm.tokenizer.encode(" Recursion."), SamplingParams(temperature=0, max_tokens=32))
+    engine.step()
+    try:
+        snap = fake_cluster_snapshot(llm, 1.0)
+        kv = kv_view(snap)["cpu"]
+        shared_pages = len(common) // ps
+        assert shared_pages >= 3
+        assert kv["counts"]["shared"] == shared_pages, kv["counts"]
+        assert kv["hits"] >= 1 and kv["restored_tokens"] >= shared_pages * ps
+        assert sum(kv["counts"].values()) == engine.pool.num_pages
+    finally:
+        for rid in (a, b):
+            engine.abort(rid)
+            engine.requests.pop(rid, None)
+
+
+def test_kv_map_costs_one_message_of_at_most_12_kb_at_10k_pages(llm, monkeypatch):
+    """The budget: one message per worker update, state bytes in a binary buffer."""
+    import json as _json
+
+    from minivllm_widgets.page_map_widget import PageMap
+    from minivllm_widgets.panels import KVPanel
+
+    assert PageMap is not None, "anywidget is part of the notebook extra"
+    sizes = []
+    original = W.Widget._send
+
+    def measuring(self, msg, buffers=None):
+        sizes.append((type(self).__name__, len(_json.dumps(msg, default=str)) + sum(len(b) for b in buffers or [])))
+        return original(self, msg, buffers)
+
+    monkeypatch.setattr(W.Widget, "_send", measuring)
+    rng = np.random.default_rng(0)
+    n = 10_000
+
+    def snapshot(seed_states):
+        snap = fake_cluster_snapshot(llm, 1.0)
+        states = [("free", "owned", "cached-idle", "shared")[i] for i in seed_states]
+        refs = [0 if s == "free" else 1 if s in ("owned", "cached-idle") else int(rng.integers(2, 6)) for s in states]
+        snap["workers"][0]["snapshot"]["kv"] = {**snap["workers"][0]["snapshot"]["kv"], "page_states": states,
+                                                "ref_counts": refs, "total_pages": n}
+        return snap
+
+    panel = KVPanel("browser")
+    states = rng.integers(0, 4, n)
+    view = panel.view(snapshot(states))
+    panel.render(view)
+    panel.last_view = view
+    sizes.clear()
+    states[: n // 2] = rng.integers(0, 4, n // 2)  # half the pages change at once
+    view = panel.view(snapshot(states))
+    panel.render(view)
+    assert [name for name, _ in sizes] == ["PageMap"], sizes
+    assert sizes[0][1] <= 12 * 1024, sizes
+    print(f"10k-page map update: one message of {sizes[0][1]} bytes")
+
+
+def test_views_after_completion_and_after_close(smollm2_path):
+    """Requests that returned are not shown running (static view included), and a closed
+    workbench keeps the cluster's final state under a "stopped" mark."""
+    from minivllm.serving import Cluster
+
+    cluster = Cluster(str(smollm2_path), ["cpu:1"], max_model_len=256, max_active_requests=4).start()
+    wb = Workbench(cluster=cluster)
+    try:
+        streams = [cluster.submit("Tell me about caches. " * 8 + t, SamplingParams(temperature=0, max_tokens=8))
+                   for t in ("One.", "Two.")]
+        for s in streams:
+            s.result(timeout=300)
+        static = wb.static_html()  # asks every worker for a fresh snapshot
+        assert "0 running" in static and ">running<" not in static, static[:2000]
+        wb.publisher.poll_once()  # the latest (possibly older) snapshot: the ledger says they ended
+        assert "0 running" in wb.panels[0].widget.value
+    finally:
+        wb.close()
+    assert wb.runner.phase == "stopped" and not cluster.started
+    assert "cluster stopped" in wb.live.widget.value
+    final = wb.runner.final_snapshot["workers"][0]["snapshot"]["kv"]
+    shown = kv_view(wb.runner.final_snapshot)["cpu"]["counts"]
+    assert shown["free"] + shown["cached-idle"] == final["total_pages"]  # idle: nothing owned or shared
+    assert "final state" in wb.static_html()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from minivllm_widgets.page_grid import COLOURS, LEGEND, png_data_uri, render_page_grid
+from minivllm_widgets.page_grid import COLOURS, LEGEND, png_data_uri, render_codes_png
 
 _TABLE = "border-collapse:collapse;font:12px monospace"
 _CELL = "padding:2px 6px;border-bottom:1px solid #ddd;text-align:left"
@@ -41,9 +41,10 @@ def _secs(v) -> str:
 def queues_html(view: dict) -> str:
     parts = []
     for name, w in view.items():
-        counts = {q: sum(r["queue"] == q for r in w["requests"]) for q in ("running", "waiting", "preempted")}
+        counts = {q: sum(r["queue"] == q for r in w["requests"]) for q in ("running", "waiting", "preempted", "finished")}
         title = (f"<b>{html.escape(name)}</b> ({html.escape(w['device'])}, {html.escape(w['state'])}): "
-                 f"{counts['running']} running, {counts['waiting']} waiting, {counts['preempted']} preempted")
+                 f"{counts['running']} running, {counts['waiting']} waiting, {counts['preempted']} preempted"
+                 + (f", {counts['finished']} just finished" if counts["finished"] else ""))
         rows = [[html.escape(r["id"]), r["queue"], r["phase"],
                  _bar(r["progress"], "#34a853" if r["phase"] == "decode" else "#4285f4") + f" {r['progress']:.0%}",
                  str(r["prompt_tokens"]), str(r["restored_tokens"]), str(r["output_tokens"]), str(r["flight"] or "")]
@@ -57,11 +58,13 @@ def queues_html(view: dict) -> str:
 
 def kv_caption_html(name: str, w: dict | None) -> str:
     if w is None:
-        return f"<b>{html.escape(name)}</b>: no snapshot yet"
-    counts = ", ".join(f"{w['counts'].get(s, 0)} {s}" for s in COLOURS)
+        return f"<b>{html.escape(name)}</b>: no snapshot yet (the worker is starting or restarting)"
+    counts = ", ".join(f'<span class="minivllm-kv-count" data-state="{s}">{w["counts"].get(s, 0)} {s}</span>'
+                       for s in COLOURS)
     hit = f"{w['hits']}/{w['lookups']} prefix hits, {w['restored_tokens']} tokens restored"
     flights = f", {w['flights']} open flights" if w["flights"] else ""
-    return f"<b>{html.escape(name)}</b>: {w['total']} pages ({counts}); {hit}{flights}"
+    return (f"<b>{html.escape(name)}</b>: {w['total']} pages of {w['page_size']} tokens ({counts}); "
+            f"{hit}{flights}")
 
 
 def kv_legend_html() -> str:
@@ -75,7 +78,7 @@ def kv_static_html(view: dict) -> str:
     for name, w in view.items():
         parts.append(f"<div>{kv_caption_html(name, w)}</div>")
         if w is not None:
-            parts.append(f'<img src="{png_data_uri(render_page_grid(w["states"], w["ref_counts"]))}"/>')
+            parts.append(f'<img style="image-rendering:pixelated" src="{png_data_uri(render_codes_png(w["codes"]))}"/>')
     return "".join(parts)
 
 

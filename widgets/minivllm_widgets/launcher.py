@@ -9,6 +9,7 @@ line in the form, never as a traceback.
 from __future__ import annotations
 
 import threading
+import time
 
 import ipywidgets as W
 
@@ -88,8 +89,11 @@ class ClusterRunner:
 
     def __init__(self):
         self.cluster = None
-        self.phase = "idle"  # idle, starting, running, stopping, failed
+        self.phase = "idle"  # idle, starting, running, stopping, stopped, failed
         self.error: str | None = None
+        # The cluster's last state, taken (fresh) as it stops: what the views keep showing.
+        self.final_snapshot: dict | None = None
+        self.stopped_at: float | None = None
         self.progress: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -98,6 +102,7 @@ class ClusterRunner:
             if self.phase in ("starting", "running", "stopping"):
                 return
             self.phase, self.error, self.progress = "starting", None, {}
+            self.final_snapshot = self.stopped_at = None
         threading.Thread(target=self._start, args=(dict(options),), name="minivllm-launch", daemon=True).start()
 
     def _start(self, options: dict) -> None:
@@ -121,23 +126,34 @@ class ClusterRunner:
     def _on_progress(self, worker: str, state: str, stage: str) -> None:
         self.progress[worker] = f"{state}: {stage}"
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Stop the cluster (on a thread unless `wait`), keeping its final snapshot."""
         cluster = self.cluster
-        if cluster is None:
+        if cluster is None or self.phase != "running":
             return
         self.phase = "stopping"
 
         def run():
-            cluster.stop()
-            self.cluster, self.phase = None, "idle"
+            try:
+                self.final_snapshot = cluster.snapshot(fresh=True)
+            finally:
+                cluster.stop()
+                self.cluster, self.phase, self.stopped_at = None, "stopped", time.time()
 
-        threading.Thread(target=run, name="minivllm-stop", daemon=True).start()
+        if wait:
+            run()
+        else:
+            threading.Thread(target=run, name="minivllm-stop", daemon=True).start()
 
-    def snapshot(self) -> dict | None:
+    def snapshot(self, fresh: bool = False) -> dict | None:
+        """The running cluster's snapshot (`fresh`: asked of every worker now), or the
+        final one of a stopped cluster, or None."""
         cluster = self.cluster
+        if self.phase == "stopped":
+            return self.final_snapshot
         if cluster is None or self.phase != "running":
             return None
-        return cluster.snapshot()
+        return cluster.snapshot(fresh=fresh)
 
     def status_view(self) -> tuple:
         return (self.phase, self.error, tuple(sorted(self.progress.items())))

@@ -1,9 +1,25 @@
-"""The KV page map as a PNG: one cell per page, coloured by state, sent as binary bytes.
+"""The KV page map: one cell per page, coloured by what holds it.
 
-A pool has thousands of pages; a JSON list per update would be tens of kilobytes of text
-per worker at 20 Hz. An `ipywidgets.Image` carries the PNG as a binary buffer in one
-message, and the same bytes serve the static fallback (`<img src="data:...">`). The PNG
-is written with zlib alone (no imaging library needed).
+States, from the engine snapshot's `page_states` and `ref_counts`:
+
+| state | meaning |
+|---|---|
+| free | no holder |
+| owned | one request, not in the prefix cache |
+| cached-idle | in the prefix cache, no request uses it (evictable) |
+| cached-in-use | in the prefix cache and used by one request (published, not yet reused) |
+| shared | used by two or more requests at once (darker = more holders) |
+
+The pool reports "shared" for every page that is cached and in use; only the prefix index
+ever adds a holder to a page (`PagePool.retain` is called from `PrefixIndex` alone), so a
+page's request holders are its ref count minus the index's one reference, and a "shared"
+page with ref count 2 has exactly one request: cached-in-use.
+
+A page is one byte on the wire (`page_codes`): 0 free, 1 owned, 2 cached-idle,
+3 cached-in-use, 2 + holders for shared (4 = two holders, capped at 255). The live widget
+sends those bytes (10 KB at 10,000 pages) and the browser paints them on a canvas
+(`page_map_widget.py`); the static fallback draws the same layout as a PNG written with
+zlib alone (no imaging library needed).
 """
 
 from __future__ import annotations
@@ -15,46 +31,90 @@ import zlib
 
 import numpy as np
 
-# state -> RGB. Shared pages get darker with more holders (ref counts), so prefix reuse
-# and single-flight show as deepening colour.
+FREE, OWNED, CACHED_IDLE, CACHED_IN_USE, SHARED2 = 0, 1, 2, 3, 4
+STATES = ("free", "owned", "cached-idle", "cached-in-use", "shared")
+
+# state -> RGB; shared pages get darker with more holders.
 COLOURS = {
     "free": (235, 237, 240),
     "owned": (66, 133, 244),
     "cached-idle": (251, 188, 5),
+    "cached-in-use": (0, 172, 193),
     "shared": (52, 168, 83),
 }
-LEGEND = {"free": "free", "owned": "owned by one request", "cached-idle": "cached, idle (evictable)",
-          "shared": "shared (darker = more holders)"}
+LEGEND = {"free": "free", "owned": "owned (1 request)", "cached-idle": "cached, idle (evictable)",
+          "cached-in-use": "cached, in use (1 request)", "shared": "shared (≥ 2 requests; darker = more)"}
+
+WIDTH_PX = 600  # the map's fixed width; rows wrap
+MAX_HEIGHT_PX = 300  # per worker, up to WIDTH_PX * MAX_HEIGHT_PX pages
+MAX_PITCH = 10
 
 
-def page_colours(states: list[str], ref_counts: list[int] | None = None) -> np.ndarray:
-    """(pages, 3) uint8 colours."""
-    out = np.empty((len(states), 3), dtype=np.uint8)
-    for i, state in enumerate(states):
-        r, g, b = COLOURS.get(state, (0, 0, 0))
-        if state == "shared" and ref_counts is not None:
-            shade = max(0.45, 1.0 - 0.12 * max(0, ref_counts[i] - 2))
-            r, g, b = int(r * shade), int(g * shade), int(b * shade)
-        out[i] = (r, g, b)
+def page_codes(states: list[str], ref_counts: list[int]) -> bytes:
+    """One byte per page (see the module docstring)."""
+    st = np.array([{"free": 0, "owned": 1, "cached-idle": 2, "shared": 3}.get(s, 0) for s in states], dtype=np.int32)
+    refs = np.asarray(ref_counts, dtype=np.int32)
+    codes = st.copy()
+    shared = st == 3  # cached and in use: holders = refs - 1
+    holders = refs - 1
+    codes[shared & (holders >= 2)] = np.minimum(255, 2 + holders[shared & (holders >= 2)])
+    return codes.astype(np.uint8).tobytes()
+
+
+def counts_from_codes(codes: bytes) -> dict[str, int]:
+    arr = np.frombuffer(codes, dtype=np.uint8)
+    out = {s: int((arr == i).sum()) for i, s in enumerate(STATES[:4])}
+    out["shared"] = int((arr >= SHARED2).sum())
     return out
 
 
+def shade(code: int) -> tuple[int, int, int]:
+    """RGB of one page code (the browser's canvas uses the same rule)."""
+    if code < SHARED2:
+        return COLOURS[STATES[code]]
+    f = max(0.45, 1.0 - 0.12 * (code - SHARED2))  # two holders: the base colour
+    r, g, b = COLOURS["shared"]
+    return int(r * f), int(g * f), int(b * f)
+
+
+def grid_layout(num_pages: int, width: int = WIDTH_PX, max_height: int = MAX_HEIGHT_PX) -> tuple[int, int, int]:
+    """(pitch, columns, rows): square cells of `pitch` pixels (a 1-pixel gap from pitch 3 up)
+    filling a fixed width, as large as fits in `max_height`."""
+    n = max(1, num_pages)
+    pitch = max(1, min(MAX_PITCH, int(math.sqrt(width * max_height / n))))
+    while pitch > 1 and math.ceil(n / (width // pitch)) * pitch > max_height:
+        pitch -= 1
+    columns = width // pitch
+    return pitch, columns, int(math.ceil(n / columns))
+
+
 def grid_shape(num_pages: int, columns: int | None = None) -> tuple[int, int]:
-    columns = columns or max(8, min(64, int(math.ceil(math.sqrt(num_pages * 2)))))
-    return int(math.ceil(num_pages / columns)), columns
+    """(rows, columns) of the map."""
+    if columns is None:
+        _, columns, _ = grid_layout(num_pages)
+    return int(math.ceil(max(1, num_pages) / columns)), columns
 
 
-def render_page_grid(states: list[str], ref_counts: list[int] | None = None, *, cell: int = 6,
-                     columns: int | None = None) -> bytes:
-    """PNG bytes: a grid of `cell`-pixel squares with a 1-pixel gap, row-major page order."""
-    rows, cols = grid_shape(max(1, len(states)), columns)
-    colours = page_colours(states, ref_counts)
-    pitch = cell + 1
-    img = np.full((rows * pitch + 1, cols * pitch + 1, 3), 255, dtype=np.uint8)
-    for i, colour in enumerate(colours):
-        r, c = divmod(i, cols)
-        img[r * pitch + 1:(r + 1) * pitch, c * pitch + 1:(c + 1) * pitch] = colour
+def render_codes_png(codes: bytes, *, pitch: int | None = None, columns: int | None = None) -> bytes:
+    n = len(codes)
+    if pitch is None or columns is None:
+        pitch, columns, _ = grid_layout(n)
+    rows = int(math.ceil(max(1, n) / columns))
+    gap = 1 if pitch >= 3 else 0
+    img = np.full((rows * pitch + gap, columns * pitch + gap, 3), 255, dtype=np.uint8)
+    palette = np.array([shade(c) for c in range(256)], dtype=np.uint8)
+    colours = palette[np.frombuffer(codes, dtype=np.uint8)]
+    for i in range(n):
+        r, c = divmod(i, columns)
+        img[r * pitch + gap:(r + 1) * pitch, c * pitch + gap:(c + 1) * pitch] = colours[i]
     return encode_png(img)
+
+
+def render_page_grid(states: list[str], ref_counts: list[int] | None = None, *, cell: int | None = None,
+                     columns: int | None = None) -> bytes:
+    """PNG bytes of the map: `cell`-pixel squares with a 1-pixel gap, row-major page order."""
+    codes = page_codes(states, ref_counts if ref_counts is not None else [1] * len(states))
+    return render_codes_png(codes, pitch=None if cell is None else cell + 1, columns=columns)
 
 
 def encode_png(rgb: np.ndarray) -> bytes:

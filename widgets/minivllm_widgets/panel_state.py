@@ -7,22 +7,31 @@ model changed. Each view model is plain data; equal data means nothing to send.
 
 from __future__ import annotations
 
-from collections import Counter
+from minivllm_widgets.page_grid import counts_from_codes, page_codes
 
 
 def queues_view(snapshot: dict) -> dict:
-    """Per worker: waiting / running / preempted requests with phase and progress."""
+    """Per worker: waiting / running / preempted requests with phase and progress.
+
+    A worker sends its engine snapshot every 0.25 s, so the latest one can still list a
+    request whose last token the controller already has. The controller's in-flight ledger
+    (`in_flight`, updated on every terminal event) is the truth: a request the snapshot
+    lists but the ledger no longer holds is shown as finished, never as running."""
     out = {}
     for w in snapshot["workers"]:
         snap = w.get("snapshot")
+        open_ids = None if "in_flight" not in w else {f["request_id"] for f in w["in_flight"]}
         rows = []
         if snap is not None:
             for queue in ("running", "waiting", "preempted"):
                 for r in snap["queues"][queue]:
+                    finished = open_ids is not None and r["id"] not in open_ids
                     prompt = max(1, r["prompt_tokens"])
                     progress = (min(r["computed_tokens"], prompt) / prompt if r["phase"] == "prefill"
                                 else r["output_tokens"] / max(1, r["max_tokens"]))
-                    rows.append({"id": r["id"], "queue": queue, "phase": r["phase"], "progress": round(progress, 2),
+                    rows.append({"id": r["id"], "queue": "finished" if finished else queue,
+                                 "phase": "done" if finished else r["phase"],
+                                 "progress": 1.0 if finished else round(progress, 2),
                                  "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
                                  "restored_tokens": r["restored_tokens"], "flight": r.get("flight")})
         out[w["name"]] = {"state": w["state"], "device": w["device"], "requests": rows}
@@ -30,7 +39,7 @@ def queues_view(snapshot: dict) -> dict:
 
 
 def kv_view(snapshot: dict) -> dict:
-    """Per worker: page states and ref counts (for the grid) plus counts per state."""
+    """Per worker: one byte per page (page_grid.page_codes) plus counts per state."""
     out = {}
     for w in snapshot["workers"]:
         snap = w.get("snapshot")
@@ -38,10 +47,11 @@ def kv_view(snapshot: dict) -> dict:
             out[w["name"]] = None
             continue
         kv, cache = snap["kv"], snap["prefix_cache"]
-        out[w["name"]] = {"states": list(kv["page_states"]), "ref_counts": list(kv["ref_counts"]),
-                          "counts": dict(Counter(kv["page_states"])), "total": kv["total_pages"],
-                          "hits": cache["hits"], "lookups": cache["lookups"], "restored_tokens": cache["restored_tokens"],
-                          "flights": len(cache["flights"])}
+        codes = page_codes(kv["page_states"], kv["ref_counts"])
+        out[w["name"]] = {"codes": codes, "counts": counts_from_codes(codes), "total": kv["total_pages"],
+                          "page_size": kv["page_size"], "hits": cache["hits"], "lookups": cache["lookups"],
+                          "restored_tokens": cache["restored_tokens"], "flights": len(cache["flights"]),
+                          "state": w["state"]}
     return out
 
 

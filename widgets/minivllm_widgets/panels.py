@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipywidgets as W
 
 from minivllm_widgets import html_views, panel_state
-from minivllm_widgets.page_grid import render_page_grid
+from minivllm_widgets.page_map_widget import make_page_map
 
 
 class Panel:
@@ -96,15 +96,21 @@ class ThroughputPanel(_HTMLPanel):
 
 
 class KVPanel(Panel):
-    """One PNG page grid per worker (binary buffer), with a caption."""
+    """One page map per worker (state bytes painted in the browser, or a PNG without
+    anywidget), with a caption that counts each state."""
 
     title = "KV pages"
     css_class = "minivllm-kv"
 
+    def __init__(self, page_map: str = "auto"):
+        self.page_map = page_map
+        make_page_map(page_map)  # an unknown kind fails here, at construction
+        super().__init__()
+
     def build(self):
-        self._images: dict[str, W.Image] = {}
-        self._captions: dict[str, W.HTML] = {}
-        self._legend = W.HTML(html_views.kv_legend_html())
+        self._maps: dict[str, W.Widget] = {}
+        # crisp cells in the PNG fallback too (JupyterLab would smooth a scaled image)
+        self._legend = W.HTML("<style>.minivllm-kv img{image-rendering:pixelated}</style>" + html_views.kv_legend_html())
         return W.VBox([self._legend])
 
     def view(self, snapshot):
@@ -112,21 +118,16 @@ class KVPanel(Panel):
 
     def render(self, view) -> None:
         view = view or {}
-        if list(view) != list(self._images):  # the worker set changed: rebuild the layout once
-            self._images = {name: W.Image(format="png") for name in view}
-            self._captions = {name: W.HTML() for name in view}
-            children = [self._legend]
-            for name in view:
-                children += [self._captions[name], self._images[name]]
-            self.widget.children = children
+        if list(view) != list(self._maps):  # the worker set changed: rebuild the layout once
+            self._maps = {name: make_page_map(self.page_map) for name in view}
+            self.widget.children = [self._legend] + list(self._maps.values())
         previous = self.last_view if isinstance(self.last_view, dict) else {}
         for name, w in view.items():
-            if previous.get(name) == w:
+            if name in previous and previous[name] == w:
                 continue  # only the workers whose pages changed are sent
-            self._captions[name].value = html_views.kv_caption_html(name, w)
-            if w is not None:
-                self._images[name].value = render_page_grid(w["states"], w["ref_counts"])
+            # no snapshot (starting, restarting): an empty map, never the old picture
+            self._maps[name].show(b"" if w is None else w["codes"], html_views.kv_caption_html(name, w))
 
 
-def default_panels() -> list[Panel]:
-    return [QueuesPanel(), KVPanel(), RouterPanel(), SpeculativePanel(), ThroughputPanel()]
+def default_panels(page_map: str = "auto") -> list[Panel]:
+    return [QueuesPanel(), KVPanel(page_map), RouterPanel(), SpeculativePanel(), ThroughputPanel()]

@@ -12,6 +12,7 @@ minivllm's public contract; nothing here reaches into the engine.
 from __future__ import annotations
 
 import html
+import time
 
 import ipywidgets as W
 
@@ -42,6 +43,31 @@ class _StatusPanel(Panel):
         self.widget.value = "<br>".join(lines)
 
 
+class _LivePanel(Panel):
+    """The dashboard's first line: live, or stopped (the views below keep the last state)."""
+
+    def __init__(self, runner: ClusterRunner, workbench: "Workbench"):
+        self.runner, self.workbench = runner, workbench
+        super().__init__()
+
+    def view(self, snapshot):
+        watching = self.workbench.watching
+        return (self.runner.phase, watching, self.runner.stopped_at, len(snapshot["workers"]) if snapshot else 0)
+
+    def render(self, view) -> None:
+        phase, watching, stopped_at, workers = view
+        if phase == "stopped":
+            when = time.strftime("%H:%M:%S", time.localtime(stopped_at)) if stopped_at else ""
+            text = (f"<b style='color:#c00'>■ cluster stopped</b> at {when}: the views below show its final state")
+        elif phase == "running" and not watching:
+            text = "<b style='color:#c60'>■ not watching</b>: the cluster runs on; the views below are not updated"
+        elif phase == "running":
+            text = f"<b style='color:#188038'>● live</b>: {workers} worker(s), redrawn when their snapshots change"
+        else:
+            text = f"<i>{html.escape(phase)}: no cluster running</i>"
+        self.widget.value = f"<div class='minivllm-live' data-phase='{phase}'>{text}</div>"
+
+
 class _ComposerPanel(Panel):
     def __init__(self, composer: Composer):
         self.composer = composer
@@ -56,20 +82,23 @@ class _ComposerPanel(Panel):
 
 class Workbench:
     def __init__(self, model: str = "smollm2-135m", devices: list[str] | None = None, *, cluster=None,
-                 max_hz: float = 10.0, **defaults):
-        """`cluster`: show an already started Cluster instead of launching one."""
+                 max_hz: float = 10.0, page_map: str = "auto", **defaults):
+        """`cluster`: show an already started Cluster instead of launching one. `page_map`:
+        "browser" (the KV map painted from state bytes; needs anywidget), "png", or "auto"."""
         self.runner = ClusterRunner()
+        self.watching = False
         if cluster is not None:
             self.runner.cluster, self.runner.phase = cluster, "running"
         self.launcher = Launcher(model, devices, **defaults)
         self.launcher.launch.on_click(lambda _: self.runner.launch(self.launcher.options()))
         self.launcher.stop.on_click(lambda _: self.runner.stop())
         self.composer = Composer(self.runner)
-        self.panels = default_panels()
+        self.panels = default_panels(page_map)
         composer_panel = _ComposerPanel(self.composer)
-        extra = [_StatusPanel(self.runner, self.launcher.status), composer_panel]
+        self.live = live = _LivePanel(self.runner, self)
+        extra = [_StatusPanel(self.runner, self.launcher.status), composer_panel, live]
         self.publisher = Publisher(self.runner.snapshot, self.panels + extra, max_hz=max_hz)
-        dashboard = W.VBox([W.VBox([W.HTML(f"<h4>{p.title}</h4>"), p.widget]) for p in self.panels])
+        dashboard = W.VBox([live.widget] + [W.VBox([W.HTML(f"<h4>{p.title}</h4>"), p.widget]) for p in self.panels])
         self.widget = W.Tab(children=[self.launcher.widget, dashboard, W.VBox([self.composer.widget, composer_panel.widget])])
         for i, title in enumerate(["Launch", "Dashboard", "Requests"]):
             self.widget.set_title(i, title)
@@ -84,19 +113,23 @@ class Workbench:
         from IPython.display import display
 
         display(self.widget)
+        self.watching = True
         self.publisher.start()
 
     def static_html(self) -> str:
         """The dashboard as self-contained HTML (page grids inlined as PNG data URIs), for
         places where widgets cannot render: nbconvert, a Kaggle "Save & Run All" commit."""
-        snapshot = self.runner.snapshot()
+        # fresh: every worker is asked now, so requests that just returned are not shown running
+        snapshot = self.runner.snapshot(fresh=True)
         if snapshot is None:
             return "<i>no cluster running</i>"
         tracker = getattr(self.panels[-1], "tracker", None)
         throughput = tracker.series if tracker is not None else {}
         step_ms = tracker.step_ms if tracker is not None else {}
+        head = ("<div><b>cluster stopped</b>: its final state</div>" if self.runner.phase == "stopped" else
+                f"<div>cluster state at {time.strftime('%H:%M:%S', time.localtime(snapshot['time']))}</div>")
         return "".join([
-            "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
+            head, "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
             "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
             "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
             "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),
@@ -108,7 +141,13 @@ class Workbench:
         display(HTML(self.static_html()))
 
     def close(self, stop_cluster: bool = True) -> None:
+        """Stop the publisher and (by default) the cluster. The views then show the
+        cluster's final state (a fresh snapshot taken as it stops) under a "stopped" mark."""
         self.publisher.stop()
-        if stop_cluster and self.runner.cluster is not None:
-            self.runner.cluster.stop()
-            self.runner.cluster, self.runner.phase = None, "idle"
+        self.watching = False
+        if stop_cluster:
+            self.runner.stop(wait=True)
+        try:
+            self.publisher.poll_once()  # the final frame, from this thread: the publisher's has ended
+        except Exception as exc:  # noqa: BLE001 - closing must not fail over a view
+            self.publisher.last_error = f"{type(exc).__name__}: {exc}"
