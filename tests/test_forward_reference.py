@@ -29,6 +29,47 @@ def _max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
+# What test_logits_match_transformers_f32 pins: every prefill logit within LOGITS_RTOL *
+# max |logit| of transformers'; test_incremental_decode_matches_full_prefill holds decode
+# steps to the same bound against the prefill, so a generated token's logits are within
+# DECODE_RTOL of transformers'. Two logits each that far off can swap order only where
+# transformers' top-1/top-2 margin is below twice that, so greedy tokens are compared up to
+# the first such near-tie, not beyond: the two implementations sum in different orders, and
+# which side of a near-tie each lands on is a fact about the CPU's kernels, not the code.
+LOGITS_RTOL = 1e-4
+DECODE_RTOL = 2 * LOGITS_RTOL
+
+
+def _transformers_greedy(ref, ids: list[int], n_new: int) -> tuple[list[int], list[float], list[float]]:
+    """transformers' greedy continuation, with its top-1/top-2 margin and max |logit| at
+    each step (the scores it chose from: min_new_tokens keeps EOS out, as ignore_eos does)."""
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        res = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n_new, min_new_tokens=n_new,
+                           do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = res.sequences[0, len(ids):].tolist()
+    margins, scales = [], []
+    for row in res.scores:
+        row = row[0].float()
+        finite = row[torch.isfinite(row)]
+        top = torch.topk(finite, 2).values
+        margins.append(float(top[0] - top[1]))
+        scales.append(float(finite.abs().max()))
+    assert len(tokens) == len(margins) == n_new
+    return tokens, margins, scales
+
+
+def _check_greedy_up_to_near_tie(ours: list[int], theirs: list[int], margins: list[float], scales: list[float],
+                                 label: str) -> int:
+    """ours == theirs up to transformers' first near-tie (margin <= 2 * DECODE_RTOL * max
+    |logit|); returns how many tokens that compared."""
+    n_sure = next((i for i, (m, s) in enumerate(zip(margins, scales)) if m <= 2 * DECODE_RTOL * s), len(theirs))
+    assert ours[:n_sure] == theirs[:n_sure], (
+        f"{label}: greedy continuation differs before transformers' first near-tie (token {n_sure}): "
+        f"{ours} vs {theirs}; margins {[f'{m:.2e}' for m in margins[:n_sure + 1]]}")
+    return n_sure
+
+
 @pytest.fixture(scope="module", params=["smollm2", "qwen05"])
 def pair(request, smollm2_path, qwen05_path):
     path = smollm2_path if request.param == "smollm2" else qwen05_path
@@ -54,19 +95,19 @@ def test_logits_match_transformers_f32(pair):
             theirs = ref(torch.tensor([ids])).logits[0].float()
         assert ours.shape == theirs.shape
         worst = max(worst, _max_rel_error(ours, theirs))
-    assert worst <= 1e-4, f"{name}: max relative logit error {worst:.2e} > 1e-4"
+    assert worst <= LOGITS_RTOL, f"{name}: max relative logit error {worst:.2e} > {LOGITS_RTOL}"
 
 
 def test_greedy_continuations_match_transformers(pair):
     name, llm, ref = pair
     n_new = 20
+    compared = 0
     for prompt in PROMPTS[:4]:
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))[0]
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.no_grad():
-            theirs = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
-                                  min_new_tokens=n_new, pad_token_id=0)[0, ids.shape[1]:].tolist()
-        assert out.token_ids == theirs, f"{name}: greedy continuation of {prompt!r} differs"
+        theirs, margins, scales = _transformers_greedy(ref, out.prompt_token_ids, n_new)
+        compared += _check_greedy_up_to_near_tie(out.token_ids, theirs, margins, scales, f"{name} {prompt!r}")
+    # Not vacuous: near-ties that close are rare, so most tokens were compared.
+    assert compared >= 4 * n_new // 2, f"{name}: only {compared} of {4 * n_new} tokens before a near-tie"
 
 
 def test_incremental_decode_matches_full_prefill(pair):
@@ -85,7 +126,7 @@ def test_incremental_decode_matches_full_prefill(pair):
         # Decode attends with two grouped bmm calls, prefill with SDPA: only float32
         # summation order differs (measured up to 2e-5 on Qwen's 24 layers); a wrong
         # position or cache slot moves logits by > 1e-2.
-        assert _max_rel_error(step, full[pos]) <= 1e-4
+        assert _max_rel_error(step, full[pos]) <= LOGITS_RTOL
 
 
 @pytest.mark.cuda
@@ -106,10 +147,7 @@ def test_cuda_logits_and_greedy_match_transformers(model, smollm2_path, qwen05_p
         ours = llm.model.forward(torch.tensor(ids, device=dev), 0, cache, all_logits=True).cpu()
         with torch.no_grad():
             theirs = ref(torch.tensor([ids])).logits[0].float()
-        assert _max_rel_error(ours, theirs) <= 1e-4
+        assert _max_rel_error(ours, theirs) <= LOGITS_RTOL
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
-        with torch.no_grad():
-            t = torch.tensor([ids])
-            greedy = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=16, min_new_tokens=16,
-                                  do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
-        assert out.token_ids == greedy
+        greedy, margins, scales = _transformers_greedy(ref, ids, 16)
+        _check_greedy_up_to_near_tie(out.token_ids, greedy, margins, scales, f"{model} on {dev} {prompt!r}")
