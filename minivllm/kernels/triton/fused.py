@@ -1,0 +1,144 @@
+"""Fused elementwise steps of a decoder layer, one Triton launch each.
+
+A decode step on CUDA was ~50 small torch kernels per layer (RMSNorm alone is six:
+pow, mean, add, rsqrt, mul, mul; RoPE another eight per tensor), each a few
+microseconds even inside a CUDA graph; on Qwen2.5-0.5B that was most of the step. Here:
+
+* `add_rms_norm`: h + delta (the residual add, float32) and RMSNorm of the sum, written
+  in the matmul dtype, in one pass over the row;
+* `rope_qk`: RoPE on a row's query and key heads (both GGUF layouts), queries out in
+  float32, keys in their own dtype (the cache's);
+* `swiglu`: silu(gate) * up in float32, rounded once to the matmul dtype.
+
+Same formulas and operation order as the torch references (`kernels/rmsnorm.py`,
+`kernels/rope.py`, the decoder's SwiGLU); every row is computed by its own program, so
+a row's result never depends on the batch (batch-invariant mode). float32 arithmetic
+only, no `tl.dot`: compiles for sm_75 (T4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.triton.paged_attention import require_triton_device
+
+_MAX_BLOCK = 1 << 15
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, h_out_ptr, x_out_ptr, stride_h, stride_y, stride_ho, stride_xo,
+                         n_cols, eps, HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Y:
+        h = h + tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_out_ptr + row * stride_ho + cols, h, mask=mask)
+    variance = tl.sum(h * h, axis=0) / n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x = h * tl.rsqrt(variance + eps) * w  # the reference's order: (h * rsqrt(var + eps)) * w
+    tl.store(x_out_ptr + row * stride_xo + cols, x.to(x_out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta) in out_dtype). h: (T, d) float32 residual stream;
+    delta: (T, d) any float dtype, or None (norm only; h is returned as is)."""
+    t, d = h.shape
+    block = triton.next_power_of_2(d)
+    if block > _MAX_BLOCK or h.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
+        raise ValueError("add_rms_norm: rows must be contiguous and at most 32768 wide")
+    require_triton_device({"h": h, "weight": weight}, "add_rms_norm")
+    h_out = torch.empty_like(h) if delta is not None else h
+    x = torch.empty((t, d), dtype=out_dtype, device=h.device)
+    if t:
+        y = delta if delta is not None else h
+        _add_rms_norm_kernel[(t,)](h, y, weight, h_out, x, h.stride(0), y.stride(0), h_out.stride(0), x.stride(0), d,
+                                   float(eps), HAS_Y=delta is not None, BLOCK=block,
+                                   num_warps=4 if block <= 4096 else 8)
+    return h_out, x
+
+
+@triton.jit
+def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+                N_HEADS: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    mask = heads < N_HEADS
+    if ADJACENT:  # pairs (x[2j], x[2j+1])
+        ia = 2 * j
+        ib = 2 * j + 1
+    else:  # pairs (x[j], x[j + d/2])
+        ia = j
+        ib = j + HALF
+    xr = x_ptr + row * stride_xt + heads * stride_xh
+    a = tl.load(xr + ia, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(xr + ib, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + row * stride_c + j)
+    sin = tl.load(sin_ptr + row * stride_c + j)
+    orow = o_ptr + row * stride_ot + heads * stride_oh
+    ty = o_ptr.dtype.element_ty
+    tl.store(orow + ia, (a * cos - b * sin).to(ty), mask=mask)
+    tl.store(orow + ib, (a * sin + b * cos).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
+                    H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c,
+                    H, HALF, ADJACENT, BLOCK_H)
+    else:
+        _rope_heads(k_ptr, ko_ptr, cos_ptr, sin_ptr, row, stride_kt, stride_kh, stride_kot, stride_koh, stride_c,
+                    KVH, HALF, ADJACENT, BLOCK_KVH)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
+            q_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE over every dimension of q (T, H, D) and k (T, KVH, D) (last dim contiguous);
+    cos/sin (T, D/2) float32. Returns q in `q_dtype` and k in k's dtype."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    half = d // 2
+    if d % 2 or half & (half - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape != (t, half):
+        raise ValueError("rope_qk: full-width RoPE over a power-of-two half dimension, contiguous last dims")
+    require_triton_device({"q": q, "k": k, "cos": cos}, "rope_qk")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qo = torch.empty((t, h, d), dtype=q_dtype, device=q.device)
+    ko = torch.empty_like(k)
+    if t:
+        _rope_qk_kernel[(t, 2)](q, k, qo, ko, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0),
+                                H=h, KVH=kvh, HALF=half, ADJACENT=style == "adjacent",
+                                BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh))
+    return qo, ko
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u in float32
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """silu(g) * u computed in float32, returned in out_dtype. g, u: (T, d_ff)."""
+    t, n = g.shape
+    if g.stride(-1) != 1 or u.stride(-1) != 1 or u.shape != g.shape:
+        raise ValueError("swiglu: two (T, d_ff) inputs with contiguous rows")
+    require_triton_device({"g": g, "u": u}, "swiglu")
+    out = torch.empty((t, n), dtype=out_dtype, device=g.device)
+    block = 1024
+    if t:
+        _swiglu_kernel[(t, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), out.stride(0), BLOCK=block)
+    return out
