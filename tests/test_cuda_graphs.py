@@ -60,8 +60,9 @@ def test_graphs_match_eager_tokens_in_default_mode(llm, n):
     for rid in g_tokens:
         for i, (a, b) in enumerate(zip(g_tokens[rid], e_tokens[rid])):
             if a != b:
+                # Two logits each within the 0.05 below can swap only under a top-2 gap of 0.1.
                 top2 = torch.topk(e_logits[rid][i], 2).values
-                assert float(top2[0] - top2[1]) < 0.05, f"{rid} token {i}: {a} vs {b}"
+                assert float(top2[0] - top2[1]) < 2 * 0.05, f"{rid} token {i}: {a} vs {b}"
                 break
         # Logits agree to f16 rounding while the histories are the same.
         assert torch.allclose(g_logits[rid][0], e_logits[rid][0], atol=0.05, rtol=0)
