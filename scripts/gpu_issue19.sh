@@ -43,24 +43,25 @@ ensure_synthetic_model as e; print(e('$m', tokenizer_source='$TOK'))\" > /root/$
     done ;;
   tests)
     timeout $(tmo ${PYTEST_TIMEOUT:-300}) python3 -m pytest -q -x -m cuda -p no:cacheprovider tests/test_triton_repacked_gemv.py \
-        tests/test_triton_paged_attention.py 2>&1 | tee $O/pytest-cuda-repacked.log | tail -8
+        tests/test_triton_paged_attention.py tests/test_triton_fused.py 2>&1 | tee $O/pytest-cuda-repacked.log | tail -8
     timeout $(tmo 200) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_gemv.py 2>&1 \
         | tee $O/pytest-cuda-gemv.log | tail -3 ;;
   kernels)
-    timeout $(tmo ${KERNELS_TIMEOUT:-240}) python3 -m minivllm bench kernels --types ${KTYPES:-Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q6_K} 2>&1 \
-        | grep -v "^|\|^$\|^  " | tail -40 ;;
+    # (python -c, not the CLI: the CLI imports the server's packages, absent on this image)
+    timeout $(tmo ${KERNELS_TIMEOUT:-240}) python3 -c "from minivllm.bench.kernels import run; \
+run(types='${KTYPES:-Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q6_K}'.split(','), device='cuda:0')" 2>&1 | grep "REPACKED\|CUBLAS\|copy band\|Error" ;;
   mv05 | mv7)
     m=$([ $stage = mv05 ] && echo qwen2.5-0.5b-q4_k_m || echo qwen2.5-7b-q4_k_m)
     wait_for /root/$m.done 300 || { echo "model $m not written"; tail -5 /root/$m.log; continue; }
-    timeout $(tmo ${DECODE_TIMEOUT:-240}) python3 -m minivllm bench decode --synthetic $m --synthetic-tokenizer $TOK \
-        --inference-device cuda:0 --activation-dtype f16 --prompt-tokens 512 --max-tokens 128 --repeats 3 \
-        --max-repeats 5 2>&1 | grep -v "^|\|^$\|^  \|it/s\]" | tail -12 ;;
+    timeout $(tmo ${DECODE_TIMEOUT:-240}) python3 -c "from minivllm.bench.decode import run; run(devices=['cuda:0'], \
+dtypes=['f16'], synthetic='$m', synthetic_tokenizer='$TOK', prompt_tokens=512, max_tokens=128, repeats=3, max_repeats=4)" \
+        2>&1 | grep "^ *minivllm\|Error" ;;
   mvctx)
     m=qwen2.5-7b-q4_k_m
     wait_for /root/$m.done 300 || continue
-    timeout $(tmo ${DECODE_TIMEOUT:-240}) python3 -m minivllm bench decode --synthetic $m --synthetic-tokenizer $TOK \
-        --inference-device cuda:0 --activation-dtype f16 --prompt-tokens 4096 --max-tokens 128 --repeats 3 \
-        --max-repeats 3 2>&1 | grep -v "^|\|^$\|^  \|it/s\]" | tail -6 ;;
+    timeout $(tmo ${DECODE_TIMEOUT:-240}) python3 -c "from minivllm.bench.decode import run; run(devices=['cuda:0'], \
+dtypes=['f16'], synthetic='$m', synthetic_tokenizer='$TOK', prompt_tokens=4096, max_tokens=128, repeats=3, max_repeats=3)" \
+        2>&1 | grep "^ *minivllm\|Error" ;;
   llama)
     wait_for /root/llama.done $(( $(left) - 100 )) || { echo "llama.cpp not built"; tail -5 /root/llama-build.log; continue; }
     (cd /root/llama/llama.cpp && echo "llama.cpp commit: $(cat .commit 2>/dev/null || echo 0c1e57098bba43ac29e6e3b677cdceebdd22334f)")

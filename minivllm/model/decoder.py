@@ -12,6 +12,7 @@ so the cache layout can change without touching the model.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,10 @@ class DecoderModel:
         h = self.embedding(token_ids).float()  # residual stream: float32
         if hidden_states is not None:
             hidden_states.append(h.clone())
+        elif self._fused_ok(h):
+            out = self._forward_fused(h, cos, sin, kv, logits_rows)
+            if out is not None:  # None: the kernels failed to compile here (warned); the torch steps below
+                return out
         for i, layer in enumerate(self.layers):
             with trace_scope("layer", i):
                 with trace_scope("attn"):
@@ -133,6 +138,63 @@ class DecoderModel:
         if logits_rows is not None:
             h = h[logits_rows]
         return self.output(self._norm(h, self.output_norm))  # float32 LM head
+
+    # -- CUDA: the same layer with fused Triton steps (kernels/triton/fused.py) -----------
+
+    def _fused_ok(self, h: torch.Tensor) -> bool:
+        """Fused residual+RMSNorm, RoPE and SwiGLU kernels on CUDA (full-width RoPE), unless
+        Triton is missing or failed to compile them here (then the torch steps, warned once)."""
+        if not h.is_cuda or self.rope.rope_dim != self.config.head_dim or os.environ.get("MINIVLLM_FUSED") == "0":
+            return False
+        if getattr(self, "_fused_state", None) is None:
+            try:
+                from minivllm.kernels.triton import fused  # noqa: F401
+                self._fused_state = "untried"
+            except ImportError:
+                self._fused_state = "off"
+        return self._fused_state != "off"
+
+    def _forward_fused(self, h, cos, sin, kv, logits_rows):
+        if self._fused_state == "ok":
+            return self._fused_layers(h, cos, sin, kv, logits_rows)
+        try:  # the first call compiles the kernels
+            out = self._fused_layers(h, cos, sin, kv, logits_rows)
+        except Exception as exc:  # a Triton compile failure on this GPU: rerun with torch steps
+            import warnings
+
+            self._fused_state = "off"
+            warnings.warn(f"Triton kernels add_rms_norm/rope_qk/swiglu could not run on {h.device} "
+                          f"({type(exc).__name__}: {str(exc)[:200]}); using the torch steps", RuntimeWarning)
+            return None
+        self._fused_state = "ok"
+        return out
+
+    def _fused_layers(self, h, cos, sin, kv, logits_rows):
+        """forward_batch's layers with three fused kernels per step: h + delta and its
+        RMSNorm in one pass (the residual add of the previous sublayer folded into the
+        next norm), RoPE on q and k in one launch, SwiGLU in one launch."""
+        from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, swiglu
+
+        cfg = self.config
+        t = h.shape[0]
+        eps = cfg.rms_eps
+        pending = None  # the last sublayer's output, added to h by the next norm
+        for i, layer in enumerate(self.layers):
+            with trace_scope("layer", i):
+                with trace_scope("attn"):
+                    h, x = add_rms_norm(h, pending, layer.attn_norm, eps, self.dtype)
+                    q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
+                    k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+                    v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+                    q, k = rope_qk(q, k, cos, sin, self.rope.style)  # q float32, k in its dtype
+                    attn = kv.attend(i, q, k, v).reshape(t, cfg.n_heads * cfg.head_dim)
+                    h, x = add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, self.dtype)
+                with trace_scope("mlp"):
+                    pending = layer.down(swiglu(layer.gate(x), layer.up(x), self.dtype))
+        _, x = add_rms_norm(h, pending, self.output_norm, eps, torch.float32)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.output(x)  # float32 LM head
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernel_options.batch_invariant and h.is_cuda:

@@ -307,6 +307,18 @@ def _field_hi(src, hsrc, P: tl.constexpr, HBITS: tl.constexpr, OFFSET: tl.conste
     return ((src & mask) | (hsrc & hmask) | magic).to(tl.float32, bitcast=True) - base
 
 
+@triton.jit
+def _u8_to_f32(v):
+    """0..255 (any int type) as float32 without I2F: OR into the mantissa of 2^23."""
+    return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _i8_to_f32(v):
+    """-128..127 (int8) as float32 without I2F, through 2^23 + 2^22."""
+    return (v.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
 @triton.jit(do_not_specialize=["M", "stride_xk"])
 def _repacked_gemv_kernel(
     x_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
@@ -365,8 +377,8 @@ def _repacked_gemv_kernel(
                     ps_lo += _field_hi(w, h_lo, p, 2, 32) * xp[:, :, None]
                 else:
                     ps_hi += _field_hi(w_hi, h_hi, p - 4, 2, 32) * xp[:, :, None]
-            s_lo = tl.load(c_ptr + gr, mask=g_ok, other=0).to(tl.float32)
-            s_hi = tl.load(e_ptr + gr, mask=g_ok, other=0).to(tl.float32)
+            s_lo = _i8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
+            s_hi = _i8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
             d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(tl.float32)
             acc += (ps_lo * s_lo + ps_hi * s_hi) * d
         else:  # 4-bit codes: Q4_0, Q4_1, Q5_0, Q4_K
@@ -404,8 +416,8 @@ def _repacked_gemv_kernel(
                 sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
                 d = tl.load(a_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
                 dmin = tl.load(b_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                sc = tl.load(c_ptr + gr, mask=g_ok, other=0).to(tl.float32)
-                mn = tl.load(e_ptr + gr, mask=g_ok, other=0).to(tl.float32)
+                sc = _u8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
+                mn = _u8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
                 acc += ps * (d * sc) - (dmin * mn) * sx[:, :, None]
             else:  # Q4_0, Q5_0: d * (q - offset), the offset already subtracted
                 d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
@@ -419,7 +431,7 @@ def _repacked_gemv_kernel(
 
 
 # Fixed configuration (invariant mode, the interpreter, and any M): BLOCK_G groups of 32
-# elements per loop trip. 64 groups x 4 rows x 16 B = 16 KB of weights per trip (Q4_K).
+# elements per loop trip. 64 groups x 4 rows x 16 B = 4 KB of weights per trip (Q4_K).
 _FIXED = dict(BLOCK_G=64, num_warps=4)
 
 
