@@ -176,6 +176,9 @@ class Cluster:
                 self.restart_counters["joined"] += 1
                 return pending
             pending = self._restarts[name] = Future()
+            # Running from the start: a caller that stops waiting (an HTTP client that left,
+            # whose asyncio wrapper cancels it) cannot cancel the restart the others joined.
+            pending.set_running_or_notify_cancel()
             self.restart_counters["started"] += 1
         threading.Thread(target=self._run_restart, args=(name, pending), name=f"minivllm-restart-{name}",
                          daemon=True).start()
