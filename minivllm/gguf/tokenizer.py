@@ -290,6 +290,8 @@ class Tokenizer:
         and the runs between them are encoded with the placeholders turned back into their
         plain text (`parse_special=False`). User-defined tokens (Qwen's `<tool_call>`) still
         match in content, as in llama.cpp and `transformers`; they are not control tokens.
+        Not covered: a template whose own literal text would complete a control token with
+        the edge of the content (`'<|im_' + content`); no real template writes one.
         """
         swap = self._control_swap(messages, context)
         if swap is None:
