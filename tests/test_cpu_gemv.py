@@ -172,3 +172,23 @@ def test_avx2_build_where_avx512_is_the_default(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parent.parent)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@needs_ext
+@pytest.mark.parametrize("s, kvh, group, d", [(1, 3, 3, 64), (37, 3, 3, 64), (520, 2, 7, 64), (9, 1, 4, 128)])
+def test_decode_attention_matches_float64_softmax(s, kvh, group, d):
+    """The compiled one-query attention (taken by attention._one_query on CPU) against a
+    float64 softmax written out here, on slices of a larger pool as the cache hands them."""
+    from minivllm.kernels.attention import _one_query
+
+    g = torch.Generator().manual_seed(s)
+    pool_k, pool_v = torch.randn(s + 20, kvh, d, generator=g), torch.randn(s + 20, kvh, d, generator=g)
+    k, v = pool_k[10:10 + s], pool_v[10:10 + s]
+    q = torch.randn(1, kvh * group, d, generator=g) * 3
+    out = cpu_gemv.attend_decode(q, k, v)
+    assert out is not None and out.shape == (1, kvh * group, d)
+    qd = q.double().view(kvh, group, d)
+    probs = torch.softmax(qd @ k.double().permute(1, 2, 0) * d ** -0.5, dim=-1)
+    ref = (probs @ v.double().permute(1, 0, 2)).reshape(1, kvh * group, d)
+    assert float((out.double() - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+    assert torch.equal(_one_query(q, k, v), out)  # the decode path takes it

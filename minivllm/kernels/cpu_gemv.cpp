@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <cmath>
 
 namespace {
 
@@ -295,4 +296,59 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> ws, 
     }
   });
   return ys;
+}
+
+// One decode row's attention, float32 throughout: q (H, D); k, v (S, KVH, D) with rows of
+// KVH * D contiguous floats every stride(0); query head h reads KV head h / (H / KVH).
+// Per head: scores = (q . k_s) * scale, exp(score - max) (std::exp, correctly rounded to
+// about an ulp), then sum_s p_s v_s / sum_s p_s with the values' sum held in registers.
+// The query heads of one KV head are done together, so each key and value row is read once.
+torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous (H, D) float32");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "k, v: (S, KVH, D) float32");
+  const int64_t h = q.size(0), d = q.size(1), s = k.size(0), kvh = k.size(1);
+  TORCH_CHECK(k.size(2) == d && v.sizes() == k.sizes() && h % kvh == 0 && d % W == 0 && d <= 16 * W,
+              "shapes: q (H, D), k/v (S, KVH, D), D a multiple of the vector width");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d, "k/v rows must be contiguous");
+  const int64_t group = h / kvh, ks = k.stride(0), vs = v.stride(0), nv = d / W;
+  auto out = torch::empty({h, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = (float)scale;
+  at::parallel_for(0, h, 1, [&](int64_t h0, int64_t h1) {
+    thread_local std::vector<float> buf;
+    if ((int64_t)buf.size() < s) buf.resize(s);
+    float* p = buf.data();
+    for (int64_t hh = h0; hh < h1; ++hh) {
+      const float* qh = qp + hh * d;
+      const int64_t off = (hh / group) * d;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < s; ++j) {
+        const float* kr = kp + j * ks + off;
+        vf acc = mul(load(qh), load(kr));
+        for (int64_t c = W; c < d; c += W) acc = fma(load(qh + c), load(kr + c), acc);
+        p[j] = hsum(acc) * sc;
+        mx = p[j] > mx ? p[j] : mx;
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < s; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        total += p[j];
+      }
+      vf acc[16];
+      for (int64_t c = 0; c < nv; ++c) acc[c] = zero();
+      for (int64_t j = 0; j < s; ++j) {
+        const vf pj = setf(p[j]);
+        const float* vr = vp + j * vs + off;
+        for (int64_t c = 0; c < nv; ++c) acc[c] = fma(pj, load(vr + c * W), acc[c]);
+      }
+      const vf inv = setf(1.0f / total);
+      float* oh = op + hh * d;
+      for (int64_t c = 0; c < nv; ++c) store(oh + c * W, mul(acc[c], inv));
+    }
+  });
+  return out;
 }

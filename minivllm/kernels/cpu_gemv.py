@@ -93,7 +93,7 @@ def _build():
         module = load_inline(
             name=f"minivllm_cpu_gemv_{name}",
             cpp_sources=[_SOURCE.read_text()],
-            functions=["gemv", "supports", "vector_width"],
+            functions=["gemv", "attend_decode", "supports", "vector_width"],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -113,3 +113,16 @@ def gemv(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
     ext = extension()
     x = x.contiguous()
     return ext.gemv(x, [w.raw for w in weights], [int(w.ggml_type) for w in weights], [w.shape[0] for w in weights])
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """One decode row's attention in float32 (attention._one_query's math: scores scaled by
+    D^-0.5, softmax, weighted values) as one compiled call; None where the kernel does not
+    apply (no extension, D not a multiple of the vector width, rows not contiguous)."""
+    ext = extension()
+    _, h, d = q.shape
+    if ext is None or d % ext.vector_width() or d > 16 * ext.vector_width() or k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 \
+            or v.stride(1) != d:
+        return None
+    out = ext.attend_decode(q.reshape(h, d).float().contiguous(), k, v, d ** -0.5)
+    return out.view(1, h, d).to(q.dtype)

@@ -228,6 +228,32 @@ def _cuda_kernel_usable(key: tuple) -> bool:
     return key not in _CUDA_KERNEL_FAILED
 
 
+def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
+    """[lin(x) for lin in linears] for projections of one input (a layer's Q/K/V, or its
+    gate/up): on a CPU whose weights all take the float32 kernel's GEMV path, one kernel
+    call over all their rows (one parallel region and one Python round trip instead of
+    several). The arithmetic is each projection's own, so the results are the same bits
+    as separate calls; anything else falls back to separate calls."""
+    first = linears[0]
+    opts = first.options
+    rows = x.shape[0]
+    fused = (not opts.batch_invariant and 0 < rows <= (opts.gemv_max_rows or 0)
+             and all(lin._cpu_quant and lin.cpu_gemv_mode() == "f32" and lin.options is opts for lin in linears))
+    if not fused:
+        return [lin(x) for lin in linears]
+    from minivllm.kernels.cpu_gemv import gemv
+
+    opts.path_counts["gemv"] += len(linears)
+    with trace_scope("qmatmul", "+".join(lin.name for lin in linears), path="gemv"):
+        ys = gemv(x.float(), [lin.weight for lin in linears])
+        out = []
+        for lin, y in zip(linears, ys):
+            if lin.bias is not None:
+                y = y.add_(lin.bias)
+            out.append(y.to(lin.compute_dtype))
+        return out
+
+
 class QuantEmbedding:
     """Token embedding lookup that dequantizes only the rows it is asked for."""
 
