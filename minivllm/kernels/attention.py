@@ -37,6 +37,12 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     SmolLM2's 9 heads at 40 keys), and a decode step makes one call per layer."""
     _, h, d = q.shape
     kvh = k.shape[1]
+    if q.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32:
+        from minivllm.kernels.cpu_gemv import attend_decode
+
+        out = attend_decode(q, k, v)  # the same float32 math in one compiled call, or None
+        if out is not None:
+            return out
     qf = q.float().view(kvh, h // kvh, d) * d ** -0.5  # query heads grouped under their KV head
     probs = torch.softmax(torch.bmm(qf, k.float().permute(1, 2, 0)), dim=-1)  # (KVH, G, S)
     return torch.bmm(probs, v.float().permute(1, 0, 2)).reshape(1, h, d).to(q.dtype)
