@@ -192,3 +192,38 @@ def test_decode_attention_matches_float64_softmax(s, kvh, group, d):
     ref = (probs @ v.double().permute(1, 0, 2)).reshape(1, kvh * group, d)
     assert float((out.double() - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
     assert torch.equal(_one_query(q, k, v), out)  # the decode path takes it
+
+
+@needs_ext
+@pytest.mark.parametrize("style", ["adjacent", "halves"])
+@pytest.mark.parametrize("rope_dim", [64, 32])
+def test_rope_is_bit_exact_with_the_formula(style, rope_dim):
+    """RotaryEmbedding.apply on CPU float32 takes the compiled rotation: the same products
+    and sums as the formula written here in torch (partial rotary dims copied)."""
+    from minivllm.kernels.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(rope_dim, 10000.0, style)
+    cos, sin = rope.cos_sin(torch.arange(3, 10))
+    x = torch.randn(7, 5, 64, generator=torch.Generator().manual_seed(1))
+    got = rope.apply(x, cos, sin)
+    rot, c, s = x[..., :rope_dim], cos[:, None, :], sin[:, None, :]
+    if style == "adjacent":
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        ref = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
+        ref = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    assert torch.equal(got, torch.cat((ref, x[..., rope_dim:]), dim=-1))
+
+
+@needs_ext
+def test_rms_norm_matches_float64():
+    from minivllm.kernels.rmsnorm import rms_norm
+
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2)) * 4
+    w = torch.randn(576, generator=torch.Generator().manual_seed(3))
+    got = rms_norm(x, w, 1e-5)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert got.dtype == torch.float32
+    assert float((got.double() - ref).abs().max()) <= 4 * U_F32 * 576 * float(ref.abs().max())

@@ -352,3 +352,62 @@ torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, d
   });
   return out;
 }
+
+// RMSNorm of float32 rows: x * (1 / sqrt(mean(x^2) + eps)) * w, the statistics in float32
+// (rmsnorm.py's math; only the order of the sum of squares differs).
+torch::Tensor rms_norm_f32(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous (T, D) float32");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.size(0) == x.size(1),
+              "w: (D,) float32");
+  const int64_t t = x.size(0), d = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    const float* xr = xp + r * d;
+    float* orow = op + r * d;
+    vf acc = zero();
+    int64_t c = 0;
+    for (; c + W <= d; c += W) acc = fma(load(xr + c), load(xr + c), acc);
+    float ss = hsum(acc);
+    for (; c < d; ++c) ss += xr[c] * xr[c];
+    const float inv = 1.0f / std::sqrt(ss / (float)d + (float)eps);
+    const vf vinv = setf(inv);
+    for (c = 0; c + W <= d; c += W) store(orow + c, mul(mul(load(xr + c), vinv), load(wp + c)));
+    for (; c < d; ++c) orow[c] = xr[c] * inv * wp[c];
+  }
+  return out;
+}
+
+// RoPE on float32 (T, heads, head_dim) rows, rope.py's math: pairs (x[2i], x[2i+1])
+// ("adjacent") or (x[i], x[i + R/2]) ("halves") rotated by cos/sin (T, R/2); dimensions
+// past R are copied. a*c - b*s and a*s + b*c are two products and one sum each, as in torch.
+torch::Tensor rope_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rope_dim, bool adjacent) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous (T, H, D) float32");
+  const int64_t t = x.size(0), nh = x.size(1), d = x.size(2), half = rope_dim / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t && cos.size(1) == half &&
+              cos.scalar_type() == torch::kFloat32 && sin.sizes() == cos.sizes(), "cos/sin: (T, R/2) float32");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    const float* cr = cp + r * half;
+    const float* sr = sp + r * half;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const float* xr = xp + (r * nh + hh) * d;
+      float* orow = op + (r * nh + hh) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t ia = adjacent ? 2 * i : i, ib = adjacent ? 2 * i + 1 : i + half;
+        const float a = xr[ia], b = xr[ib], c = cr[i], s = sr[i];
+        const float ac = a * c, bs = b * s, as = a * s, bc = b * c;
+        orow[ia] = ac - bs;
+        orow[ib] = as + bc;
+      }
+      for (int64_t i = rope_dim; i < d; ++i) orow[i] = xr[i];
+    }
+  }
+  return out;
+}

@@ -93,7 +93,7 @@ def _build():
         module = load_inline(
             name=f"minivllm_cpu_gemv_{name}",
             cpp_sources=[_SOURCE.read_text()],
-            functions=["gemv", "attend_decode", "supports", "vector_width"],
+            functions=["gemv", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "vector_width"],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -126,3 +126,20 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
         return None
     out = ext.attend_decode(q.reshape(h, d).float().contiguous(), k, v, d ** -0.5)
     return out.view(1, h, d).to(q.dtype)
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """rmsnorm.rms_norm for float32 (T, D) CPU rows as one compiled call; None without the kernel."""
+    ext = extension()
+    if ext is None:
+        return None
+    return ext.rms_norm_f32(x.contiguous(), weight.contiguous(), float(eps))
+
+
+def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, adjacent: bool) -> torch.Tensor | None:
+    """RotaryEmbedding.apply's rotation of float32 (T, heads, head_dim) CPU rows, bit for bit
+    (the same products and sums, no contraction); None without the kernel."""
+    ext = extension()
+    if ext is None or cos.dtype != torch.float32:
+        return None
+    return ext.rope_f32(x.contiguous(), cos.contiguous(), sin.contiguous(), int(rope_dim), bool(adjacent))

@@ -45,6 +45,12 @@ class RotaryEmbedding:
         """Rotate x of shape (T, heads, head_dim); computed in float32, returned in
         `out_dtype` (default: x's dtype)."""
         out_dtype = out_dtype or x.dtype
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3:
+            from minivllm.kernels.cpu_gemv import rope_f32
+
+            out = rope_f32(x, cos, sin, self.rope_dim, self.style == "adjacent")  # the same math compiled, or None
+            if out is not None:
+                return out.to(out_dtype)
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.style == "adjacent":
