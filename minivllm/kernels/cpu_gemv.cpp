@@ -49,6 +49,11 @@ static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf pow2n(vf n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #else
 constexpr int W = 8;
 typedef __m256 vf;
@@ -77,7 +82,30 @@ static inline float hsum(vf v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf pow2n(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 #endif
+
+// exp(x) for x <= 0 (softmax after subtracting the max), Cephes' expf: x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-7 polynomial for e^r, times 2^n; about 1 ulp. Below -87 it
+// returns a tiny positive value instead of 0 (weights of order 1e-38 either way).
+static inline vf exp_nonpos(vf x) {
+  x = vmax(x, setf(-87.0f));
+  const vf n = vround(mul(x, setf(1.44269504088896341f)));
+  vf r = fma(n, setf(-0.693359375f), x);
+  r = fma(n, setf(2.12194440e-4f), r);
+  vf p = setf(1.9875691500e-4f);
+  p = fma(p, r, setf(1.3981999507e-3f));
+  p = fma(p, r, setf(8.3334519073e-3f));
+  p = fma(p, r, setf(4.1665795894e-2f));
+  p = fma(p, r, setf(1.6666665459e-1f));
+  p = fma(p, r, setf(5.0000001201e-1f));
+  p = fma(mul(p, r), r, add(r, setf(1.0f)));
+  return mul(p, pow2n(n));
+}
 
 constexpr int NACC = 4;
 
@@ -300,8 +328,7 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> ws, 
 
 // One decode row's attention, float32 throughout: q (H, D); k, v (S, KVH, D) with rows of
 // KVH * D contiguous floats every stride(0); query head h reads KV head h / (H / KVH).
-// Per head: scores = (q . k_s) * scale, exp(score - max) (std::exp, correctly rounded to
-// about an ulp), then sum_s p_s v_s / sum_s p_s with the values' sum held in registers.
+// Per head: scores = (q . k_s) * scale, exp(score - max) (exp_nonpos, about an ulp), then sum_s p_s v_s / sum_s p_s with the values' sum held in registers.
 // The query heads of one KV head are done together, so each key and value row is read once.
 torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous (H, D) float32");
@@ -333,10 +360,18 @@ torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, d
         p[j] = hsum(acc) * sc;
         mx = p[j] > mx ? p[j] : mx;
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < s; ++j) {
-        p[j] = std::exp(p[j] - mx);
-        total += p[j];
+      vf tv = zero();
+      const vf vmx = setf(mx);
+      int64_t j0 = 0;
+      for (; j0 + W <= s; j0 += W) {
+        const vf e = exp_nonpos(add(load(p + j0), mul(vmx, setf(-1.0f))));
+        store(p + j0, e);
+        tv = add(tv, e);
+      }
+      float total = hsum(tv);
+      for (; j0 < s; ++j0) {
+        p[j0] = std::exp(p[j0] - mx);
+        total += p[j0];
       }
       vf acc[16];
       for (int64_t c = 0; c < nv; ++c) acc[c] = zero();
