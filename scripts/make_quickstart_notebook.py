@@ -32,11 +32,15 @@ cells = [
     code("snap = llm.snapshot()\nsnap[\"kernels\"], snap[\"last_step\"][\"kernel_paths\"]"),
     md("## Why two greedy runs diverge\n\nThe two paths round differently, and the difference is stored in "
        "the KV cache. `minivllm.debug.compare` runs a prompt under two settings and shows where the greedy "
-       "tokens part, how close each choice was, and how far apart each layer already was. This is the "
-       "committed case from `data/divergence/`: all-GEMM vs all-GEMV prefill."),
+       "tokens part, how close each choice was, and how far apart each layer already was. In float32 the two "
+       "paths differ only in summation order and rarely split; with 16-bit activations (f16 on a GPU, bf16 "
+       "on a CPU) they round their outputs differently. This is the committed case from `data/divergence/`: "
+       "all-GEMM vs all-GEMV prefill in bf16. Where it splits depends on this machine's CPU kernels "
+       "(instruction set, BLAS, threads): the summary names the machine."),
     code("from minivllm.debug import compare\n"
          "prompt = \"Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who\"\n"
-         "report = compare(llm, prompt, a={\"gemv_max_rows\": 0}, b={\"gemv_max_rows\": 4096}, max_tokens=96)\n"
+         "report = compare(\"smollm2-135m\", prompt, a={\"gemv_max_rows\": 0}, b={\"gemv_max_rows\": 4096}, "
+         "dtype=\"bfloat16\", max_tokens=96)\n"
          "print(report.summary())"),
     md("With `batch_invariant=True` on both sides (`a={\"gemv_max_rows\": 0, \"batch_invariant\": True}`, same for b) "
        "every row is computed the same way whatever the batch, the chunking or the threshold, and the two runs "
