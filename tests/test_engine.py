@@ -4,9 +4,11 @@ Reference: `DecoderModel.forward(ids, start, ContiguousKVCache)` run on one requ
 alone (prefill the prompt, then one token at a time), which test_forward_reference.py
 pins to transformers. The engine batches rows of many requests into one forward over a
 paged pool, chunks prefills, preempts and recomputes; none of that may change a token.
-A greedy token that differs is tolerated only where the reference's top-2 logit margin
-is below NEAR_TIE (a near-tie that f32 rounding may legitimately flip), and the margin
-is printed.
+Those paths sum in other orders than the reference, so a token that differs is
+tolerated only where the reference's margin is below what that rounding can move (a
+near-tie: ENGINE_RTOL for SmolLM2, whose logits are checked against that bound, NEAR_TIE
+for the tiny model; a seeded draw's margin comes from sampling_margin.py), and the
+margin is printed. Comparisons stop there: past a near-tie the outcome is this CPU's.
 
 Bookkeeping (pages, refcounts, queues, snapshots) is checked on random programs of
 submits, aborts and steps (hypothesis) over a tiny synthetic model, where the
@@ -28,6 +30,7 @@ from hypothesis import strategies as st
 
 from conftest import DATA_DIR
 from engine_invariants import FINISH_REASONS, check_invariants, free_equals_total
+from sampling_margin import draw_margin
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.page_pool import PagePool
@@ -40,7 +43,14 @@ from minivllm.engine.sampler import make_generator, sample
 from minivllm.errors import ConfigError
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
-NEAR_TIE = 1e-4  # top-2 logit margin below which a flipped greedy token is tolerated
+NEAR_TIE = 1e-4  # tiny model: top-2 logit margin below which a flipped greedy token is tolerated
+# SmolLM2: the engine's logits against the single-sequence reference's, as max |diff| / max
+# |logit| over a row (checked on every compared row by check_logits_close). Measured 2.3e-6
+# (paged 16 and 5, contiguous; AMD EPYC AVX-512, one thread): batched GEMMs, chunked
+# prefill and paged attention sum in other orders than the reference. A greedy token may
+# then differ only where the reference's top-2 gap is below 2 * ENGINE_RTOL * max |logit|
+# (Reference returns its margins as gap / (2 * max |logit|), to compare with ENGINE_RTOL).
+ENGINE_RTOL = 2e-5
 MAX_MODEL_LEN = 128  # keeps contiguous "pages" (one whole sequence each) small
 # The reference and the engine run the default float32 kernels (GEMV for small row sets,
 # GEMM above gemv_max_rows). Both are float32 sums in different orders, hence NEAR_TIE;
@@ -74,27 +84,33 @@ class Reference:
 
     def __init__(self, model):
         self.model = model
-        self._done: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+        self._done: dict[tuple[int, ...], tuple[list[int], list[float], list[torch.Tensor]]] = {}
 
     @torch.inference_mode()
     def greedy(self, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-        """n argmax tokens (EOS ignored) and the top-2 logit margin at each of them."""
+        """n argmax tokens (EOS ignored) and the relative top-2 margin at each of them:
+        (top1 - top2) / (2 * max |logit|), the relative logit error that could flip it."""
         key = tuple(ids)
         if key in self._done and len(self._done[key][0]) >= n:
-            tokens, margins = self._done[key]
+            tokens, margins, _ = self._done[key]
             return tokens[:n], margins[:n]
         c = self.model.config
         cache = ContiguousKVCache(c.n_layers, len(ids) + n, c.n_kv_heads, c.head_dim, self.model.dtype, "cpu")
         logits = self.model.forward(torch.tensor(ids), 0, cache)
-        tokens, margins = [], []
+        tokens, margins, rows = [], [], []
         for i in range(n):
             top = torch.topk(logits, 2)
             tokens.append(int(top.indices[0]))
-            margins.append(float(top.values[0] - top.values[1]))
+            margins.append(float(top.values[0] - top.values[1]) / (2 * float(logits.abs().max())))
+            rows.append(logits.clone())
             if i + 1 < n:
                 logits = self.model.forward(torch.tensor([tokens[-1]]), len(ids) + i, cache)
-        self._done[key] = (tokens, margins)
+        self._done[key] = (tokens, margins, rows)
         return tokens, margins
+
+    def rows(self, ids: list[int]) -> list[torch.Tensor]:
+        """The logits rows behind greedy(ids, ...)'s tokens."""
+        return self._done[tuple(ids)][2]
 
     def expected(self, ids: list[int], params: SamplingParams, eos_ids) -> tuple[list[int], list[float]]:
         """What the engine must return for a greedy request: cut after EOS / a stop token."""
@@ -111,18 +127,34 @@ def ref(llm):
     return Reference(llm.model)
 
 
-def check_against_reference(got: list[int], want: list[int], margins: list[float], label: str) -> int | None:
-    """Assert got == want, except after a flipped near-tie. Returns the tolerated index or None."""
+def check_against_reference(got: list[int], want: list[int], margins: list[float], label: str,
+                            tie: float = NEAR_TIE) -> int | None:
+    """Assert got == want, except after a flipped near-tie (margin < tie). Returns the
+    tolerated index or None."""
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             print(f"{label}: token {i} differs (engine {g}, reference {w}); "
-                  f"reference top-2 logit margin there = {margins[i]:.3e}")
-            assert margins[i] < NEAR_TIE, (
+                  f"reference margin there = {margins[i]:.3e}")
+            assert margins[i] < tie, (
                 f"{label}: token {i} is {g}, the single-sequence reference gives {w}, and the reference's "
-                f"top-2 margin there is {margins[i]:.3e} >= {NEAR_TIE}: not a near-tie")
+                f"margin there (top-2 logit gap; for a seeded draw, sampling_margin) is {margins[i]:.3e} "
+                f">= {tie}: not a near-tie")
             return i
     assert len(got) == len(want), f"{label}: {len(got)} tokens, the reference has {len(want)}: {got} vs {want}"
     return None
+
+
+def check_logits_close(ref: Reference, ids: list[int], got: list[int], engine_rows: list[torch.Tensor],
+                       label: str) -> None:
+    """The engine's logits rows within ENGINE_RTOL of the reference's, wherever both had
+    the same history (up to and including the first token that differs): the bound the
+    margin rule above assumes, made a check."""
+    want, rows = ref.greedy(ids, len(got))[0], ref.rows(ids)
+    same = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), len(got) - 1)
+    assert len(engine_rows) == len(got)
+    for i in range(same + 1):
+        rel = float((engine_rows[i] - rows[i]).abs().max()) / float(rows[i].abs().max())
+        assert rel <= ENGINE_RTOL, f"{label}: token {i}: engine logits off by {rel:.2e} of max |logit| > {ENGINE_RTOL}"
 
 
 def fragmented(engine: LLMEngine) -> bool:
@@ -150,6 +182,8 @@ WORKLOAD_MAX_TOKENS = [8, 24, 12, 20, 16]
 
 def run_workload(llm, **config) -> tuple[LLMEngine, list[RequestOutput], list[dict], list[list[int]]]:
     engine = make_engine(llm, max_batched_tokens=16, **config)
+    engine.seen_logits = {}  # every logits row the engine sampled from, per request
+    engine.logits_hook = lambda rid, logits: engine.seen_logits.setdefault(rid, []).append(logits.clone())
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:5]]
     rids = [engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=n))
             for ids, n in zip(prompts, WORKLOAD_MAX_TOKENS)]
@@ -171,7 +205,8 @@ def test_concurrent_greedy_matches_each_request_alone(llm, ref, paged16):
     assert any(s["fragmented"] for s in steps), "no request's pages were split over several runs"
     for out, ids, n in zip(outs, prompts, WORKLOAD_MAX_TOKENS):
         want, margins = ref.expected(ids, SamplingParams(temperature=0.0, max_tokens=n), llm.tokenizer.eos_ids)
-        flipped = check_against_reference(out.token_ids, want, margins, out.request_id)
+        check_logits_close(ref, ids, out.token_ids, engine.seen_logits[out.request_id], out.request_id)
+        flipped = check_against_reference(out.token_ids, want, margins, out.request_id, tie=ENGINE_RTOL)
         if flipped is None:
             assert out.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_ids else "length")
             assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -187,8 +222,11 @@ def test_kv_modes_give_the_same_tokens(llm, ref, paged16, kv_mode, page_size):
         assert any(s["fragmented"] for s in steps), "no request's pages were split over several runs"
     for out, base, ids, n in zip(outs, paged16[1], prompts, WORKLOAD_MAX_TOKENS):
         want, margins = ref.expected(ids, SamplingParams(temperature=0.0, max_tokens=n), llm.tokenizer.eos_ids)
-        flipped = check_against_reference(out.token_ids, want, margins, f"{kv_mode}/{page_size} {out.request_id}")
-        base_flipped = check_against_reference(base.token_ids, want, margins, f"paged/16 {base.request_id}")
+        label = f"{kv_mode}/{page_size} {out.request_id}"
+        check_logits_close(ref, ids, out.token_ids, engine.seen_logits[out.request_id], label)
+        flipped = check_against_reference(out.token_ids, want, margins, label, tie=ENGINE_RTOL)
+        base_flipped = check_against_reference(base.token_ids, want, margins, f"paged/16 {base.request_id}",
+                                               tie=ENGINE_RTOL)
         if flipped is None and base_flipped is None:
             assert out.token_ids == base.token_ids
     free_equals_total(engine)
@@ -227,7 +265,7 @@ def test_preemption_under_a_tiny_kv_budget(llm, ref):
     assert sum(o.metrics.preemptions for o in outs) == engine.counters["preemptions"]
     for out, ids in zip(outs, prompts):
         want, margins = ref.expected(ids, params, llm.tokenizer.eos_ids)
-        check_against_reference(out.token_ids, want, margins, out.request_id)
+        check_against_reference(out.token_ids, want, margins, out.request_id, tie=ENGINE_RTOL)
         assert out.finish_reason == "length"
     free_equals_total(engine)
 
@@ -252,7 +290,7 @@ def test_impossible_requests_are_refused_and_the_engine_keeps_serving(llm, ref):
     rid = engine.add_request(ids, params)
     run_to_end(engine)
     want, margins = ref.expected(ids, params, llm.tokenizer.eos_ids)
-    check_against_reference(engine.pop_output(rid).token_ids, want, margins, rid)
+    check_against_reference(engine.pop_output(rid).token_ids, want, margins, rid, tie=ENGINE_RTOL)
     free_equals_total(engine)
 
 
@@ -281,7 +319,8 @@ def tiny(tmp_path_factory):
 @torch.inference_mode()
 def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
     """One request alone: single-sequence forward + the sampler with a fresh seeded generator.
-    Ends at EOS / a stop token / max_tokens / max_model_len; ignores stop strings."""
+    Ends at EOS / a stop token / max_tokens / max_model_len; ignores stop strings. Returns
+    the tokens and each decision's margin (sampling_margin.draw_margin)."""
     c = model.config
     n = min(params.max_tokens, TINY_MAX_MODEL_LEN - len(ids))
     cache = ContiguousKVCache(c.n_layers, len(ids) + n, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
@@ -290,8 +329,8 @@ def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams) -
     out, margins = [], []
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
     for i in range(n):
-        top = torch.topk(logits, 2).values
-        margins.append(float(top[0] - top[1]))
+        # greedy: the top-2 gap of the penalised logits; seeded: how close this draw was
+        margins.append(draw_margin(logits, ids + out, out, params, generator))
         token = sample(logits, ids + out, out, params, generator)
         out.append(token)
         if token in stops or i + 1 == n:
@@ -410,10 +449,12 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
             continue
         want, margins = reference_tokens(model, tokenizer, ids, params)
         n = len(out.token_ids)
-        if params.greedy:
-            if check_against_reference(out.token_ids, want[:n], margins, rid) is not None:
-                continue
-        assert out.token_ids == want[:n], f"{rid}: {out.token_ids}, reference {want}"
+        # Greedy and seeded alike: the reference's tokens up to its first near-tie (a seeded
+        # draw's margin is how close the draw came to another token: sampling_margin.py).
+        # The engine batches and chunks differently from the single-sequence path, so an
+        # exact match past a near-tie would test this CPU's rounding, not the engine.
+        if check_against_reference(out.token_ids, want[:n], margins, rid) is not None:
+            continue
         if n < len(want):  # only a stop string may end a request before the reference does
             assert out.finish_reason == "stop"
             full = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -432,20 +473,23 @@ def test_seeded_sampling_is_the_same_alone_and_batched(llm):
     ids = llm.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)
 
-    # The reference: the single-sequence path and the sampler with its own seeded generator.
+    # The reference: the single-sequence path and the sampler with its own seeded generator,
+    # with each draw's margin: alone or batched, the engine computes the logits in other
+    # batches than this path does, so its draws must agree up to the first near-tie draw.
     with torch.inference_mode():
         c = llm.config
         cache = ContiguousKVCache(c.n_layers, len(ids) + 16, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
         generator = make_generator(params, torch.device("cpu"))
-        logits, want = llm.model.forward(torch.tensor(ids), 0, cache), []
+        logits, want, margins = llm.model.forward(torch.tensor(ids), 0, cache), [], []
         for i in range(16):
+            margins.append(draw_margin(logits, ids + want, want, params, generator) / (2 * float(logits.abs().max())))
             want.append(sample(logits, ids + want, want, params, generator))
             logits = llm.model.forward(torch.tensor([want[-1]]), len(ids) + i, cache)
 
     alone = make_engine(llm, max_batched_tokens=16)
     rid = alone.add_request(ids, params)
     run_to_end(alone)
-    assert alone.pop_output(rid).token_ids == want
+    check_against_reference(alone.pop_output(rid).token_ids, want, margins, "alone", tie=ENGINE_RTOL)
 
     batched = make_engine(llm, max_batched_tokens=16, page_size=16)
     others = [batched.add_request(llm.tokenizer.encode(p), SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12))
@@ -455,7 +499,7 @@ def test_seeded_sampling_is_the_same_alone_and_batched(llm):
                                       SamplingParams(temperature=0.7, top_k=20, seed=102, max_tokens=8)))
     steps = run_to_end(batched)
     assert any(len(s["rows"]) >= 3 for s in steps)
-    assert batched.pop_output(rid).token_ids == want
+    check_against_reference(batched.pop_output(rid).token_ids, want, margins, "batched", tie=ENGINE_RTOL)
     free_equals_total(batched)
 
 
@@ -528,7 +572,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_pages_at_once(llm, ref):
     assert engine.pop_output(decoding).finish_reason == "abort"
     out = engine.pop_output(survivor)
     want, margins = ref.expected(survivor_ids, params, tok.eos_ids)
-    check_against_reference(out.token_ids, want, margins, survivor)
+    check_against_reference(out.token_ids, want, margins, survivor, tie=ENGINE_RTOL)
     free_equals_total(engine)
 
 
@@ -569,7 +613,7 @@ def test_async_engine(llm, ref):
         aengine.shutdown()
     for (tokens, last), ids in zip(both, prompts):
         want, margins = ref.expected(ids, params, tok.eos_ids)
-        check_against_reference(tokens, want, margins, last.request_id)
+        check_against_reference(tokens, want, margins, last.request_id, tie=ENGINE_RTOL)
         assert last.finished and last.finish_reason == "length"
     # Leaving the async for early aborted the request and freed its pages at once.
     assert snap["counters"]["finished_abort"] == 1
@@ -578,7 +622,7 @@ def test_async_engine(llm, ref):
     assert rid not in engine.requests
     assert isinstance(completed, RequestOutput) and completed.finish_reason == "length"
     want, margins = ref.expected(prompts[1], params, tok.eos_ids)
-    check_against_reference(completed.token_ids, want, margins, completed.request_id)
+    check_against_reference(completed.token_ids, want, margins, completed.request_id, tie=ENGINE_RTOL)
     assert not engine.requests  # every consumer cleaned up after itself
     free_equals_total(engine)
 
