@@ -91,6 +91,22 @@ def jupyter_lab(tmp_path, smollm2_path):
     log.close()
 
 
+def _wait_for_kernel_connected(url: str, timeout_s: float = 180.0) -> None:
+    """Until the server reports the notebook's kernel idle with a client (the page's
+    websocket) connected to it."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}", timeout=10) as r:
+            sessions = json.loads(r.read())
+        kernels = [s.get("kernel") or {} for s in sessions if str(s.get("path", "")).endswith("quickstart.ipynb")]
+        if any(k.get("execution_state") == "idle" and k.get("connections", 0) >= 1 for k in kernels):
+            return
+        assert time.monotonic() < deadline, f"the notebook's kernel never connected: {sessions}"
+        time.sleep(0.2)
+
+
 def test_quickstart_dashboard_renders_and_changes_in_chromium(jupyter_lab):
     _ensure_chromium()
     sync_playwright = _ensure_playwright()
@@ -103,7 +119,7 @@ def test_quickstart_dashboard_renders_and_changes_in_chromium(jupyter_lab):
         page.goto(f"{jupyter_lab}/lab/tree/quickstart.ipynb?token={TOKEN}")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, .jp-Toolbar", timeout=60_000)
-        time.sleep(2)  # let the kernel connect
+        _wait_for_kernel_connected(jupyter_lab)  # not a fixed sleep: the page's kernel is up and attached
         page.click("li.lm-MenuBar-item:has-text('Run')")
         page.click("li.lm-Menu-item:has-text('Run All Cells')")
         # The dashboard appears once the worker is up; then the burst runs for a while.
