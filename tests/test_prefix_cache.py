@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 import minivllm.cache.prefix_index as prefix_index_module
 from conftest import DATA_DIR
 from engine_invariants import check_invariants, free_equals_total
+from sampling_margin import draw_margin
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.flight_coordinator import FlightCoordinator, UnknownFlightRequestError
@@ -101,7 +102,7 @@ def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams,
                      max_model_len: int = TINY_LEN) -> tuple[list[int], list[float]]:
     """One request alone: single-sequence forward + the sampler with a fresh seeded
     generator. Ends at EOS / a stop token / max_tokens / max_model_len (no stop strings).
-    Returns the tokens and the reference's top-2 logit margin at each."""
+    Returns the tokens and the reference's margin at each (sampling_margin.draw_margin)."""
     key = (id(model), tuple(ids), params.temperature, params.top_k, params.top_p, params.seed, params.max_tokens,
            params.ignore_eos, tuple(params.stop_token_ids), max_model_len)
     if key in _reference_memo:
@@ -118,8 +119,8 @@ def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams,
     with model.using(KernelOptions(gemv_max_rows=0)):
         logits = model.forward(torch.tensor(ids), 0, cache)
         for i in range(n):
-            top = torch.topk(logits, 2).values
-            margins.append(float(top[0] - top[1]))
+            # greedy: the top-2 logit gap; seeded: how close this draw came to another token
+            margins.append(draw_margin(logits, ids + out, out, params, generator))
             token = sample(logits, ids + out, out, params, generator)
             out.append(token)
             if token in stops or i + 1 == n:
@@ -147,12 +148,23 @@ def check_output(tiny, engine: LLMEngine, rid: str, ids: list[int], params: Samp
     out = engine.output(rid)
     assert out.finish_reason in ("stop", "length"), (rid, out.finish_reason, engine.requests[rid].error)
     want, margins = reference_tokens(model, tokenizer, ids, params)
-    if params.greedy:
-        check_greedy(out.token_ids, want, margins, rid)
-    else:
-        assert params.seed is not None
-        assert out.token_ids == want, f"{rid}: {out.token_ids}, seeded reference {want}"
+    # Greedy or seeded: the reference's tokens up to its first near-tie. Restored K/V were
+    # computed in another batch than this path's, so an exact match past a near-tie draw
+    # would test this CPU's rounding, not the cache.
+    assert params.greedy or params.seed is not None
+    check_greedy(out.token_ids, want, margins, rid)
     return out.token_ids
+
+
+def check_twins(tiny, engine: LLMEngine, a: str, b: str, ids: list[int], params: SamplingParams) -> None:
+    """Two requests of one prompt, one of them restoring the other's pages: each against the
+    single-sequence reference (check_output), and the same tokens up to the reference's first
+    near-tie. Not beyond it: outside batch-invariant mode, restored K/V and recomputed K/V
+    come from different batches, and which way a near-tie falls is this CPU's rounding."""
+    got_a, got_b = check_output(tiny, engine, a, ids, params), check_output(tiny, engine, b, ids, params)
+    _, margins = reference_tokens(*tiny, ids, params)
+    sure = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))
+    assert got_a[:sure] == got_b[:sure], (got_a, got_b, sure)
 
 
 def step(engine: LLMEngine) -> list:
@@ -589,7 +601,7 @@ def test_admission_does_not_reserve_restored_pages_again(tiny, prefix_cache):
     assert (together > 0) == prefix_cache
     assert engine.counters["preemptions"] == 0
     assert engine.output(b).metrics.cached_prompt_tokens == (16 if prefix_cache else 0)
-    assert check_output(tiny, engine, a, ids, params) == check_output(tiny, engine, b, ids, params)
+    check_twins(tiny, engine, a, b, ids, params)
     free_equals_total(engine)
 
 
@@ -613,7 +625,7 @@ def test_a_page_aligned_repeated_prompt_still_computes_its_last_page(tiny, k):
     assert engine.last_step["rows"] == [{"id": second, "phase": "prefill", "tokens": ps, "draft_tokens": 0}]
     assert engine.last_step["logits_rows"] == 1 and len(engine.requests[second].output_ids) == 1
     run_to_end(engine)
-    assert check_output(tiny, engine, second, ids, GREEDY) == check_output(tiny, engine, first, ids, GREEDY)
+    check_twins(tiny, engine, second, first, ids, GREEDY)
     free_equals_total(engine)
 
 
@@ -639,7 +651,7 @@ def test_publication_policy_decides_what_a_concurrent_twin_restores(tiny, public
     want = (n - 1) // ps * ps if publication == "incremental" else 0
     assert engine.requests[b].restored_tokens == want
     run_to_end(engine)
-    assert check_output(tiny, engine, a, ids, params) == check_output(tiny, engine, b, ids, params)
+    check_twins(tiny, engine, a, b, ids, params)
     free_equals_total(engine)
 
 
@@ -719,7 +731,7 @@ def test_single_flight_followers_restore_the_leaders_prompt(tiny, release, n):
     assert pc["flight_counters"] == {"flights": 1, "followers": 3, "promotions": 0, "released_followers": 3}
     assert pc["released"] == [] and pc["restored_tokens"] == 3 * restored
     out = {name: check_output(tiny, engine, rid[name], ids, p) for name, p in params.items()}
-    assert out["greedy"] == out["leader"]
+    check_twins(tiny, engine, rid["greedy"], rid["leader"], ids, params["greedy"])
     assert out["seed1"] != out["seed2"]  # own seeds, own tokens
     free_equals_total(engine)
 
@@ -858,7 +870,11 @@ def test_distinct_prompts_schedule_exactly_as_with_everything_off(tiny):
     exactly those of an engine with both off, no flight ever has followers and nothing
     is restored. Reference: the engine with both off (and the single-sequence path)."""
     def run(**config):
-        engine = tiny_engine(tiny, page_size=4, pages=32, max_batched_tokens=12, max_active_requests=3, **config)
+        # batch_invariant: the claim is bit-identity of the scheduling and the tokens; the
+        # cache keeps idle pages, so the two engines' requests sit on other pages, and in
+        # the default mode attention over non-consecutive pages sums in another order.
+        engine = tiny_engine(tiny, page_size=4, pages=32, max_batched_tokens=12, max_active_requests=3,
+                             batch_invariant=True, **config)
         lengths = [18, 9, 23, 4, 15, 30]
         arrive = [0, 0, 1, 3, 3, 6]
         schedule, rids = [], []
