@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -140,8 +142,10 @@ def test_worker_killed_mid_stream(smollm2_path, reference, tmp_path):
     profile = tmp_path / "rates.json"
     profile.write_text(json.dumps({"workers": {name: {"prefill_tps": 100.0, "decode_tps": {"1": 15.0, "4": 40.0}}
                                                for name in ("cpu", "cpu#2")}}))
+    # heartbeat_timeout_s: the survivor's process is held with SIGSTOP below, and a held
+    # worker must not be declared dead for its silence meanwhile.
     with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="cost", max_model_len=MAX_MODEL_LEN,
-                 rates_profile=str(profile), batch_invariant=True) as cluster:
+                 rates_profile=str(profile), batch_invariant=True, heartbeat_timeout_s=600.0) as cluster:
         assert all(h.rates.known and h.rates_wire["source"] == "profile" for h in cluster.workers.values())
         victim = cluster.submit(PROMPTS[0], long, worker="cpu")
         survivor = cluster.submit(PROMPTS[1], long, worker="cpu#2")
@@ -151,38 +155,45 @@ def test_worker_killed_mid_stream(smollm2_path, reference, tmp_path):
             assert time.monotonic() < deadline, "no first tokens"
             time.sleep(0.02)
         victim_pid = cluster.workers["cpu"].transport.pid
-        survivor_at_kill = len(survivor.token_ids)
-        cluster.kill_worker("cpu")
-        killed_at = time.monotonic()
-        out = victim.result(10.0)  # liveness: the error event arrives within 10 s
-        assert time.monotonic() - killed_at < 10.0
-        assert out.finish_reason == "error" and worker_named(victim.error, "cpu"), victim.error
-        assert len(out.token_ids) < 300
-        # The survivor was mid-generation at the kill; it must still end with every token
-        # (checked below). Whether it is still running now depends on this machine's speed.
-        assert survivor_at_kill < 300
-        health = cluster.health()
-        assert health["status"] == "degraded"
-        assert {w["name"]: w["state"] for w in health["workers"]} == {"cpu": "dead", "cpu#2": "ready"}
-        with pytest.raises(NoWorkerAvailable, match="cpu"):
-            cluster.submit(PROMPTS[2], short, worker="cpu")
+        # Hold the survivor mid-generation (SIGSTOP) from before the kill until the routing
+        # checks below are done: they need it still running, and how far a running one got
+        # meanwhile (or whether the short requests routed to it finished) would measure
+        # this machine's speed. Resumed, it must still end with every token.
+        survivor_pid = cluster.workers["cpu#2"].transport.pid
+        os.kill(survivor_pid, signal.SIGSTOP)
+        try:
+            survivor_at_kill = len(survivor.token_ids)
+            cluster.kill_worker("cpu")
+            killed_at = time.monotonic()
+            out = victim.result(10.0)  # liveness: the error event arrives within 10 s
+            assert time.monotonic() - killed_at < 10.0
+            assert out.finish_reason == "error" and worker_named(victim.error, "cpu"), victim.error
+            assert len(out.token_ids) < 300
+            assert survivor_at_kill < 300 and not survivor.finished
+            health = cluster.health()
+            assert health["status"] == "degraded"
+            assert {w["name"]: w["state"] for w in health["workers"]} == {"cpu": "dead", "cpu#2": "ready"}
+            with pytest.raises(NoWorkerAvailable, match="cpu"):
+                cluster.submit(PROMPTS[2], short, worker="cpu")
 
-        # the next requests all go to the survivor (still busy), and the records say why
-        more = [cluster.submit(p, short) for p in PROMPTS[2:5]]
-        for k, s in enumerate(more):
-            assert s.worker == "cpu#2"
-            cands = {c["worker"]: c for c in s.decision["candidates"]}
-            assert set(cands) == {"cpu", "cpu#2"}
-            assert cands["cpu"]["healthy"] is False and cands["cpu"]["score"] is None
-            assert cands["cpu#2"]["healthy"] is True and cands["cpu#2"]["score"] > 0
-            # the survivor (producing tokens: active) plus the k short ones routed before
-            # this one (microseconds ago: none can have finished its prefill yet)
-            mine = cands["cpu#2"]
-            assert mine["active"] >= 1 and mine["active"] + mine["queued"] == 1 + k, mine
-            assert mine["concurrency"] == 2 + k
-            assert 4 * k < mine["existing_decode_tokens"] <= 300 + 4 * k
-            assert mine["incoming_decode_tokens"] == 4
-            assert s.decision["policy"] == "cost" and s.decision["reason"] == "cost"
+            # the next requests all go to the survivor (still busy), and the records say why
+            more = [cluster.submit(p, short) for p in PROMPTS[2:5]]
+            for k, s in enumerate(more):
+                assert s.worker == "cpu#2"
+                cands = {c["worker"]: c for c in s.decision["candidates"]}
+                assert set(cands) == {"cpu", "cpu#2"}
+                assert cands["cpu"]["healthy"] is False and cands["cpu"]["score"] is None
+                assert cands["cpu#2"]["healthy"] is True and cands["cpu#2"]["score"] > 0
+                # the survivor (producing tokens: active) plus the k short ones routed before
+                # this one (held, so none can have finished)
+                mine = cands["cpu#2"]
+                assert mine["active"] >= 1 and mine["active"] + mine["queued"] == 1 + k, mine
+                assert mine["concurrency"] == 2 + k
+                assert 4 * k < mine["existing_decode_tokens"] <= 300 + 4 * k
+                assert mine["incoming_decode_tokens"] == 4
+                assert s.decision["policy"] == "cost" and s.decision["reason"] == "cost"
+        finally:
+            os.kill(survivor_pid, signal.SIGCONT)
 
         # nobody on the survivor was disturbed (the references are computed meanwhile)
         expected = ref_tokens(reference, PROMPTS[1], long)

@@ -210,8 +210,12 @@ def simulate_rounds(draft, ids: list[int], target_out: list[int], controller, ma
     """Replay greedy speculation on single-sequence references: each round the draft
     greedily continues the committed tokens for k = min(controller's k, room) tokens, the
     target (its greedy output `target_out`) accepts the longest matching prefix, and the
-    round adds one more token (the correction, or the bonus when all k matched)."""
-    stats = {"proposed": 0, "accepted": 0, "bonus_tokens": 0, "rounds": 0, "plain_steps": 0}
+    round adds one more token (the correction, or the bonus when all k matched).
+
+    The draft's proposals come from the single-sequence path, the engine's from batched
+    forwards: they agree except where the draft reference is at a near-tie. `sure` is
+    False when a proposal token the outcome depends on was one (then no exact prediction)."""
+    stats = {"proposed": 0, "accepted": 0, "bonus_tokens": 0, "rounds": 0, "plain_steps": 0, "sure": True}
     hist: Counter = Counter()
     j = 1  # the first token comes from the prefill
     while j < max_tokens:
@@ -221,10 +225,12 @@ def simulate_rounds(draft, ids: list[int], target_out: list[int], controller, ma
             stats["plain_steps"] += 1
             j += 1
             continue
-        proposal, _ = greedy_reference(draft, committed, k)
+        proposal, draft_margins = greedy_reference(draft, committed, k)
         a = 0
         while a < k and proposal[a] == target_out[j + a]:
             a += 1
+        if min(draft_margins[:min(a + 1, k)]) < NEAR_TIE:  # the accepted tokens and the first rejected one
+            stats["sure"] = False
         stats["rounds"] += 1
         stats["proposed"] += k
         stats["accepted"] += a
@@ -337,6 +343,12 @@ def test_greedy_speculation_matches_target_only(pair, policy):
         check_greedy(w, ref, margins, "target-only")
 
     engine = make_engine(target, tokenizer, draft, batch_invariant=True, max_batched_tokens=40, draft_policy=policy)
+    if policy.endswith("+gate"):
+        # The pay-off gate decides from each step's measured seconds. Give it one fixed unit
+        # per step instead, so which rounds run (and the totals asserted below) follow the
+        # tokens, not this machine's speed or load; the gate's own logic still decides.
+        record = engine.speculator.record_time
+        engine.speculator.record_time = lambda req, tokens, seconds, **kw: record(req, tokens, 1.0, **kw)
     rids, steps = staggered_run(engine, prompts, GREEDY40)
     mixed = [s for s in steps if any(r["draft_tokens"] > 0 for r in s["rows"])
              and any(r["phase"] == "prefill" for r in s["rows"])]
@@ -344,6 +356,7 @@ def test_greedy_speculation_matches_target_only(pair, policy):
     assert any(r["tokens"] == 1 + r["draft_tokens"] for s in mixed for r in s["rows"] if r["draft_tokens"])
 
     totals = Counter()
+    predicted = 0
     for i, (rid, p) in enumerate(zip(rids, prompts)):
         out = engine.pop_output(rid)
         assert out.finish_reason == "length"
@@ -356,11 +369,18 @@ def test_greedy_speculation_matches_target_only(pair, policy):
         assert sum(hist.values()) == s["rounds"] and sum(k * v for k, v in hist.items()) == s["proposed"], s
         assert s["bonus_tokens"] <= s["rounds"] and s["accepted"] <= s["proposed"]
         assert s["tv_mean"] is None and s["tv_max"] is None
-        if policy in CONTROLLERS:  # the gate's decisions depend on timings: no exact prediction
+        if policy in CONTROLLERS:  # the gate's decisions depend on step times: no exact prediction
             expected = simulate_rounds(draft, p, want[i], CONTROLLERS[policy](), 40)
+            sure = expected.pop("sure")
             got = {k: s[k] for k in expected}
-            assert got == expected, f"{policy} {rid}: engine {got}, simulated {expected}"
+            if sure:
+                assert got == expected, f"{policy} {rid}: engine {got}, simulated {expected}"
+            else:
+                print(f"{policy} {rid}: a draft near-tie decides a round; simulated {expected}, engine {got}")
+            predicted += sure
         totals.update({k: s[k] for k in ("proposed", "accepted", "bonus_tokens", "rounds")})
+    if policy in CONTROLLERS:  # not vacuous: near-ties are rare, most requests were predicted exactly
+        assert predicted >= len(prompts) - 1, f"{policy}: only {predicted} of {len(prompts)} predicted"
     assert totals["rounds"] > 0 and totals["accepted"] > 0 and totals["bonus_tokens"] > 0, totals
     assert totals["accepted"] < totals["proposed"], f"no rejection: {totals}"
     rate = totals["accepted"] / totals["proposed"]
