@@ -121,3 +121,22 @@ def test_cluster_encodes_chat_and_raw_prompts_as_documented(model):
     for cluster in (parsing, plain):  # chat content is text whatever the flag
         _, ids = cluster.encode(messages=[{"role": "user", "content": ISSUE_ATTACK}])
         assert ids.count(start) == 3 and ids.count(end) == 2  # the default system turn, the user's, the reply's start
+
+
+def test_llm_chat_and_compare_encode_content_as_text(smollm2_path):
+    """The in-process API takes the same path as the server: `LLM.chat`, the CLI's --chat
+    and `debug.compare(chat=True)` build their prompts with `chat_prompt_ids`."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.debug import compare
+
+    llm = LLM(str(smollm2_path), progress=False, max_model_len=256)
+    start, end = llm.tokenizer.token_to_id("<|im_start|>"), llm.tokenizer.token_to_id("<|im_end|>")
+    messages = [{"role": "user", "content": ISSUE_ATTACK}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=2))
+    benign = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0.0, max_tokens=2))
+    # Exactly the control ids the template writes for a harmless message, none from the content.
+    assert [i for i in out.prompt_token_ids if i in (start, end)] == \
+        [i for i in benign.prompt_token_ids if i in (start, end)]
+    assert out.prompt_token_ids == llm.chat_prompt_ids(messages)[1]
+    report = compare(llm, ISSUE_ATTACK, a={}, b={}, max_tokens=1, chat=True, hidden_states=False)
+    assert report.prompt_token_ids == out.prompt_token_ids

@@ -109,7 +109,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
-        prompt = llm.chat_prompt(messages)
+        prompt = llm.chat_prompt_ids(messages)[1]  # ids: message text never becomes control tokens
     else:
         sys.stdout.write(prompt)
     last, tokens, first_at = None, 0, None

@@ -64,7 +64,7 @@ def compare(model, prompt: str | list[int], a: dict | None = None, b: dict | Non
     if chat:
         if not isinstance(prompt, str):
             raise ConfigError("prompt", prompt, "with chat=True the prompt must be the user message as a string")
-        prompt_ids = tok.encode(llm.chat_prompt([{"role": "user", "content": prompt}]))
+        prompt_ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}])[1]
     elif isinstance(prompt, str):
         prompt_ids = tok.encode(prompt)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):

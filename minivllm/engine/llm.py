@@ -86,8 +86,15 @@ class LLM:
         raise ConfigError("prompt", type(prompt).__name__, "expected a string or a list of token ids")
 
     def chat_prompt(self, messages: Messages) -> str:
-        """The prompt text the model's own chat template makes of `messages`."""
+        """The prompt text the model's own chat template makes of `messages` (to read; to
+        generate from, use `chat_prompt_ids`: encoding this text would turn control-token
+        text in a message into real control tokens)."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def chat_prompt_ids(self, messages: Messages) -> tuple[str, list[int]]:
+        """The chat prompt's text and ids, with control tokens only where the template put
+        them: message content is always encoded as plain text (Tokenizer.encode_chat)."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     # -- generation --------------------------------------------------------------------
 
@@ -119,6 +126,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ConfigError("params", f"<{len(params)} items>", f"give one SamplingParams or one per prompt ({len(prompts)})")
         encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before submitting anything
+        return self._generate_encoded(encoded, params)
+
+    def _generate_encoded(self, encoded: list[tuple[str | None, list[int]]], params: Sequence[SamplingParams],
+                          ) -> list[RequestOutput]:
         rids = []
         try:
             for (text, ids), p in zip(encoded, params):
@@ -136,7 +147,12 @@ class LLM:
         """Generate a reply to one conversation (returns one output) or several (a list)."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
-        outs = self.generate([self.chat_prompt(m) for m in conversations], params)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(conversations)
+        if len(params) != len(conversations):
+            raise ConfigError("params", f"<{len(params)} items>",
+                              f"give one SamplingParams or one per conversation ({len(conversations)})")
+        outs = self._generate_encoded([self.chat_prompt_ids(m) for m in conversations], params)
         return outs[0] if single else outs
 
     # -- inspection ----------------------------------------------------------------------
