@@ -63,6 +63,14 @@ class KernelOptions:
                 cache = True
             else:
                 cache = dense_bytes is not None and dense_bytes <= torch.cuda.mem_get_info(device)[0] // 2
+        if self.gemv_max_rows is None and device.type == "cuda" and cache is True:
+            # With dense copies on the device, cuBLAS wins from two rows on: the Triton
+            # GEMV decodes the weights once per row (H200, Qwen2.5-7B ffn 18944x3584 Q4_K:
+            # 338 us at M=8 vs 47 us for the f16 cuBLAS GEMV, benchmarks/results/
+            # h200-kernels-gemv-20261201T225533Z; bench decode at batch 8 was 718 tok/s
+            # with GEMM vs 226 with GEMV, ../shared/peers/README.md). Without the cache
+            # (a T4), GEMM would dequantize every weight per call, so GEMV keeps 8 rows.
+            rows = 1
         return KernelOptions(gemv_max_rows=rows, dequant_cache=cache, batch_invariant=self.batch_invariant,
                              cpu_gemv=self.cpu_gemv)
 
