@@ -110,9 +110,19 @@ def gemv(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
     `x` is (M, K) float32 on the CPU; each weight a `QuantizedWeight` of a type in
     F32_GEMV_TYPES with the same K. Needs `extension()` to be loaded.
     """
-    ext = extension()
-    x = x.contiguous()
-    return ext.gemv(x, [w.raw for w in weights], [int(w.ggml_type) for w in weights], [w.shape[0] for w in weights])
+    return run(x, prepare(weights))
+
+
+def prepare(weights: list) -> tuple:
+    """The kernel's arguments for these weights, made once (callers keep them: a decode
+    step makes ~120 calls, and building the lists each time costs microseconds)."""
+    return ([w.raw for w in weights], [int(w.ggml_type) for w in weights], [w.shape[0] for w in weights])
+
+
+def run(x: torch.Tensor, args: tuple) -> list[torch.Tensor]:
+    """`gemv` with arguments from `prepare`."""
+    ext = _STATE.get("module") or extension()
+    return ext.gemv(x if x.is_contiguous() else x.contiguous(), *args)
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

@@ -42,6 +42,8 @@ class QuantLinear:
         self._packed = None  # the low-precision CPU pack (cpu_packed.CpuPackedWeight), built on first use
         self._cpu_quant = False  # a quantized weight on the CPU: the GEMV follows options.cpu_gemv
         self._cpu_mode: tuple[str, str] | None = None  # (options.cpu_gemv, what it resolved to)
+        self._gemv_args = None  # the f32 kernel's prepared arguments (cpu_gemv.prepare)
+        self._many_args = None  # project_many's prepared kernel arguments when this is the first linear
         self._triton_ok = False
         self._repacked = None  # CUDA: the GPU layout of the blocks (kernels/triton/repacked_gemv.py)
         device = weight.device
@@ -147,11 +149,13 @@ class QuantLinear:
         if self._cpu_quant:
             mode = self.cpu_gemv_mode()
             if mode == "f32":
-                from minivllm.kernels.cpu_gemv import gemv
+                from minivllm.kernels import cpu_gemv
 
                 # Each row's sum order is fixed by K alone (cpu_gemv.cpp), so one call
                 # over every row is already batch-invariant.
-                return gemv(x.float(), [self.weight])[0].to(out_dtype)
+                if self._gemv_args is None:
+                    self._gemv_args = cpu_gemv.prepare([self.weight])
+                return cpu_gemv.run(x.float(), self._gemv_args)[0].to(out_dtype)
             if mode == "lowp":
                 packed = self._lowp()
                 xf = x.float()
@@ -241,11 +245,16 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
              and all(lin._cpu_quant and lin.cpu_gemv_mode() == "f32" and lin.options is opts for lin in linears))
     if not fused:
         return [lin(x) for lin in linears]
-    from minivllm.kernels.cpu_gemv import gemv
+    from minivllm.kernels import cpu_gemv
 
+    cached = first._many_args  # (linears, kernel arguments, trace name), made on the first call
+    if cached is None or cached[0] != tuple(linears):
+        linears = tuple(linears)
+        cached = first._many_args = (linears, cpu_gemv.prepare([lin.weight for lin in linears]),
+                                     "+".join(lin.name for lin in linears))
     opts.path_counts["gemv"] += len(linears)
-    with trace_scope("qmatmul", "+".join(lin.name for lin in linears), path="gemv"):
-        ys = gemv(x.float(), [lin.weight for lin in linears])
+    with trace_scope("qmatmul", cached[2], path="gemv"):
+        ys = cpu_gemv.run(x.float(), cached[1])
         out = []
         for lin, y in zip(linears, ys):
             if lin.bias is not None:
