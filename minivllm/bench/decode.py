@@ -169,7 +169,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
         max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, max_repeats: int | None = None,
         threads: int | None = None, baselines: bool = True, llama_cpp_path: str | None = None,
         synthetic: str | None = None, synthetic_tokenizer: str | None = None,
-        engine_options: dict | None = None) -> list[dict]:
+        engine_options: dict | None = None, llama_bench: str | None = None) -> list[dict]:
     """One row per (device, dtype) of minivllm, plus llama.cpp and transformers rows when a
     device is the CPU and `baselines`. `max_tokens`: decode tokens per run. `max_repeats`
     (default 3 x repeats): the most rounds when the decode tok/s CV stays above 5%."""
@@ -269,6 +269,11 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
             row["minivllm/this_decode"] = ours_cpu["decode_tok_s_median"] / row["decode_tok_s_median"]
             row["minivllm/this_prefill"] = ours_cpu["prefill_tok_s_median"] / row["prefill_tok_s_median"]
     rows += skipped
+    if llama_bench is not None:  # llama.cpp's CUDA backend on the same file, after our rounds (bench/llama_bench.py)
+        from minivllm.bench.llama_bench import add_ratios, llama_bench_rows
+
+        rows += llama_bench_rows(llama_bench, model_path, prompt_tokens, max_tokens)
+        add_ratios(rows)
     for row in rows:
         print(f"{row['engine']:>12} {row['device']:>7} {row['dtype']}: {row['status']}"
               + (f"; prefill {row['prefill_tok_s']} tok/s, decode {row['decode_tok_s']} tok/s"
@@ -282,6 +287,9 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
                 "sampling": "greedy (argmax), EOS ignored", "prompt_source": str(PROMPTS_FILE.name),
                 "warmup": f"one {min(4, max_tokens)}-token run per engine",
                 "engine_options": dict(engine_options or {}), **versions}
+    if llama_bench is not None:
+        settings["llama_bench"] = {"binary": llama_bench, "command": next(
+            (r.get("llama_bench_command") for r in rows if r["engine"] == "llama.cpp-cuda"), None)}
     first_dev = str(runners[0].llm.model.device)
     meta = provenance(first_dev, sha256_file(model_path), settings)
     meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
@@ -298,6 +306,8 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
             "prefill_tok_s_median", "decode_tok_s", "decode_tok_s_median", "decode_tok_s_cv", "runs",
             "minivllm/this_prefill",
             "minivllm/this_decode", "graphs/eager_decode", "same_tokens_as_first_row"]
+    if llama_bench is not None:
+        cols += ["ratio_vs_llama_cpp", "ratio_vs_llama_cpp_prefill", "llama_cpp_commit"]
     _, md = write_results(f"decode-{label}", meta, rows, cols, note)
     print(md.read_text(), flush=True)
     return rows

@@ -45,6 +45,9 @@ def add_bench_parser(subparsers) -> None:
                    help="Qwen2.5 GGUF to copy the synthetic model's tokenizer from (default: qwen2.5-coder-0.5b)")
     d.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine option for minivllm (repeatable), e.g. gemv_max_rows=0, enforce_eager=true")
+    d.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="a llama-bench binary (llama.cpp CUDA): run it on the same file after minivllm's rounds; "
+                        "GPU rows get ratio_vs_llama_cpp")
     d.set_defaults(func=_decode)
 
     ad = sub.add_parser("activation-dtype", help="TTFT, decode tok/s and peak memory per activation dtype (f32, f16, "
@@ -396,7 +399,7 @@ def _decode(args: argparse.Namespace) -> int:
     run(args.model, args.inference_device or ["cpu"], args.activation_dtype or ["f32"],
         max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats,
         max_repeats=args.max_repeats, threads=args.threads, baselines=not args.no_baselines, llama_cpp_path=args.llama_cpp_path, synthetic=args.synthetic,
-        synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option))
+        synthetic_tokenizer=args.synthetic_tokenizer, engine_options=_options(args.option), llama_bench=args.llama_bench)
     return 0
 
 
