@@ -60,7 +60,12 @@ def test_the_workload_really_was_mixed(soak):
 def test_memory_was_sampled_and_results_written(soak):
     rss = soak["rss"]
     assert "server" in rss and sum(k.startswith("worker") for k in rss) == 2, list(rss)
-    assert all(r["samples"] >= 5 and r["max_mb"] > 10 for r in rss.values()), rss
+    # Sampled throughout the load: the sampler takes one every second, so the number in
+    # the window follows how long this machine took (a fixed 5 is about the schedule's
+    # 4.8 s of gaps alone, which a fast machine barely exceeds). At least one every 2 s.
+    load_s = soak["summary"]["load_s"]
+    want = max(2, int(load_s / 2) - 1)
+    assert all(r["samples"] >= want and r["max_mb"] > 10 for r in rss.values()), (want, load_s, rss)
     # too short a run for a leak verdict: only a loose bound
     assert all(r["ratio"] < 3 for k, r in rss.items() if r["ratio"] == r["ratio"]), rss
     json_path, md_path = soak["files"]
