@@ -467,6 +467,10 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         raise DeviceError(f"repacked_gemv({w.name!r}) is a Triton GPU kernel and got {x.device} tensors; move "
                           f"them to a CUDA device (CPU tensors run only under TRITON_INTERPRET=1)")
     m = x.shape[0]
+    from minivllm.kernels.triton import q8_gemv as q8
+
+    if q8.enabled() and w.ggml_type in q8.Q8_TYPES:  # opt-in: int8 activations + dp4a (not measured yet)
+        return q8.q8_gemv(x, w, out_dtype=out_dtype, bias=bias)
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
         return out

@@ -1,0 +1,197 @@
+"""GEMV with int8 activations and `dp4a` over the repacked layout (opt-in: MINIVLLM_Q8_GEMV=1).
+
+Why: the float32 repacked GEMV (`repacked_gemv.py`) is bound by instruction issue on the
+H200 (~5 instructions per weight; 20-30% of copy bandwidth, docs/issue19-gpu-notes.md).
+llama.cpp's mmvq quantizes the activations once per matmul to int8 groups of 32 and
+multiplies 4 weight bytes by 4 activation bytes per `dp4a` (sm_61+, so a T4 too).
+
+Activations (`quantize_q8`): per row and group of 32, dx = max|x| / 127 and
+xq = round(x / dx) in -127..127, packed so that word j of a group holds elements
+j, 8 + j, 16 + j, 24 + j in its bytes 0..3. That is the order the repacked weights
+already have: word t of a 4-bit group holds element p * 4 + t in nibble p, so
+`w & 0x0F0F0F0F` is elements t, 8+t, 16+t, 24+t (activation word t) and
+`(w >> 4) & 0x0F0F0F0F` elements 4+t, ..., 28+t (activation word 4 + t); a Q8_0 word t
+holds element p * 8 + t in byte p (activation word t). Integer sums are exact, so the
+result equals dequant(W) @ (xq * dx) up to float32 rounding of the per-group terms: the
+tests hold it to that reference with the float32 bound.
+
+Not measured on a GPU yet: it is off unless MINIVLLM_Q8_GEMV=1, and it changes the
+numerics (activations rounded to 8 bits per group, as llama.cpp does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from minivllm.kernels.triton.repacked_gemv import R, RepackedWeight
+
+_T = GGMLQuantizationType
+Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K})
+
+
+def enabled() -> bool:
+    return os.environ.get("MINIVLLM_Q8_GEMV") == "1"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --- activations -----------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_q8_kernel(x_ptr, xw_ptr, dx_ptr, stride_xm, N_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None, None]
+    b = tl.arange(0, 4)[None, :, None]
+    j = tl.arange(0, 8)[None, None, :]
+    ok = g < N_GROUPS
+    x = tl.load(x_ptr + row * stride_xm + g * 32 + b * 8 + j, mask=ok, other=0.0).to(tl.float32)  # element 8b + j
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [G]
+    dx = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = x * inv[:, None, None]
+    v = (v + 12582912.0) - 12582912.0  # round to nearest even (|v| <= 127 << 2^22)
+    q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int32)
+    word = tl.sum((q & 255) << (b * 8), axis=1)  # disjoint bytes: the sum is the OR
+    gj = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
+    tl.store(xw_ptr + row * (N_GROUPS * 8) + gj * 8 + tl.arange(0, 8)[None, :], word, mask=gj < N_GROUPS)
+    g1 = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    tl.store(dx_ptr + row * N_GROUPS + g1, dx, mask=g1 < N_GROUPS)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (int32 words (M, K/32, 8), float32 scales (M, K/32))."""
+    m, k = x.shape
+    if k % 32 or x.stride(-1) != 1:
+        raise ValueError("quantize_q8: K must be a multiple of 32 and rows contiguous")
+    groups = k // 32
+    xw = torch.empty((m, groups, 8), dtype=torch.int32, device=x.device)
+    dx = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    block = 32
+    if m:
+        _quantize_q8_kernel[(m, triton.cdiv(groups, block))](x, xw, dx, x.stride(0), N_GROUPS=groups, BLOCK_G=block)
+    return xw, dx
+
+
+def unpack_q8(xw: torch.Tensor) -> torch.Tensor:
+    """The int8 values (M, K) in element order, from `quantize_q8`'s words (for tests)."""
+    m, groups, _ = xw.shape
+    w = xw.to(torch.int64) & 0xFFFFFFFF
+    by = torch.stack([((w >> (8 * b)) & 255) for b in range(4)], dim=2)  # (M, G, b, j): element 8b + j
+    by = torch.where(by >= 128, by - 256, by)
+    return by.reshape(m, groups * 32).to(torch.int8)
+
+
+# --- the GEMV ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _dp4a(a, b, c, EMULATE: tl.constexpr):
+    """c + the dot product of the 4 signed bytes of a and b (PTX dp4a.s32.s32)."""
+    if EMULATE:
+        acc = c
+        for k in tl.static_range(4):
+            acc += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+        return acc
+    else:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _small_int_to_f32(v):
+    """|v| < 2^22 as float32 without I2F."""
+    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit(do_not_specialize=["M"])
+def _q8_gemv_kernel(
+    xw_ptr, dx_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
+    M, N, stride_om,
+    N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+    BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_m = pid % M
+    nb = pid // M
+    offs_g = tl.arange(0, BLOCK_G)
+    g3 = offs_g[:, None, None]
+    t3 = tl.arange(0, T)[None, :, None]
+    r3 = tl.arange(0, RR)[None, None, :]
+    ones = tl.full([BLOCK_G, T, 1], 0x01010101, tl.int32)
+    xw_row = xw_ptr + pid_m.to(tl.int64) * (N_GROUPS * 8)
+    dx_row = dx_ptr + pid_m.to(tl.int64) * N_GROUPS
+    acc = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
+    for g0 in range(0, N_GROUPS, BLOCK_G):
+        gg = g0 + g3
+        g_ok = gg < N_GROUPS
+        gr = (nb * N_GROUPS + gg) * RR + r3 + t3 * 0  # per-(group, row) planes, read like the weight tile
+        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t3) * RR + r3, mask=g_ok, other=0)
+        dx = tl.load(dx_row + gg, mask=g_ok, other=0.0)  # [G, 1, 1]
+        xa = tl.load(xw_row + gg * 8 + t3, mask=g_ok, other=0)  # [G, T, 1]: activation word t
+        if KIND == 3:  # Q8_0: bytes q + 128 -> signed q (XOR 0x80808080, written as an int32)
+            isum = _dp4a(w ^ -0x7F7F7F80, xa, tl.zeros([BLOCK_G, T, RR], tl.int32), EMULATE)
+            d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+            acc += _small_int_to_f32(isum) * (d * dx)
+        else:
+            xb = tl.load(xw_row + gg * 8 + 4 + t3, mask=g_ok, other=0)  # activation word 4 + t
+            isum = _dp4a(w & 0x0F0F0F0F, xa, tl.zeros([BLOCK_G, T, RR], tl.int32), EMULATE)
+            isum = _dp4a((w >> 4) & 0x0F0F0F0F, xb, isum, EMULATE)
+            xs = _small_int_to_f32(_dp4a(ones, xb, _dp4a(ones, xa, tl.zeros([BLOCK_G, T, 1], tl.int32), EMULATE),
+                                         EMULATE))  # the 8 activations of this word pair
+            qx = _small_int_to_f32(isum)
+            if KIND == 0:  # Q4_0: d * (q - 8)
+                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+                acc += (qx - 8.0 * xs) * (d * dx)
+            elif KIND == 1:  # Q4_1: d * q + m
+                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+                mm = tl.load(b_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+                acc += (qx * d + xs * mm) * dx
+            else:  # Q4_K: (d * sc) * q - (dmin * m)
+                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
+                d = tl.load(a_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
+                dmin = tl.load(b_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
+                sc = tl.load(c_ptr + gr, mask=g_ok, other=0).to(tl.int32)
+                mn = tl.load(e_ptr + gr, mask=g_ok, other=0).to(tl.int32)
+                acc += (qx * (d * _small_int_to_f32(sc)) - xs * (dmin * _small_int_to_f32(mn))) * dx
+    y = tl.sum(tl.sum(acc, axis=1), axis=0)
+    rows = nb * RR + tl.arange(0, RR)
+    r_ok = rows < N
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
+    tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+_KIND = {_T.Q4_0: 0, _T.Q4_1: 1, _T.Q8_0: 3, _T.Q4_K: 4}
+_PLANES = {_T.Q4_0: ("d", None, None, None), _T.Q4_1: ("d", "m", None, None), _T.Q8_0: ("d", None, None, None),
+           _T.Q4_K: ("d", "dmin", "sc", "mn")}
+_FIXED = dict(BLOCK_G=64, num_warps=4)
+
+
+def q8_gemv(x: torch.Tensor, w: RepackedWeight, *, out_dtype: torch.dtype | None = None,
+            bias: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """y = (xq * dx) @ W.T (+ bias): x quantized per group of 32 to int8 (`quantize_q8`, or
+    `xq` given), integer dot products, float32 per-group scaling, one rounding to out_dtype.
+    One fixed configuration, each row its own programs: rows are independent of the batch."""
+    n, k = w.shape
+    if w.ggml_type not in Q8_TYPES:
+        raise ValueError(f"q8_gemv: {w.ggml_type.name} has no int8-activation kernel")
+    xw, dx = xq if xq is not None else quantize_q8(x.contiguous())
+    m = xw.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=xw.device)
+    if m == 0:
+        return out
+    ptrs = [w.planes[p] if p is not None else w.qs for p in _PLANES[w.ggml_type]]
+    has_bias = bias is not None
+    _q8_gemv_kernel[(m * triton.cdiv(n, R),)](
+        xw, dx, w.qs, *ptrs, bias if has_bias else out, out, m, n, out.stride(0),
+        N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R, HAS_BIAS=has_bias,
+        EMULATE=_interpreting(), **_FIXED)
+    return out
