@@ -227,3 +227,26 @@ def test_rms_norm_matches_float64():
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert got.dtype == torch.float32
     assert float((got.double() - ref).abs().max()) <= 4 * U_F32 * 576 * float(ref.abs().max())
+
+
+@needs_ext
+def test_project_many_is_separate_calls_in_one():
+    """A layer's Q/K/V through one kernel call: the same bits as three QuantLinear calls
+    (bias included), counted as three GEMV calls; above gemv_max_rows, separate GEMMs."""
+    from minivllm.kernels.kernel_options import KernelOptions
+    from minivllm.kernels.linear import QuantLinear, project_many
+
+    opts = KernelOptions().resolved("cpu")
+    ws = [_random_weight(T.Q4_1, 96, 512, seed=1), _random_weight(T.Q8_0, 32, 512, seed=2),
+          _random_weight(T.Q5_0, 32, 512, seed=3)]
+    lins = [QuantLinear(w, torch.randn(w.shape[0]) if i == 1 else None, options=opts, compute_dtype=torch.float32,
+                        name=f"p{i}") for i, w in enumerate(ws)]
+    for rows in (1, 3, opts.gemv_max_rows + 1):
+        x = torch.randn(rows, 512)
+        opts.path_counts.clear()
+        fused = project_many(lins, x)
+        counts = dict(opts.path_counts)
+        separate = [lin(x) for lin in lins]
+        assert all(torch.equal(a, b) for a, b in zip(fused, separate))
+        assert counts == ({"gemv": 3} if rows <= opts.gemv_max_rows else {"gemm": 3})
+    assert {lin.gemv_kind for lin in lins} == {f"cpu-f32-{cpu_gemv.isa()}"}
