@@ -83,6 +83,19 @@ def test_opt_in_switch_routes_repacked_gemv(monkeypatch):
     assert not torch.equal(repacked_gemv(x, rw), q8_gemv(x, rw))
 
 
+@cpu_only
+def test_projections_of_one_input_share_its_quantization():
+    from minivllm.kernels.triton import q8_gemv as q8
+
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
+    first = q8.quantize_q8_cached(x)
+    assert q8.quantize_q8_cached(x) is first  # the same tensor, unchanged: reused
+    x.mul_(2)  # changed in place: quantized again
+    again = q8.quantize_q8_cached(x)
+    assert again is not first and torch.equal(again[1], first[1] * 2)
+    assert q8.quantize_q8_cached(x.clone()) is not again  # another tensor
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_matches_quantized_reference_cuda(ggml_type):

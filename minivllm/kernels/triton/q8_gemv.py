@@ -80,6 +80,22 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xw, dx
 
 
+# The last activation quantized, by identity: a layer's Q/K/V (and gate/up) read the same
+# x, so they share one quantize launch (also inside a CUDA graph capture).
+_LAST: list = [None, -1, None]  # [weakref to x, x._version, (xw, dx)]
+
+
+def quantize_q8_cached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import weakref
+
+    ref, version, got = _LAST
+    if ref is not None and ref() is x and version == x._version:
+        return got
+    got = quantize_q8(x.contiguous())
+    _LAST[:] = [weakref.ref(x), x._version, got]
+    return got
+
+
 def unpack_q8(xw: torch.Tensor) -> torch.Tensor:
     """The int8 values (M, K) in element order, from `quantize_q8`'s words (for tests)."""
     m, groups, _ = xw.shape
@@ -183,7 +199,7 @@ def q8_gemv(x: torch.Tensor, w: RepackedWeight, *, out_dtype: torch.dtype | None
     n, k = w.shape
     if w.ggml_type not in Q8_TYPES:
         raise ValueError(f"q8_gemv: {w.ggml_type.name} has no int8-activation kernel")
-    xw, dx = xq if xq is not None else quantize_q8(x.contiguous())
+    xw, dx = xq if xq is not None else quantize_q8_cached(x)
     m = xw.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=xw.device)
     if m == 0:
