@@ -90,8 +90,11 @@ def test_without_the_mode_the_same_changes_do_alter_logits(llm):
 def test_invariant_greedy_tokens_match_the_default_path_closely(llm, solo):
     # The mode changes kernels, not the model: its greedy choice agrees with the default
     # path's on every step where the default path's top-2 margin is not a near-tie.
+    # Compared up to the first step where the choices differ: after it the two runs
+    # continue from different tokens, and their logits no longer describe the same context.
     default = run(llm, others=0)
     for a, b in zip(solo, default):
-        top2 = torch.topk(b, 2).values
-        if float(top2[0] - top2[1]) > 0.5:
-            assert int(a.argmax()) == int(b.argmax())
+        if int(a.argmax()) != int(b.argmax()):
+            top2 = torch.topk(b, 2).values
+            assert float(top2[0] - top2[1]) <= 0.5, "the modes disagree where the default path is not a near-tie"
+            break
