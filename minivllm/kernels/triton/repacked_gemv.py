@@ -126,9 +126,9 @@ def _pack_fields(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack_fields(words: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(per, device=words.device, dtype=torch.int64) * bits).view(per, 1)
-    c = (w.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)  # [.., p, t]
+    # int32 shifts (arithmetic, but every field is masked), so no int64 temporaries.
+    shifts = (torch.arange(per, device=words.device, dtype=torch.int32) * bits).view(per, 1)
+    c = (words.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)  # [.., p, t]
     return c.reshape(*words.shape[:-1], 32).to(torch.uint8)
 
 
@@ -238,8 +238,27 @@ def _nib_bytes(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, :16] | (codes[:, 16:] << 4)
 
 
+# Rows unpacked per piece: the temporaries of one piece stay near 64 MB whatever the
+# matrix (a T4 without room for dense copies rebuilds the bytes for every prefill GEMM).
+_UNPACK_ROWS = 2048
+
+
 def unpack_raw(rw: RepackedWeight) -> torch.Tensor:
-    """The GGUF bytes (N, row_bytes) uint8 that `repack` was given."""
+    """The GGUF bytes (N, row_bytes) uint8 that `repack` was given (built in row pieces)."""
+    n, k = rw.shape
+    if n <= _UNPACK_ROWS:
+        return _unpack_raw(rw)
+    step = _UNPACK_ROWS // R
+    pieces = []
+    for nb0 in range(0, rw.qs.shape[0], step):
+        rows = min(n - nb0 * R, step * R)
+        part = RepackedWeight(rw.ggml_type, (rows, k), rw.name, rw.qs[nb0:nb0 + step],
+                              {name: a[nb0:nb0 + step] for name, a in rw.planes.items()})
+        pieces.append(_unpack_raw(part))
+    return torch.cat(pieces)
+
+
+def _unpack_raw(rw: RepackedWeight) -> torch.Tensor:
     t = rw.ggml_type
     n, k = rw.shape
     qt = SUPPORTED_TYPES[t]
