@@ -134,8 +134,11 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     if ext is None or d % ext.vector_width() or d > 16 * ext.vector_width() or k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 \
             or v.stride(1) != d:
         return None
-    out = ext.attend_decode(q.reshape(h, d).float().contiguous(), k, v, d ** -0.5)
-    return out.view(1, h, d).to(q.dtype)
+    q2 = q.reshape(h, d)
+    if q2.dtype != torch.float32 or not q2.is_contiguous():
+        q2 = q2.float().contiguous()
+    out = ext.attend_decode(q2, k, v, d ** -0.5).view(1, h, d)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -143,7 +146,7 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     ext = extension()
     if ext is None:
         return None
-    return ext.rms_norm_f32(x.contiguous(), weight.contiguous(), float(eps))
+    return ext.rms_norm_f32(x if x.is_contiguous() else x.contiguous(), weight, float(eps))
 
 
 def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, adjacent: bool) -> torch.Tensor | None:
@@ -152,4 +155,5 @@ def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: in
     ext = extension()
     if ext is None or cos.dtype != torch.float32:
         return None
-    return ext.rope_f32(x.contiguous(), cos.contiguous(), sin.contiguous(), int(rope_dim), bool(adjacent))
+    return ext.rope_f32(x if x.is_contiguous() else x.contiguous(), cos if cos.is_contiguous() else cos.contiguous(),
+                        sin if sin.is_contiguous() else sin.contiguous(), int(rope_dim), bool(adjacent))

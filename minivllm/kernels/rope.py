@@ -50,7 +50,7 @@ class RotaryEmbedding:
 
             out = rope_f32(x, cos, sin, self.rope_dim, self.style == "adjacent")  # the same math compiled, or None
             if out is not None:
-                return out.to(out_dtype)
+                return out if out_dtype == torch.float32 else out.to(out_dtype)
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.style == "adjacent":
