@@ -1,15 +1,26 @@
 """The workbench in a real browser: JupyterLab on 127.0.0.1, driven by Playwright with
 Debian's Chromium (/usr/bin/chromium; browsers cannot be downloaded here).
 
-Opens the quickstart notebook, runs every cell, and checks that the KV page map and the
-queue panel render and change while the dashboard's requests run. The screenshot lands
-in test-artifacts/workbench-quickstart.png. The test installs what it lacks (apt
-`chromium`, pip `playwright`) and skips with the reason when it cannot.
+Opens the quickstart notebook, runs every cell, and checks what a user sees:
+- the KV page map (a canvas painted in the browser from the page-state bytes) changes while
+  the requests run, shows shared pages while three requests share a prefix, and at the end
+  counts exactly the states of the final snapshot the notebook prints (the counts the canvas
+  computed from the bytes it received, and the caption's);
+- requests that returned are no longer shown as running, and the closed dashboard says so;
+- the divergence explorer's summary sentence is there;
+- the speculative notebook's side-by-side code keeps its indentation (computed style: left
+  aligned, whitespace kept), from that notebook's own cell.
+Screenshots land in test-artifacts/ (copies for the README live in docs/screenshots/). The
+test installs what it lacks (apt `chromium`, pip `playwright`) and skips with the reason
+when it cannot.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -65,6 +76,7 @@ def jupyter_lab(tmp_path, smollm2_path):
     root = tmp_path / "lab"
     root.mkdir()
     shutil.copy(REPO_ROOT / "notebooks" / "quickstart.ipynb", root)
+    _side_by_side_notebook(root / "side_by_side.ipynb")
     port = _free_port()
     log = open(tmp_path / "jupyter.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
@@ -107,7 +119,40 @@ def _wait_for_kernel_connected(url: str, timeout_s: float = 180.0) -> None:
         time.sleep(0.2)
 
 
-def test_quickstart_dashboard_renders_and_changes_in_chromium(jupyter_lab):
+INDENTED = "def is_prime(n):\n    if n < 2:\n        return False\n    return all(n % d for d in range(2, n))\n"
+
+
+def _side_by_side_notebook(path: Path) -> None:
+    """The speculative notebook's side-by-side cell, fed indented code instead of model output."""
+    spec = json.loads((REPO_ROOT / "notebooks" / "speculative.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in spec["cells"] if "sampled[D, SEEDS[0]]" in "".join(c["source"]))
+    setup = f"SEEDS = [1]\nsampled = {{(D, 1): {INDENTED!r} for D in (0.0, 0.5, 1.0)}}"
+    code = lambda src: {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+    path.write_text(json.dumps({"cells": [code(setup), code(cell)], "metadata": spec["metadata"], "nbformat": 4,
+                                "nbformat_minor": 5}))
+
+
+def _run_all(page) -> None:
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, .jp-Toolbar", timeout=60_000)
+    page.wait_for_function("() => document.querySelector('.jp-Notebook') !== null", timeout=60_000)
+    time.sleep(2)  # let the kernel connect
+    page.click("li.lm-MenuBar-item:has-text('Run')")
+    page.click("li.lm-Menu-item:has-text('Run All Cells')")
+
+
+def _map_state(page) -> dict:
+    return page.evaluate("""() => {
+        const el = document.querySelector('.minivllm-kv .minivllm-page-map');
+        const caption = {};
+        for (const s of document.querySelectorAll('.minivllm-kv .minivllm-kv-count'))
+            caption[s.dataset.state] = parseInt(s.textContent);
+        return el ? {counts: JSON.parse(el.dataset.counts || '{}'), pages: el.dataset.pages, caption: caption,
+                     text: el.innerText} : null;
+    }""")
+
+
+def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
     _ensure_chromium()
     sync_playwright = _ensure_playwright()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -117,22 +162,65 @@ def test_quickstart_dashboard_renders_and_changes_in_chromium(jupyter_lab):
             "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{jupyter_lab}/lab/tree/quickstart.ipynb?token={TOKEN}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, .jp-Toolbar", timeout=60_000)
-        _wait_for_kernel_connected(jupyter_lab)  # not a fixed sleep: the page's kernel is up and attached
-        page.click("li.lm-MenuBar-item:has-text('Run')")
-        page.click("li.lm-Menu-item:has-text('Run All Cells')")
-        # The dashboard appears once the worker is up; then the burst runs for a while.
-        kv = page.wait_for_selector(".minivllm-kv img[src^='blob:'], .minivllm-kv img[src^='data:']", timeout=420_000)
+        _run_all(page)
+        # The dashboard appears once the worker is up; then the requests run for a while.
+        page.wait_for_selector(".minivllm-kv .minivllm-page-map canvas", timeout=600_000)
         queues = page.wait_for_selector(".minivllm-queues", timeout=60_000)
-        kv_sources, queue_texts = set(), set()
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and (len(kv_sources) < 2 or len(queue_texts) < 2 or "running" not in " ".join(queue_texts)):
-            kv_sources.add(page.eval_on_selector(".minivllm-kv img", "img => img.src"))
+        frames, queue_texts, shared_seen = set(), set(), []
+        final_text = None
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            state = _map_state(page)
+            if state is not None:
+                frames.add(json.dumps(state["counts"], sort_keys=True))
+                if state["counts"].get("shared", 0) > 0:
+                    shared_seen.append(state)
             queue_texts.add(queues.inner_text())
+            out = page.locator(".jp-OutputArea-output:has-text('final KV page states')")
+            if out.count():
+                final_text = out.first.inner_text()
+                break
             time.sleep(0.3)
+        assert final_text is not None, "the quickstart never printed its final KV page states"
+        page.wait_for_selector(".minivllm-live[data-phase='stopped']", timeout=120_000)
+        page.wait_for_timeout(500)  # the final frame's messages
+        final_map = _map_state(page)
+        final_queues = queues.inner_text()
+        kv = page.query_selector(".minivllm-kv")
         kv.scroll_into_view_if_needed()
-        page.screenshot(path=str(ARTIFACTS / "workbench-quickstart.png"), full_page=False)
+        kv.screenshot(path=str(ARTIFACTS / "workbench-quickstart.png"))
+        summary = page.wait_for_selector(".minivllm-divergence-summary", timeout=60_000)
+        summary_text = summary.inner_text()
+        summary.scroll_into_view_if_needed()
+        page.locator(".minivllm-divergence-summary").locator("xpath=..").screenshot(
+            path=str(ARTIFACTS / "divergence-explorer.png"))
+
+        page.goto(f"{jupyter_lab}/lab/tree/side_by_side.ipynb?token={TOKEN}")
+        _run_all(page)
+        pre = page.wait_for_selector(".minivllm-side-by-side pre", timeout=300_000)
+        style = pre.evaluate("el => { const s = getComputedStyle(el); const c = getComputedStyle(el.parentElement);"
+                             " return {pre: s.textAlign, column: c.textAlign, ws: s.whiteSpace, text: el.innerText}; }")
+        pre.scroll_into_view_if_needed()
+        page.locator(".minivllm-side-by-side").first.locator("xpath=..").screenshot(
+            path=str(ARTIFACTS / "speculative-side-by-side.png"))
         browser.close()
-    assert len(kv_sources) >= 2, "the KV page map never changed while requests ran"
-    assert len(queue_texts) >= 2 and any("running" in t for t in queue_texts), queue_texts
+
+    assert len(frames) >= 2, "the KV page map never changed while requests ran"
+    assert any("running" in t and "0 running" not in t for t in queue_texts), queue_texts
+    assert shared_seen, "three requests on one prefix never showed shared pages"
+    # The final frame: what the canvas painted equals the snapshot the notebook printed.
+    printed = ast.literal_eval(re.search(r"final KV page states: (\{.*?\})", final_text).group(1))
+    assert set(printed) <= {"free", "cached-idle"}, printed  # all requests have ended
+    expected = {"free": printed.get("free", 0), "owned": 0, "cached-idle": printed.get("cached-idle", 0),
+                "cached-in-use": 0, "shared": 0}
+    assert final_map["counts"] == expected, (final_map, printed)
+    assert final_map["caption"] == expected, (final_map, printed)
+    assert int(final_map["pages"]) == sum(printed.values())
+    assert expected["cached-idle"] > 0  # the shared prefix stays cached
+    # Requests that returned are not shown running; the stopped cluster is marked.
+    assert "0 running" in final_queues and "\trunning\t" not in final_queues, final_queues
+    assert re.search(r"[1-9]\d*/\d+ prefix hits", final_map["text"]), final_map["text"]
+    assert summary_text.startswith("The runs agree"), summary_text
+    # The speculative notebook's code columns keep their indentation.
+    assert style["pre"] in ("left", "start") and style["column"] in ("left", "start"), style
+    assert style["ws"] == "pre-wrap" and "\n    if n < 2:\n        return False" in style["text"], style

@@ -103,8 +103,10 @@ def summary_sentence(report) -> str:
 
 
 def summary_html(report) -> str:
+    ran = f"{report.model} on {report.device}, {report.activation_dtype} activations"
     return (f"<div class='minivllm-divergence-summary' style='font:13px sans-serif;margin:4px 0 8px;padding:6px;"
-            f"background:#f1f3f4;border-left:3px solid #4285f4'>{html.escape(summary_sentence(report))}</div>")
+            f"background:#f1f3f4;border-left:3px solid #4285f4'>{html.escape(summary_sentence(report))}"
+            f"<div style='color:#666;font-size:11px'>{html.escape(ran)}</div></div>")
 
 
 def _chip(rec, tok, style: str) -> str:
@@ -307,6 +309,9 @@ class DivergenceExplorer:
     def show(self, report):
         """Draw an existing report (from `compare`, or loaded) without running it again."""
         self.report = report
+        if self.llm is None:  # the form says what this report ran
+            self.model.value = report.model
+            self.chat.value = bool(report.chat)
         self.summary.value = summary_html(report)
         self.tokens.value = tokens_html(report)
         self.margins.value = margins_html(report)
