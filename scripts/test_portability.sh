@@ -6,8 +6,10 @@
 #   one-core      the whole suite under `taskset -c 0` (every worker and thread on one core)
 #   omp-1         the whole suite with OMP_NUM_THREADS=1 / MKL_NUM_THREADS=1
 #   cpu-<cap>     the numerics tests (`-m numerics`) with torch's kernels dispatched to each
-#                 other capability this CPU supports (ATEN_CPU_CAPABILITY) and MKL held to the
-#                 matching instruction set (MKL_ENABLE_INSTRUCTIONS)
+#                 other capability this CPU supports (ATEN_CPU_CAPABILITY), MKL held to the
+#                 matching instruction set (MKL_ENABLE_INSTRUCTIONS) and minivllm's compiled
+#                 CPU GEMV built for AVX2 (MINIVLLM_CPU_GEMV_ISA) or replaced by torch
+#                 (MINIVLLM_CPU_GEMV=torch) for the scalar path
 #
 # Usage: scripts/test_portability.sh VENV_PYTHON [VARIANT ...]   (default: every variant)
 # Each variant's pytest log and a summary table go to $PORTABILITY_DIR (default
@@ -47,8 +49,10 @@ for v in "${variants[@]}"; do
     omp-1) cmd=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider) ;;
     cpu-*)
       cap=${v#cpu-}
-      mkl=$([ "$cap" = avx2 ] && echo AVX2 || echo SSE4_2)
-      cmd=(env ATEN_CPU_CAPABILITY="$cap" MKL_ENABLE_INSTRUCTIONS="$mkl" "$PY" -m pytest -q -p no:cacheprovider -m numerics) ;;
+      # minivllm's compiled f32 GEMV follows too: its AVX2 build, or the pure-torch path.
+      if [ "$cap" = avx2 ]; then own=(MKL_ENABLE_INSTRUCTIONS=AVX2 MINIVLLM_CPU_GEMV_ISA=avx2)
+      else own=(MKL_ENABLE_INSTRUCTIONS=SSE4_2 MINIVLLM_CPU_GEMV=torch); fi
+      cmd=(env ATEN_CPU_CAPABILITY="$cap" "${own[@]}" "$PY" -m pytest -q -p no:cacheprovider -m numerics) ;;
     *) echo "unknown variant $v (one-core, omp-1, cpu-avx2, cpu-default)" >&2; exit 2 ;;
   esac
   echo "== $v: ${cmd[*]}"

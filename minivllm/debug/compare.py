@@ -140,7 +140,11 @@ def _base_llm(model, device, dtype, progress):
 def _machine(device: torch.device) -> dict:
     from minivllm.obs.machine import cpu_fingerprint
 
+    from minivllm.kernels import cpu_gemv
+
     machine = cpu_fingerprint()
+    # minivllm's own compiled f32 GEMV picks its ISA from the CPU flags, like MKL does.
+    machine["cpu_gemv"] = cpu_gemv.isa() or f"torch ({cpu_gemv.unavailable_reason()})"
     if device.type == "cuda":
         machine["gpu"] = describe_device(device)
         machine["cuda"] = torch.version.cuda
