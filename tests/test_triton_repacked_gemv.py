@@ -136,7 +136,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from minivllm.kernels.triton.repacked_gemv import _repacked_gemv_kernel, _FIXED
+from minivllm.kernels.triton.repacked_gemv import _repacked_gemv_kernel, _repacked_gemv_rows_kernel, _FIXED
 ptr = {"q": "*i32", "f16": "*fp16", "i32": "*i32", "u8": "*u8", "i8": "*i8", "i16": "*i16"}
 planes = {0: ("f16", "i32", "i32", "i32"), 1: ("f16", "f16", "i32", "i32"), 2: ("f16", "i32", "i32", "i32"),
           3: ("f16", "i32", "i32", "i32"), 4: ("f16", "f16", "u8", "u8"), 5: ("f16", "i16", "i8", "i8")}
@@ -152,6 +152,12 @@ for kind, (a, b, c, e) in planes.items():
         k = triton.compile(ASTSource(_repacked_gemv_kernel, sig, const), target=GPUTarget("cuda", 75, 32),
                            options={"num_warps": _FIXED["num_warps"]})
         out[f"{kind}/{has_bias}"] = k.asm["ptx"]
+    sig_rows = dict(sig)
+    const_rows = dict(const, BLOCK_G=16, BLOCK_M=8)
+    sig_rows["BLOCK_M"] = "constexpr"
+    k = triton.compile(ASTSource(_repacked_gemv_rows_kernel, sig_rows, const_rows), target=GPUTarget("cuda", 75, 32),
+                       options={"num_warps": 4})
+    out[f"{kind}/rows"] = k.asm["ptx"]
 print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
                   for key, p in out.items()}))
 """
@@ -167,7 +173,7 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 12
+    assert len(result) == 18
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False}, key
 
@@ -228,3 +234,20 @@ def test_quant_linear_uses_the_repacked_kernel_and_falls_back_with_a_warning(mon
         y6 = broken(x6)
     torch.testing.assert_close(y6.float(), reference(x6, w6), rtol=2e-3, atol=2e-3 * y6.abs().max().item())
     assert broken.gemv_kind == "dequant-cublas-Q6_K"
+
+
+@cpu_only
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_multi_row_kernel_matches_reference_interpreted(ggml_type):
+    """M > 1 without invariance: the kernel that decodes each weight field once for up to
+    8 rows (M = 2, 3, 8, 9: one block, a padded block, full blocks and a remainder)."""
+    k = _k(ggml_type, 64, 256)
+    w = random_weight(ggml_type, 9, k, seed=36)
+    rw = repack(w)
+    gen = torch.Generator().manual_seed(37)
+    for m in (2, 3, 9):
+        x = torch.randn(m, k, generator=gen)
+        assert_close_to_reference(repacked_gemv(x, rw), reference(x, w), k)
+    bias = torch.randn(9, generator=gen)
+    x = torch.randn(8, k, generator=gen).half()
+    assert_close_to_reference(repacked_gemv(x, rw, bias=bias), reference(x, w) + bias, k)

@@ -449,6 +449,113 @@ def _repacked_gemv_kernel(
     tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
+@triton.jit(do_not_specialize=["M", "stride_xk"])
+def _repacked_gemv_rows_kernel(
+    x_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
+    M, N, stride_xm, stride_xk, stride_om,
+    N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """`_repacked_gemv_kernel` for BLOCK_M activation rows at once: each weight field is
+    decoded once and multiplied into every row (the one-row kernel decodes it once per
+    row, which on a T4 makes batched decode arithmetic-bound)."""
+    pid = tl.program_id(0)
+    n_mb = tl.cdiv(M, BLOCK_M)
+    mb = pid % n_mb
+    nb = pid // n_mb
+    offs_g = tl.arange(0, BLOCK_G)
+    g3 = offs_g[:, None, None]
+    t3 = tl.arange(0, T)[None, :, None]
+    r3 = tl.arange(0, RR)[None, None, :]
+    ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    x_rows = x_ptr + (ms.to(tl.int64) * stride_xm)[:, None, None]  # [BM, 1, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+    for g0 in range(0, N_GROUPS, BLOCK_G):
+        gg = g0 + g3
+        g_ok = gg < N_GROUPS
+        gr = (nb * N_GROUPS + gg) * RR + r3 + t3 * 0
+        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t3) * RR + r3, mask=g_ok, other=0)
+        g2 = (g0 + offs_g[:, None])[None]  # [1, G, 1]
+        x_off = (g2 * 32 + tl.arange(0, T)[None, None, :]) * stride_xk  # [1, G, T]
+        x_ok = m_ok[:, None, None] & (g2 < N_GROUPS)
+        w_hi = w >> 16
+        if KIND == 3:  # Q8_0
+            ps = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+            for p in tl.static_range(4):
+                xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+                if p < 2:
+                    f = _field(w, p, 8, 128)
+                else:
+                    f = _field(w_hi, p - 2, 8, 128)
+                ps += f[None] * xp[:, :, :, None]
+            d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+            acc += ps * d[None]
+        elif KIND == 5:  # Q6_K
+            h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t3) * RR + r3, mask=g_ok, other=0).to(tl.int32)
+            h_lo = h << 4
+            h_hi = h << 2
+            ps_lo = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+            ps_hi = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+            for p in tl.static_range(8):
+                xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+                if p < 4:
+                    ps_lo += _field_hi(w, h_lo, p, 2, 32)[None] * xp[:, :, :, None]
+                else:
+                    ps_hi += _field_hi(w_hi, h_hi, p - 4, 2, 32)[None] * xp[:, :, :, None]
+            s_lo = _i8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
+            s_hi = _i8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
+            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(tl.float32)
+            acc += (ps_lo * s_lo[None] + ps_hi * s_hi[None]) * d[None]
+        else:  # 4-bit codes
+            if KIND == 2:
+                h = tl.load(b_ptr + gr, mask=g_ok, other=0) >> t3
+                h_lo = h << 4
+                h_hi = h >> 12
+            ps = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+            sx = tl.zeros([BLOCK_M, BLOCK_G, T], dtype=tl.float32)
+            for p in tl.static_range(8):
+                xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+                if KIND == 2:
+                    if p < 4:
+                        f = _field_hi(w, h_lo, p, 1, 16)
+                    else:
+                        f = _field_hi(w_hi, h_hi, p - 4, 1, 16)
+                elif KIND == 0:
+                    if p < 4:
+                        f = _field(w, p, 4, 8)
+                    else:
+                        f = _field(w_hi, p - 4, 4, 8)
+                else:
+                    if p < 4:
+                        f = _field(w, p, 4, 0)
+                    else:
+                        f = _field(w_hi, p - 4, 4, 0)
+                    sx += xp
+                ps += f[None] * xp[:, :, :, None]
+            if KIND == 1:
+                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+                m = tl.load(b_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+                acc += ps * d[None] + m[None] * sx[:, :, :, None]
+            elif KIND == 4:
+                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
+                d = tl.load(a_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
+                dmin = tl.load(b_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
+                sc = _u8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
+                mn = _u8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
+                acc += ps * (d * sc)[None] - (dmin * mn)[None] * sx[:, :, :, None]
+            else:
+                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+                acc += ps * d[None]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BM, R]
+    rows = nb * RR + tl.arange(0, RR)
+    r_ok = rows < N
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)[None, :]
+    o = out_ptr + (ms.to(tl.int64) * stride_om)[:, None] + rows[None, :]
+    tl.store(o, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
 # Fixed configuration (invariant mode, the interpreter, and any M): BLOCK_G groups of 32
 # elements per loop trip. 64 groups x 4 rows x 16 B = 4 KB of weights per trip (Q4_K).
 _FIXED = dict(BLOCK_G=64, num_warps=4)
@@ -498,6 +605,15 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     has_bias = bias is not None
     args = (x, w.qs, *ptrs, bias if has_bias else out, out, m, n, x.stride(0), x.stride(1), out.stride(0))
     common = dict(N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, HAS_BIAS=has_bias)
+    if m > 1 and not invariant and os.environ.get("MINIVLLM_GEMV_ROWS", "1") != "0":
+        # Several rows: decode each weight field once for up to 8 of them.
+        block_m = min(triton.next_power_of_2(m), 8)
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, R),)
+        # BLOCK_G from ptxas (sm_90 / sm_75, Q4_K and Q6_K): 8 rows x 16 groups ~136 / 128
+        # registers, 4 x 32 ~106-128, no spills; larger tiles pass 190.
+        _repacked_gemv_rows_kernel[grid](*args, **common, BLOCK_G=16 if block_m == 8 else 32, BLOCK_M=block_m,
+                                         num_warps=4)
+        return out
     grid = (m * triton.cdiv(n, R),)
     if invariant or _interpreting() or not autotune:
         _repacked_gemv_kernel[grid](*args, **common, **_FIXED)
