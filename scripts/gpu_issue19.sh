@@ -8,6 +8,7 @@
 #   kernels     `minivllm bench kernels` on the 7B shapes (old and repacked GEMV)
 #   mv05 / mv7  `minivllm bench decode` on the synthetic 0.5B / 7B file (f16, graphs and eager)
 #   mvctx       7B decode after a 4096-token prompt (minivllm)
+#   q8          the opt-in int8-activation GEMV (MINIVLLM_Q8_GEMV=1): kernels, then 7B and 0.5B decode
 #   llama       llama-bench on both files (pp512 + tg128, and tg128 after 0/512/4096 tokens on the 7B)
 # Result files and logs go to $OUT.
 set -uo pipefail
@@ -43,7 +44,7 @@ ensure_synthetic_model as e; print(e('$m', tokenizer_source='$TOK'))\" > /root/$
     done ;;
   tests)
     timeout $(tmo ${PYTEST_TIMEOUT:-300}) python3 -m pytest -q -x -m cuda -p no:cacheprovider tests/test_triton_repacked_gemv.py \
-        tests/test_triton_paged_attention.py tests/test_triton_fused.py 2>&1 | tee $O/pytest-cuda-repacked.log | tail -8
+        tests/test_triton_paged_attention.py tests/test_triton_fused.py tests/test_triton_q8_gemv.py 2>&1 | tee $O/pytest-cuda-repacked.log | tail -8
     timeout $(tmo 200) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_gemv.py 2>&1 \
         | tee $O/pytest-cuda-gemv.log | tail -3 ;;
   kernels)
@@ -62,6 +63,15 @@ dtypes=['f16'], synthetic='$m', synthetic_tokenizer='$TOK', prompt_tokens=512, m
     timeout $(tmo ${DECODE_TIMEOUT:-240}) python3 -c "from minivllm.bench.decode import run; run(devices=['cuda:0'], \
 dtypes=['f16'], synthetic='$m', synthetic_tokenizer='$TOK', prompt_tokens=4096, max_tokens=128, repeats=3, max_repeats=3)" \
         2>&1 | grep "^ *minivllm\|Error" ;;
+  q8)
+    MINIVLLM_Q8_GEMV=1 timeout $(tmo 150) python3 -c "from minivllm.bench.kernels import run; \
+run(types=['Q4_K', 'Q8_0'], device='cuda:0')" 2>&1 | grep "REPACKED\|Error"
+    for m in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
+      wait_for /root/$m.done 300 || continue
+      MINIVLLM_Q8_GEMV=1 timeout $(tmo 130) python3 -c "from minivllm.bench.decode import run; run(devices=['cuda:0'], \
+dtypes=['f16'], synthetic='$m', synthetic_tokenizer='$TOK', prompt_tokens=512, max_tokens=128, repeats=3, max_repeats=3)" \
+          2>&1 | grep "^ *minivllm\|Error"
+    done ;;
   llama)
     wait_for /root/llama.done $(( $(left) - 100 )) || { echo "llama.cpp not built"; tail -5 /root/llama-build.log; continue; }
     (cd /root/llama/llama.cpp && echo "llama.cpp commit: $(cat .commit 2>/dev/null || echo 0c1e57098bba43ac29e6e3b677cdceebdd22334f)")
