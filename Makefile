@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 DEFAULT_MODEL := smollm2-135m
 
-.PHONY: setup demo test test-gpu test-portability model peers bench-quick clean-venv wheel
+.PHONY: setup demo test test-gpu test-portability model cpu-kernels peers bench-quick clean-venv wheel
 
-setup: $(INSTALLED) model
+setup: $(INSTALLED) model cpu-kernels
 
 # Re-run the install only when the dependency list changes.
 $(INSTALLED): pyproject.toml scripts/install_torch.sh
@@ -19,6 +19,12 @@ $(INSTALLED): pyproject.toml scripts/install_torch.sh
 
 model: $(INSTALLED)
 	$(PY) -m minivllm models pull $(DEFAULT_MODEL) --quiet
+
+# The compiled float32 CPU kernels (minivllm/kernels/cpu_gemv.cpp), built once into torch's
+# extension cache (~40 s on two cores) so the first test does not pay for it; without g++
+# or AVX2 this prints why and the pure-torch float32 path runs instead.
+cpu-kernels: $(INSTALLED)
+	$(PY) -c "from minivllm.kernels import cpu_gemv as c; print('cpu kernels:', c.isa() or c.unavailable_reason())"
 
 demo: setup
 	$(PY) -m minivllm generate --model $(DEFAULT_MODEL) --max-tokens 64 "The three most useful things to know about GPUs are"
