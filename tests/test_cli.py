@@ -80,3 +80,20 @@ def test_a_draft_with_another_vocabulary_is_one_clear_line(smollm2_path, qwen05_
     r = _run("generate", "--model", str(qwen05_path), "--draft-model", str(smollm2_path), "--max-tokens", "4",
              "--quiet", "Hi")
     assert r.returncode == 2 and "draft_model" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_generate_and_bench_need_no_serve_extra(smollm2_path):
+    """A plain install (no [serve] extra: no uvicorn, fastapi, h11 or prometheus-client, as
+    a Kaggle `--no-deps` install may leave it) still generates; only `serve` needs them."""
+    blocker = (
+        "import sys, runpy\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('uvicorn', 'fastapi', 'starlette', 'h11', 'prometheus_client'):\n"
+        "            raise ImportError('not installed: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "sys.argv = ['minivllm'] + sys.argv[1:]\n"
+        "runpy.run_module('minivllm', run_name='__main__')\n")
+    for args in (["generate", "--model", str(smollm2_path), "--max-tokens", "3", "--quiet", "Hi"], ["bench", "--help"]):
+        r = subprocess.run([sys.executable, "-c", blocker, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (args, r.stderr[-2000:])

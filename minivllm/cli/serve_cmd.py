@@ -10,8 +10,8 @@ from minivllm.cli.generate_cmd import (add_kernel_arguments, add_prefix_cache_ar
 from minivllm.devices import DTYPE_CHOICES
 from minivllm.models import DEFAULT_MODEL
 from minivllm.serving.cluster import DEFAULT_MAX_QUEUED_PROMPT_TOKENS
-from minivllm.serving.http_connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
-from minivllm.serving.http_guards import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
+from minivllm.serving.http_guards import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_CONNECTIONS,
+                                          DEFAULT_MAX_REQUEST_BYTES)
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
 
 

@@ -26,8 +26,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_MAX_CONNECTIONS = 512
+from minivllm.serving.http_guards import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger("minivllm.http")
 

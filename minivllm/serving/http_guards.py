@@ -17,8 +17,10 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from minivllm.serving.http_connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
-
+# Connection guards (enforced in http_connections.py, which needs uvicorn; the defaults live
+# here so that the CLI can show them without the [serve] extra installed).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a 128k-token prompt is ~0.5 MB of text
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
