@@ -408,3 +408,21 @@ def test_views_after_completion_and_after_close(smollm2_path):
     shown = kv_view(wb.runner.final_snapshot)["cpu"]["counts"]
     assert shown["free"] + shown["cached-idle"] == final["total_pages"]  # idle: nothing owned or shared
     assert "final state" in wb.static_html()
+
+
+def test_png_page_map_fallback_draws_the_same_codes(llm):
+    from minivllm_widgets.page_grid import render_codes_png
+    from minivllm_widgets.page_map_widget import make_page_map
+    from minivllm_widgets.panels import KVPanel
+
+    panel = KVPanel("png")
+    view = panel.view(fake_cluster_snapshot(llm, 1.0))
+    panel.render(view)
+    (png_map,) = panel._maps.values()
+    assert png_map.image.value == render_codes_png(view["cpu"]["codes"])
+    assert "0 shared" in png_map.caption.value and "pages of 16 tokens" in png_map.caption.value
+    panel.last_view = view
+    panel.render({"cpu": None})  # the worker restarts: no old picture under "no snapshot yet"
+    assert png_map.image.value == b"" and "no snapshot yet" in png_map.caption.value
+    with pytest.raises(ValueError, match="page_map"):
+        make_page_map("svg")

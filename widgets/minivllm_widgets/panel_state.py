@@ -51,7 +51,7 @@ def kv_view(snapshot: dict) -> dict:
         out[w["name"]] = {"codes": codes, "counts": counts_from_codes(codes), "total": kv["total_pages"],
                           "page_size": kv["page_size"], "hits": cache["hits"], "lookups": cache["lookups"],
                           "restored_tokens": cache["restored_tokens"], "flights": len(cache["flights"]),
-                          "state": w["state"]}
+                          "state": w.get("state")}
     return out
 
 
