@@ -2,7 +2,11 @@
 
 Reference: minivllm's own float32 path, which test_forward_reference.py pins to
 transformers at ≤1e-4 relative error. The property here is numerical: lowering the
-activation dtype must keep greedy top-1 choices (≥ 99% of positions) on a prompt set.
+activation dtype moves every logit by at most a bound set by the dtype's precision, so
+top-1 choices change only at near-ties. How many positions are near-ties, and which of
+them flip, depends on the CPU's kernels and thread count (one thread gave 2 flips in
+172 positions where two threads gave 1): the agreement floor is a sanity bound, the
+logit bound is the precise claim.
 """
 
 from __future__ import annotations
@@ -23,31 +27,52 @@ from minivllm.model.loader import load_model
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 
 
-def _top1(model, sequences, device) -> torch.Tensor:
+# Per position, ||logits - f32 logits|| / ||f32 logits||. A dtype with unit roundoff u
+# rounds every layer's output (relative error ~u), and ~30 layers compound it. The typical
+# (median) position is bounded at about 3-5x what was measured on CPU (f16 0.07-0.11%,
+# bf16 0.5-0.9%; u = 2^-11 and 2^-8); the worst position (a few rows with outsized
+# activations reach 1.2% and 8%) at about 3-4x.
+MEDIAN_DRIFT_BOUND = {"f16": 0.005, "bf16": 0.03}
+MAX_DRIFT_BOUND = {"f16": 0.05, "bf16": 0.25}
+# A broken low-precision kernel agrees on almost nothing; rounding flips only near-ties.
+AGREEMENT_FLOOR = 0.95
+
+
+def _logits(model, sequences, device) -> torch.Tensor:
     cfg = model.config
-    picks = []
+    rows = []
     for ids in sequences:
         cache = ContiguousKVCache(cfg.n_layers, len(ids), cfg.n_kv_heads, cfg.head_dim, model.dtype, device)
-        picks.append(model.forward(torch.tensor(ids, device=device), 0, cache, all_logits=True).argmax(-1).cpu())
-    return torch.cat(picks)
+        rows.append(model.forward(torch.tensor(ids, device=device), 0, cache, all_logits=True).float().cpu())
+    return torch.cat(rows)
 
 
-def _agreement(path, device: str, dtypes: list[str]) -> dict[str, float]:
+def _agreement(path, device: str, dtypes: list[str]) -> dict[str, tuple[float, float, float]]:
+    """Per dtype: (top-1 agreement with f32, median and max per-position relative L2 drift)."""
     gf = GGUFFile(path)
     tok = Tokenizer.from_gguf(gf)
     dev = torch.device(device)
     sequences = [tok.encode(p) for p in PROMPTS]
-    ref = _top1(load_model(gf, dev, torch.float32, progress=False), sequences, dev)
-    return {dt: (_top1(load_model(gf, dev, resolve_dtype(dt), progress=False), sequences, dev) == ref).float().mean().item()
-            for dt in dtypes}
+    ref = _logits(load_model(gf, dev, torch.float32, progress=False), sequences, dev)
+    out = {}
+    for dt in dtypes:
+        got = _logits(load_model(gf, dev, resolve_dtype(dt), progress=False), sequences, dev)
+        drift = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        out[dt] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), drift.median().item(), drift.max().item()
+    return out
+
+
+def _check_agreement(agreement: dict, where: str) -> None:
+    for dt, (frac, median, worst) in agreement.items():
+        assert median <= MEDIAN_DRIFT_BOUND[dt], f"{where} {dt}: median logit drift {median:.3%} > {MEDIAN_DRIFT_BOUND[dt]:.1%}"
+        assert worst <= MAX_DRIFT_BOUND[dt], f"{where} {dt}: worst logit drift {worst:.2%} > {MAX_DRIFT_BOUND[dt]:.0%}"
+        assert frac >= AGREEMENT_FLOOR, f"{where} {dt}: top-1 agreement with f32 is {frac:.2%} < {AGREEMENT_FLOOR:.0%}"
 
 
 @pytest.mark.parametrize("model", ["smollm2", "qwen05"])
 def test_low_precision_top1_agreement_cpu(model, smollm2_path, qwen05_path):
     path = smollm2_path if model == "smollm2" else qwen05_path
-    agreement = _agreement(path, "cpu", ["f16", "bf16"])
-    for dt, frac in agreement.items():
-        assert frac >= 0.99, f"{model} {dt}: top-1 agreement with f32 is {frac:.2%} < 99%"
+    _check_agreement(_agreement(path, "cpu", ["f16", "bf16"]), model)
 
 
 @pytest.mark.cuda
@@ -56,9 +81,7 @@ def test_low_precision_top1_agreement_cuda(model, smollm2_path, qwen05_path):
     path = smollm2_path if model == "smollm2" else qwen05_path
     dev = cuda_devices()[0]
     major, _ = torch.cuda.get_device_capability(dev)
-    agreement = _agreement(path, dev, ["f16", "bf16"] if major >= 8 else ["f16"])
-    for dt, frac in agreement.items():
-        assert frac >= 0.99, f"{model} {dt} on {dev}: top-1 agreement with f32 is {frac:.2%} < 99%"
+    _check_agreement(_agreement(path, dev, ["f16", "bf16"] if major >= 8 else ["f16"]), f"{model} on {dev}")
 
 
 def test_dtype_names_are_validated():
