@@ -152,6 +152,18 @@ def _map_state(page) -> dict:
     }""")
 
 
+def _screenshot(page, selector: str, name: str, *, vbox: bool = True, max_height: int = 800) -> None:
+    """The top `max_height` px of the widget box around `selector` (or of its parent): small PNGs."""
+    inner = page.locator(selector).first
+    box = inner.locator("xpath=ancestor::div[contains(@class,'widget-vbox')][1]" if vbox else "xpath=..")
+    page.set_viewport_size({"width": 1400, "height": max_height + 400})
+    box.evaluate("el => el.scrollIntoView({block: 'start'})")  # its top at the top of the notebook's scroller
+    page.wait_for_timeout(300)
+    b = box.bounding_box()
+    page.screenshot(path=str(ARTIFACTS / name),
+                    clip={"x": b["x"], "y": max(0, b["y"]), "width": b["width"], "height": min(b["height"], max_height)})
+
+
 def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
     _ensure_chromium()
     sync_playwright = _ensure_playwright()
@@ -186,23 +198,17 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
         page.wait_for_timeout(500)  # the final frame's messages
         final_map = _map_state(page)
         final_queues = queues.inner_text()
-        kv = page.query_selector(".minivllm-kv")
-        kv.scroll_into_view_if_needed()
-        kv.screenshot(path=str(ARTIFACTS / "workbench-quickstart.png"))
+        _screenshot(page, ".minivllm-live", "workbench-quickstart.png")  # the dashboard, final state
         summary = page.wait_for_selector(".minivllm-divergence-summary", timeout=60_000)
         summary_text = summary.inner_text()
-        summary.scroll_into_view_if_needed()
-        page.locator(".minivllm-divergence-summary").locator("xpath=..").screenshot(
-            path=str(ARTIFACTS / "divergence-explorer.png"))
+        _screenshot(page, ".minivllm-divergence-summary", "divergence-explorer.png")
 
         page.goto(f"{jupyter_lab}/lab/tree/side_by_side.ipynb?token={TOKEN}")
         _run_all(page)
         pre = page.wait_for_selector(".minivllm-side-by-side pre", timeout=300_000)
         style = pre.evaluate("el => { const s = getComputedStyle(el); const c = getComputedStyle(el.parentElement);"
                              " return {pre: s.textAlign, column: c.textAlign, ws: s.whiteSpace, text: el.innerText}; }")
-        pre.scroll_into_view_if_needed()
-        page.locator(".minivllm-side-by-side").first.locator("xpath=..").screenshot(
-            path=str(ARTIFACTS / "speculative-side-by-side.png"))
+        _screenshot(page, ".minivllm-side-by-side", "speculative-side-by-side.png", vbox=False)
         browser.close()
 
     assert len(frames) >= 2, "the KV page map never changed while requests ran"

@@ -221,7 +221,7 @@ def test_divergence_explorer_shows_both_sides_and_topk(llm):
     assert "no divergence" in ex.tokens.value
     for rec in report.records:
         assert rec.a.text.replace("\n", "") in ex.tokens.value.replace("\n", "") or rec.a.text.strip() == ""
-    assert ex.position.max == len(report.records) - 1
+    assert ex.position.max == len(report.records)  # 1-based, as the texts count tokens
     ex.position.value = ex.position.max
     last = report.records[-1].a
     assert f"chose {last.text!r}".replace("'", "&#x27;") in ex.topk.value

@@ -271,9 +271,10 @@ class DivergenceExplorer:
         self.status = W.HTML()
         self.summary = W.HTML()
         self.tokens, self.margins, self.layers, self.topk = W.HTML(), W.HTML(), W.HTML(), W.HTML()
-        self.position = W.IntSlider(value=0, min=0, max=0, description="position", continuous_update=False)
+        # 1-based, as the texts count tokens ("token 14"); the report's positions are 0-based
+        self.position = W.IntSlider(value=1, min=1, max=1, description="token", continuous_update=False)
         self.run_button.on_click(lambda _: self.run())
-        self.position.observe(lambda change: self._show_position(change["new"]), names="value")
+        self.position.observe(lambda change: self._show_position(change["new"] - 1), names="value")
         self.widget = W.VBox([W.HBox([self.model, self.max_tokens]), self.prompt, self.chat, W.HBox([self.a, self.b]),
                               W.HBox([self.run_button, self.status]), self.summary, self.tokens, self.margins,
                               self.position, self.topk, self.layers])
@@ -304,7 +305,7 @@ class DivergenceExplorer:
         self.report = None
         for view in (self.summary, self.tokens, self.margins, self.layers, self.topk):
             view.value = ""
-        self.position.value, self.position.max = 0, 0
+        self.position.value, self.position.max = 1, 1
 
     def show(self, report):
         """Draw an existing report (from `compare`, or loaded) without running it again."""
@@ -317,8 +318,8 @@ class DivergenceExplorer:
         self.margins.value = margins_html(report)
         self.layers.value = layers_html(report)
         split = report.first_divergence.position if report.first_divergence else 0
-        self.position.max = max(0, len(report.records) - 1)
-        self.position.value = split
+        self.position.max = max(1, len(report.records))
+        self.position.value = split + 1
         self._show_position(split)
         return report
 
