@@ -133,9 +133,9 @@ FRESH_PROMPTS = [
 ]
 FILLERS = [
     "Write a long and detailed history of the printing press, from movable type in East Asia "
-    "to Gutenberg's workshop in Mainz and the spread of print shops across Europe. " * 12,
+    "to Gutenberg's workshop in Mainz and the spread of print shops across Europe. " * 16,
     "Explain, step by step and with examples, how a compiler turns source code into machine "
-    "code: lexing, parsing, type checking, optimisation and code generation. " * 12,
+    "code: lexing, parsing, type checking, optimisation and code generation. " * 16,
 ]
 MARGIN = 0.01
 NEW_TOKENS = 24
