@@ -103,7 +103,7 @@ def jupyter_lab(tmp_path, smollm2_path):
     log.close()
 
 
-def _wait_for_kernel_connected(url: str, timeout_s: float = 180.0) -> None:
+def _wait_for_kernel_connected(url: str, notebook: str = "quickstart.ipynb", timeout_s: float = 180.0) -> None:
     """Until the server reports the notebook's kernel idle with a client (the page's
     websocket) connected to it."""
     import json
@@ -112,7 +112,7 @@ def _wait_for_kernel_connected(url: str, timeout_s: float = 180.0) -> None:
     while True:
         with urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}", timeout=10) as r:
             sessions = json.loads(r.read())
-        kernels = [s.get("kernel") or {} for s in sessions if str(s.get("path", "")).endswith("quickstart.ipynb")]
+        kernels = [s.get("kernel") or {} for s in sessions if str(s.get("path", "")).endswith(notebook)]
         if any(k.get("execution_state") == "idle" and k.get("connections", 0) >= 1 for k in kernels):
             return
         assert time.monotonic() < deadline, f"the notebook's kernel never connected: {sessions}"
@@ -132,11 +132,11 @@ def _side_by_side_notebook(path: Path) -> None:
                                 "nbformat_minor": 5}))
 
 
-def _run_all(page) -> None:
+def _run_all(page, url: str, notebook: str) -> None:
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, .jp-Toolbar", timeout=60_000)
     page.wait_for_function("() => document.querySelector('.jp-Notebook') !== null", timeout=60_000)
-    time.sleep(2)  # let the kernel connect
+    _wait_for_kernel_connected(url, notebook)  # not a fixed sleep: the page's kernel is up and attached
     page.click("li.lm-MenuBar-item:has-text('Run')")
     page.click("li.lm-Menu-item:has-text('Run All Cells')")
 
@@ -174,7 +174,7 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
             "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{jupyter_lab}/lab/tree/quickstart.ipynb?token={TOKEN}")
-        _run_all(page)
+        _run_all(page, jupyter_lab, "quickstart.ipynb")
         # The dashboard appears once the worker is up; then the requests run for a while.
         page.wait_for_selector(".minivllm-kv .minivllm-page-map canvas", timeout=600_000)
         queues = page.wait_for_selector(".minivllm-queues", timeout=60_000)
@@ -204,7 +204,7 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
         _screenshot(page, ".minivllm-divergence-summary", "divergence-explorer.png")
 
         page.goto(f"{jupyter_lab}/lab/tree/side_by_side.ipynb?token={TOKEN}")
-        _run_all(page)
+        _run_all(page, jupyter_lab, "side_by_side.ipynb")
         pre = page.wait_for_selector(".minivllm-side-by-side pre", timeout=300_000)
         style = pre.evaluate("el => { const s = getComputedStyle(el); const c = getComputedStyle(el.parentElement);"
                              " return {pre: s.textAlign, column: c.textAlign, ws: s.whiteSpace, text: el.innerText}; }")
