@@ -128,7 +128,7 @@ def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path, devices, survivor_na
             for rid, ending, ended_at, tokens in results:
                 if rid in holding[victim_name] and ending[0] == "error":
                     errors += 1
-                    assert victim_name in ending[1], ending
+                    assert victim_name in ending[1] and "killed by SIGKILL" in ending[1], ending
                     assert ended_at - killed_at < 5.0, f"{rid} got its error {ended_at - killed_at:.1f} s after the kill"
                 else:
                     # A survivor's stream, or a victim's that completed before the kill landed
