@@ -82,8 +82,10 @@ def test_trace_names_the_path(llm, tmp_path):
 
 
 def test_gemv_path_stays_close_to_the_float32_gemm(llm):
-    # The CPU GEMV path rounds activations to bf16 (int4 packs) or f16: its greedy choice
-    # agrees with the f32 GEMM path wherever the f32 top-2 margin is not a near-tie.
+    # A float32 model's CPU GEMV is float32 too (cpu_gemv.cpp, or the dense f32 GEMV without
+    # it): it differs from the f32 GEMM only in summation order, so its logits are within
+    # float32 rounding of the GEMM's (the bf16/f16 packs, 1e-2 away, run only when asked for),
+    # and its greedy choice agrees wherever the top-2 margin is not a near-tie.
     prompt = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     out = {}
     for rows in (0, 4096):
@@ -94,7 +96,7 @@ def test_gemv_path_stays_close_to_the_float32_gemm(llm):
         out[rows] = seen
     first_gemm, first_gemv = out[0][0], out[4096][0]  # same history: the prompt only
     rel = float((first_gemv - first_gemm).abs().max() / first_gemm.abs().max())
-    assert 0 < rel < 2e-2, rel
+    assert 0 < rel < 1e-4, rel
     top2 = torch.topk(first_gemm, 2).values
     if float(top2[0] - top2[1]) > 0.1:
         assert int(first_gemm.argmax()) == int(first_gemv.argmax())
