@@ -137,6 +137,8 @@ def _run_all(page, url: str, notebook: str) -> None:
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, .jp-Toolbar", timeout=60_000)
     page.wait_for_function("() => document.querySelector('.jp-Notebook') !== null", timeout=60_000)
     _wait_for_kernel_connected(url, notebook)  # not a fixed sleep: the page's kernel is up and attached
+    # "Run All Cells" acts on the active tab: make sure it is this notebook's.
+    page.click(f"li.lm-TabBar-tab:has-text('{notebook}')")
     page.click("li.lm-MenuBar-item:has-text('Run')")
     page.click("li.lm-Menu-item:has-text('Run All Cells')")
 
@@ -203,7 +205,12 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
         summary_text = summary.inner_text()
         _screenshot(page, ".minivllm-divergence-summary", "divergence-explorer.png")
 
-        page.goto(f"{jupyter_lab}/lab/tree/side_by_side.ipynb?token={TOKEN}")
+        # A fresh page on a reset workspace: otherwise JupyterLab restores the quickstart tab
+        # next to this one and may leave it active, and "Run All Cells" reruns the quickstart
+        # (seen on CI: the side-by-side output never appeared).
+        page.close()
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{jupyter_lab}/lab/workspaces/side-by-side/tree/side_by_side.ipynb?reset&token={TOKEN}")
         _run_all(page, jupyter_lab, "side_by_side.ipynb")
         pre = page.wait_for_selector(".minivllm-side-by-side pre", timeout=300_000)
         style = pre.evaluate("el => { const s = getComputedStyle(el); const c = getComputedStyle(el.parentElement);"
