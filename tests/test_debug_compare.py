@@ -20,7 +20,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.debug import DivergenceReport, compare
-from minivllm.debug.engine_options import engine_option_names, parse_assignments, parse_option_value
+from minivllm.engine.options import engine_option_names, parse_option_value, parse_overrides
 from minivllm.debug.hidden_state_diff import diff_hidden_states, engine_forward_schedule
 from minivllm.errors import ConfigError
 
@@ -46,7 +46,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_option_values_parse_like_a_user_writes_them():
     assert [parse_option_value(v) for v in ("0", "4096", "0.5", "true", "False", "none", "auto", "paged")] == \
         [0, 4096, 0.5, True, False, None, "auto", "paged"]
-    assert parse_assignments(["gemv_max_rows=0", "batch-invariant=yes", "kv_mode=contiguous"], "a") == \
+    assert parse_overrides(["gemv_max_rows=0", "batch-invariant=yes", "kv_mode=contiguous"], "a") == \
         {"gemv_max_rows": 0, "batch_invariant": True, "kv_mode": "contiguous"}
     assert {"gemv_max_rows", "max_batched_tokens", "batch_invariant", "dequant_cache", "kv_mode"} <= \
         set(engine_option_names())
@@ -57,7 +57,7 @@ def test_unknown_option_is_refused_before_any_model_is_loaded():
     with pytest.raises(ConfigError, match=r"b\.gemv_rows.*valid ones: .*gemv_max_rows"):
         compare("no-such-model", "hi", a={"gemv_max_rows": 0}, b={"gemv_rows": 0})
     with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_assignments(["gemv_max_rows"], "a")
+        parse_overrides(["gemv_max_rows"], "a")
 
 
 def test_cli_unknown_option_is_one_clear_line():

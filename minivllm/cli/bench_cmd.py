@@ -344,20 +344,9 @@ def _common(p) -> None:
 
 
 def _options(items: list[str]) -> dict:
-    """KEY=VALUE strings → engine options, values parsed as JSON where they parse
-    (0 → int, true → bool), else kept as strings."""
-    import json
+    from minivllm.engine.options import parse_overrides
 
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--option {item!r}: expected KEY=VALUE, e.g. gemv_max_rows=0")
-        try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value
-    return out
+    return parse_overrides(items, "option")
 
 
 def _ints(v: str) -> list[int]:

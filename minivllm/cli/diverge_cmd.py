@@ -37,11 +37,11 @@ def add_diverge_parser(subparsers) -> None:
 
 def run_diverge(args: argparse.Namespace) -> int:
     from minivllm.debug.compare import compare
-    from minivllm.debug.engine_options import parse_assignments
+    from minivllm.engine.options import parse_overrides
 
     # Parse both sides before loading anything: a typo should cost nothing.
-    a = parse_assignments(args.a, "a")
-    b = parse_assignments(args.b, "b")
+    a = parse_overrides(args.a, "a")
+    b = parse_overrides(args.b, "b")
     report = compare(args.model, args.prompt, a, b, max_tokens=args.max_tokens, top_k=args.top_k, chat=args.chat,
                      device=args.inference_device, dtype=args.activation_dtype, progress=not args.quiet)
     print(report.summary())

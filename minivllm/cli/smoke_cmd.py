@@ -41,7 +41,7 @@ def add_smoke_parser(subparsers) -> None:
 def run_smoke(args: argparse.Namespace) -> int:
     from minivllm.bench.results import provenance
     from minivllm.bench.routing import backend_label
-    from minivllm.cli.bench_cmd import _options
+    from minivllm.engine.options import parse_overrides
     from minivllm.engine.sampling_params import SamplingParams
     from minivllm.models.cache import sha256_file
     from minivllm.serving import Cluster
@@ -49,7 +49,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     devices = args.inference_device or ["cpu"]
     prompt = args.prompt if args.prompt is not None else default_prompt()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    options = _options(args.option)
+    options = parse_overrides(args.option, "option")
     with Cluster(args.model, devices, router="round-robin", dtype=args.dtype, calibrate=False, progress=True,
                  **options) as cluster:
         workers = {w["name"]: w for w in cluster.snapshot()["workers"]}

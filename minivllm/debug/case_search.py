@@ -47,7 +47,7 @@ def search(llm, prompts: list[str], a: dict, b: dict, *, max_tokens: int, chat: 
 
 def main(argv: list[str] | None = None) -> int:
     from minivllm import LLM
-    from minivllm.debug.engine_options import parse_assignments
+    from minivllm.engine.options import parse_overrides
 
     p = argparse.ArgumentParser(prog="python -m minivllm.debug.case_search", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-dtype", default="f32")
     p.add_argument("--prompts", required=True, help='JSON file with {"prompts": [...]}')
     args = p.parse_args(argv)
-    a, b = parse_assignments(args.a, "a"), parse_assignments(args.b, "b")
+    a, b = parse_overrides(args.a, "a"), parse_overrides(args.b, "b")
     with open(args.prompts) as f:
         prompts = json.load(f)["prompts"]
     llm = LLM(args.model, device=args.inference_device, dtype=args.activation_dtype, progress=False)

@@ -23,7 +23,7 @@ import torch
 from minivllm.debug.divergence_report import (
     DivergenceReport, FirstDivergence, PositionRecord, ReplayCheck, SideToken, TopToken,
 )
-from minivllm.debug.engine_options import check_engine_options
+from minivllm.engine.options import check_engine_options
 from minivllm.debug.hidden_state_diff import diff_hidden_states
 from minivllm.devices import describe_device, dtype_name
 from minivllm.engine.llm import LLM

@@ -22,23 +22,12 @@ DEFAULT_A = {"gemv_max_rows": 0}
 DEFAULT_B = {"gemv_max_rows": 4096}
 
 
-def parse_options(text: str) -> dict:
-    """'gemv_max_rows=0, batch_invariant=true' or a JSON object -> engine options."""
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        return json.loads(text)
-    out = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{item.strip()!r}: expected KEY=VALUE, e.g. gemv_max_rows=0")
-        try:
-            out[key.strip()] = json.loads(value.strip())
-        except ValueError:
-            out[key.strip()] = value.strip()
-    return out
+def parse_options(text: str, side: str = "options") -> dict:
+    """'gemv_max_rows=0, batch_invariant=true' or a JSON object -> engine options, names
+    checked (the engine's one parser, engine/options.py)."""
+    from minivllm.engine.options import parse_overrides
+
+    return parse_overrides(text, side)
 
 
 TIE_RULE = "greedy argmax takes the lowest token id among equal logits (torch.argmax returns the first maximum)"
