@@ -180,11 +180,11 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
 def test_unpack_in_row_pieces_is_the_same(ggml_type, monkeypatch):
-    from minivllm.kernels.triton import repacked_gemv as rg
+    from minivllm.kernels import repacked_layout
 
     k = _k(ggml_type, 64, 256)
     w = random_weight(ggml_type, 37, k, seed=35)  # 37 rows: pieces of 8 rows, the last one short and padded
-    monkeypatch.setattr(rg, "_UNPACK_ROWS", 8)
+    monkeypatch.setattr(repacked_layout, "_UNPACK_ROWS", 8)
     assert torch.equal(unpack_raw(repack(w)), w.raw)
 
 

@@ -9,7 +9,7 @@ memory's speed. Per weight type and Qwen2.5-7B matrix shape this reports
 * the batch-invariant configuration at M = 1 and both at M = 8 (the invariant mode's
   cost: one row per program, so M rows decode the weight M times);
 * the F16 cuBLAS GEMV (`F.linear`) on the same shape, the dense baseline;
-* for the types with a repacked layout (kernels/triton/repacked_gemv.py: Q4_0, Q4_1,
+* for the types with a repacked layout (kernels/repacked_layout.py and kernels/triton/repacked_gemv.py: Q4_0, Q4_1,
   Q5_0, Q8_0, Q4_K, Q6_K), the repacked GEMV at M = 1 (autotuned and invariant) and at
   M = batch_rows, its GB/s counted over the bytes it reads (the repacked planes; the
   file's bytes within 3%), as a fraction of the copy bandwidth: the path decode takes.

@@ -41,7 +41,7 @@ def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
 
 
-def _fields(x: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_fields(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Split every byte of `x` (..., k) into its 8//bits fields: (..., 8//bits, k).
 
     Field j holds bits [j*bits, (j+1)*bits) of each byte, lowest field first. ggml
@@ -64,15 +64,15 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     return _SHIFTS[key]
 
 
-def _bits_u32(x: torch.Tensor) -> torch.Tensor:
+def bits_u32(x: torch.Tensor) -> torch.Tensor:
     """The 32 bits of a little-endian u32 stored as 4 bytes (n, 4): (n, 32), bit i at i.
 
     Unpacked bytewise because the u32 sits at an offset a uint32 view cannot reach.
     """
-    return _fields(x, 1).transpose(-1, -2).reshape(x.shape[0], 32)
+    return unpack_fields(x, 1).transpose(-1, -2).reshape(x.shape[0], 32)
 
 
-def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K: eight 6-bit scales and eight 6-bit mins packed into 12 bytes.
 
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes
@@ -93,27 +93,27 @@ def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     # f16 d | 16 B nibbles. x = d * (q - 8)
-    q = _fields(b[:, 2:], 4).reshape(b.shape[0], 32).float().sub_(8)
+    q = unpack_fields(b[:, 2:], 4).reshape(b.shape[0], 32).float().sub_(8)
     return q.mul_(_f16(b, 0))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     # f16 d | f16 m | 16 B nibbles. x = d * q + m
-    q = _fields(b[:, 4:], 4).reshape(b.shape[0], 32).float()
+    q = unpack_fields(b[:, 4:], 4).reshape(b.shape[0], 32).float()
     return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     # f16 d | u32 qh (5th bit of element i = bit i) | 16 B nibbles. x = d * (q - 16)
-    lo = _fields(b[:, 6:], 4).reshape(b.shape[0], 32)
-    q = (lo | (_bits_u32(b[:, 2:6]) << 4)).float().sub_(16)
+    lo = unpack_fields(b[:, 6:], 4).reshape(b.shape[0], 32)
+    q = (lo | (bits_u32(b[:, 2:6]) << 4)).float().sub_(16)
     return q.mul_(_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     # f16 d | f16 m | u32 qh | 16 B nibbles. x = d * q + m
-    lo = _fields(b[:, 8:], 4).reshape(b.shape[0], 32)
-    q = (lo | (_bits_u32(b[:, 4:8]) << 4)).float()
+    lo = unpack_fields(b[:, 8:], 4).reshape(b.shape[0], 32)
+    q = (lo | (bits_u32(b[:, 4:8]) << 4)).float()
     return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
@@ -132,7 +132,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     sc = b[:, :16]
     dl = (_f16(b, 80) * (sc & 0x0F).float()).unsqueeze(-1)
     ml = (_f16(b, 82) * (sc >> 4).float()).unsqueeze(-1)
-    q = _fields(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16).float()
+    q = unpack_fields(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16).float()
     return q.mul_(dl).sub_(ml)
 
 
@@ -142,11 +142,11 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scales = b[:, 96:108]
     # bytes 0-7: low nibbles of scales 0-7 then 8-15; bytes 8-11: their top 2 bits.
-    lo = _fields(scales[:, :8], 4).reshape(n, 16)
-    hi = _fields(scales[:, 8:], 2).reshape(n, 16)
+    lo = unpack_fields(scales[:, :8], 4).reshape(n, 16)
+    hi = unpack_fields(scales[:, 8:], 2).reshape(n, 16)
     dl = (_f16(b, 108) * (lo | (hi << 4)).float().sub_(32)).unsqueeze(-1)
-    low2 = _fields(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 16, 16)
-    hbit = _fields(b[:, :32].reshape(n, 1, 32), 1).reshape(n, 16, 16)
+    low2 = unpack_fields(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    hbit = unpack_fields(b[:, :32].reshape(n, 1, 32), 1).reshape(n, 16, 16)
     q = low2.float().sub_(((hbit ^ 1) << 2).float())
     return q.mul_(dl)
 
@@ -155,10 +155,10 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     # f16 d | f16 dmin | 12 B packed scales/mins | 128 B nibbles (8 sub-blocks of 32).
     # x = (d * sc) * q - (dmin * m)
     n = b.shape[0]
-    sc, mn = _k_scales_mins(b[:, 4:16])
+    sc, mn = k_scales_mins(b[:, 4:16])
     dl = (_f16(b, 0) * sc.float()).unsqueeze(-1)
     ml = (_f16(b, 2) * mn.float()).unsqueeze(-1)
-    q = _fields(b[:, 16:].reshape(n, 4, 32), 4).reshape(n, 8, 32).float()
+    q = unpack_fields(b[:, 16:].reshape(n, 4, 32), 4).reshape(n, 8, 32).float()
     return q.mul_(dl).sub_(ml)
 
 
@@ -166,11 +166,11 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     # f16 d | f16 dmin | 12 B scales/mins | 32 B high bits (bit j -> sub-block j) |
     # 128 B nibbles. x = (d * sc) * q - (dmin * m)
     n = b.shape[0]
-    sc, mn = _k_scales_mins(b[:, 4:16])
+    sc, mn = k_scales_mins(b[:, 4:16])
     dl = (_f16(b, 0) * sc.float()).unsqueeze(-1)
     ml = (_f16(b, 2) * mn.float()).unsqueeze(-1)
-    lo = _fields(b[:, 48:].reshape(n, 4, 32), 4).reshape(n, 8, 32)
-    hi = _fields(b[:, 16:48].reshape(n, 1, 32), 1).reshape(n, 8, 32)
+    lo = unpack_fields(b[:, 48:].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    hi = unpack_fields(b[:, 16:48].reshape(n, 1, 32), 1).reshape(n, 8, 32)
     q = (lo | (hi << 4)).float()
     return q.mul_(dl).sub_(ml)
 
@@ -180,8 +180,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     # x = (d * sc) * (q - 32), 16 sub-blocks of 16.
     n = b.shape[0]
     dl = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)
-    lo = _fields(b[:, :128].reshape(n, 2, 64), 4).reshape(n, 8, 32)
-    hi = _fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
+    lo = unpack_fields(b[:, :128].reshape(n, 2, 64), 4).reshape(n, 8, 32)
+    hi = unpack_fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
     q = (lo | (hi << 4)).float().sub_(32).reshape(n, 16, 16)
     return q.mul_(dl)
 

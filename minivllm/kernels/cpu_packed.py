@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from minivllm.gguf.dequant import _k_scales_mins
+from minivllm.gguf.dequant import k_scales_mins
 from minivllm.kernels.quant_weight import QuantizedWeight
 
 _T = GGMLQuantizationType
@@ -150,7 +150,7 @@ def _q4_k_groups(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     # chunk j's low nibbles are sub-block 2j, its high nibbles sub-block 2j+1.
     # w = (d*sc)*q - dmin*m = (d*sc)*(q - 8) + (8*d*sc - dmin*m).
     n = b.shape[0]
-    sc, mn = _k_scales_mins(b[:, 4:16])
+    sc, mn = k_scales_mins(b[:, 4:16])
     scale = _f16_at(b, 0) * sc.float()  # (n, 8), exact in f32 (11 + 6 bits)
     minus = _f16_at(b, 2) * mn.float()
     qs = b[:, 16:].reshape(n, 4, 1, 32)

@@ -182,7 +182,8 @@ class QuantLinear:
         if os.environ.get("MINIVLLM_REPACKED_GEMV", "1") == "0":
             return
         try:
-            from minivllm.kernels.triton.repacked_gemv import REPACKED_TYPES, RepackedQuantizedWeight, repack
+            from minivllm.kernels.repacked_layout import REPACKED_TYPES, repack
+            from minivllm.kernels.triton.repacked_gemv import RepackedQuantizedWeight
         except ImportError:  # no Triton: the dense path below serves every call
             return
         if weight.ggml_type not in REPACKED_TYPES:

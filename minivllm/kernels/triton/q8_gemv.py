@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from minivllm.kernels.triton.repacked_gemv import R, RepackedWeight
+from minivllm.kernels.repacked_layout import R, RepackedWeight
 
 _T = GGMLQuantizationType
 Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K})
