@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minivllm.cli.generate_cmd import (add_kernel_arguments, add_prefix_cache_arguments, add_speculative_arguments,
-                                       kernel_options_from, prefix_cache_options_from, speculative_options_from)
+from minivllm.engine.options import add_engine_flags, engine_options_from_args
 from minivllm.devices import DTYPE_CHOICES
 from minivllm.models import DEFAULT_MODEL
 from minivllm.serving.cluster import DEFAULT_MAX_QUEUED_PROMPT_TOKENS
@@ -23,9 +22,6 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "process per entry (default: one cpu worker)")
     p.add_argument("--activation-dtype", default="auto", choices=("auto",) + DTYPE_CHOICES,
                    help="auto (default): f32 on CPU workers, f16 on GPU workers")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-active-requests", type=int, default=16, help="per worker")
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--rates-profile", default=None,
                    help="JSON file with each worker's prefill/decode rates, instead of calibrating at start")
     p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -64,18 +60,15 @@ def add_serve_parser(subparsers) -> None:
                    help="raw /v1/completions string prompts: 'parse' (default, as llama.cpp and vLLM) turns control-token "
                         "text such as <|im_start|> into control tokens; 'text' keeps it plain text. Chat message "
                         "content is always plain text")
-    add_kernel_arguments(p)
-    add_prefix_cache_arguments(p)
-    add_speculative_arguments(p)
+    add_engine_flags(p)
     p.set_defaults(func=run_serve)
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
     return {"devices": args.inference_device or ["cpu"], "dtype": args.activation_dtype,
-            "max_model_len": args.max_model_len, "max_active_requests": args.max_active_requests,
-            "page_size": args.page_size, "rates_profile": args.rates_profile,
+            "draft_model": args.draft_model, "rates_profile": args.rates_profile,
             "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout,
-            "max_queued_prompt_tokens": args.max_queued_prompt_tokens or None}
+            "max_queued_prompt_tokens": args.max_queued_prompt_tokens or None, **engine_options_from_args(args)}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -93,8 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"[{name}] {state}: {stage}", file=sys.stderr)
 
     cluster = Cluster(args.model, router=args.router, on_progress=progress, progress=True,
-                      prompt_special_tokens=args.prompt_special_tokens == "parse", **cluster_kwargs(args),
-                      **kernel_options_from(args), **prefix_cache_options_from(args), **speculative_options_from(args))
+                      prompt_special_tokens=args.prompt_special_tokens == "parse", **cluster_kwargs(args))
     with cluster:
         for w in cluster.snapshot()["workers"]:
             r = w["rates"]

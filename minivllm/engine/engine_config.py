@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.errors import ConfigError
-from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.kernels.kernel_options import KernelOptions, KernelSettings
+from minivllm.option_field import option
 from minivllm.spec.draft_policy import MAX_DRAFT_TOKENS, parse_draft_policy
 
 KV_MODES = ("paged", "contiguous")
@@ -15,53 +16,47 @@ SINGLE_FLIGHT = ("off", "at_completion", "after_prefill")
 
 
 @dataclass
-class EngineConfig:
-    kv_mode: str = "paged"
-    page_size: int = 16
-    # KV pool budget: bytes, or a fraction of free GPU memory. Neither: enough for
-    # max_active_requests full-length sequences, capped at 1 GiB on CPU and at half of
-    # the free memory on a GPU.
-    kv_memory_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    max_model_len: int | None = None  # default: min(model context, 4096)
-    max_batched_tokens: int = 512  # per-step token budget (decode rows + prefill chunks)
-    max_active_requests: int = 16
-    policy: str = "fcfs"
-    # Kernel choices (see kernels/kernel_options.py): rows up to gemv_max_rows take the
-    # fused dequantize-GEMV path (None: the device default; 0: never); dequant_cache keeps
-    # dense copies for GEMM; batch_invariant makes each row's arithmetic independent of the
-    # batch; enforce_eager turns CUDA graphs off.
-    gemv_max_rows: int | None = None
-    dequant_cache: bool | str = "auto"
-    batch_invariant: bool = False
-    # What a CPU GEMV runs (kernel_options.CPU_GEMV_MODES): "auto" keeps float32 activations
-    # and accumulation for a float32 model and takes the low-precision packs ("lowp") only
-    # when the activation dtype is bfloat16.
-    cpu_gemv: str = "auto"
-    enforce_eager: bool = False
-    # Prefix cache (cache/prefix_index.py). None: on in paged mode, off in contiguous mode
-    # (a page there is a whole sequence, so nothing could be shared). publication says
-    # when a request's full pages become reusable: "incremental" after every forward
-    # that completes one, "at_completion" when the request finishes. single_flight makes
-    # requests with identical input ids wait for one leader (cache/flight_coordinator.py)
-    # and release them "at_completion" of the leader or "after_prefill".
-    prefix_cache: bool | None = None
-    publication: str = "incremental"
-    single_flight: str = "off"
-    # Speculative decoding (minivllm/spec/), used when the engine is given a draft model:
-    # draft_policy picks each request's proposal length (spec/draft_policy.py; None means
-    # "fixed"), num_draft_tokens is its k (fixed) or starting k (adaptive), and tv_budget
-    # is mentored decoding's total-variation budget D (0 = lossless, 1 = accept every
-    # draft token; greedy requests ignore it).
-    draft_policy: str | None = None
-    num_draft_tokens: int = 4
-    tv_budget: float = 0.0
+class EngineConfig(KernelSettings):
+    """Every engine option, each declared once with its help and group (`option`): the
+    kernel choices inherited from `KernelSettings`, then the fields below. The CLI flags,
+    the KEY=VALUE parser and the widgets' defaults are read off these fields
+    (engine/options.py)."""
+
+    kv_mode: str = option("paged", "paged KV pages, or one contiguous page per sequence", "kv cache",
+                          choices=KV_MODES)
+    page_size: int = option(16, "tokens per KV page", "kv cache")
+    kv_memory_bytes: int | None = option(
+        None, "KV pool budget in bytes (default: enough for max_active_requests full-length sequences, capped at "
+        "1 GiB on CPU and at half of the free memory on a GPU)", "kv cache")
+    kv_memory_fraction: float | None = option(None, "KV pool budget as a fraction of free GPU memory, in (0, 0.95]",
+                                              "kv cache")
+    max_model_len: int | None = option(None, "longest sequence (prompt + output); default min(model context, 4096)",
+                                       "scheduler")
+    max_batched_tokens: int = option(512, "per-step token budget (decode rows + prefill chunks)", "scheduler")
+    max_active_requests: int = option(16, "requests the scheduler runs at once (per worker)", "scheduler")
+    policy: str = option("fcfs", "which waiting request is admitted first", "scheduler", choices=POLICIES)
+    enforce_eager: bool = option(False, "no CUDA graphs for decode steps", "kernels")
+    # Prefix cache (cache/prefix_index.py, cache/flight_coordinator.py).
+    prefix_cache: bool | None = option(
+        None, "share full KV pages between requests with a common prefix (default: on in paged mode, off in "
+        "contiguous mode, where a page is a whole sequence and nothing could be shared)", "prefix cache")
+    publication: str = option(
+        "incremental", "when a request's full pages become reusable: incremental = after every forward that "
+        "completes one, at_completion = when the request finishes", "prefix cache", choices=PUBLICATIONS)
+    single_flight: str = option(
+        "off", "requests with identical input ids wait for one leader's pages, released at_completion of the "
+        "leader or after_prefill", "prefix cache", choices=SINGLE_FLIGHT)
+    # Speculative decoding (minivllm/spec/), used when the engine is given a draft model.
+    draft_policy: str | None = option(
+        None, "each request's proposal length: fixed[:k], acceptance-rate[:init,dec,inc,min,max], "
+        "accepted-length[:init,alpha,min,max], adaptive, or any policy with '+gate' (default fixed)", "speculative")
+    num_draft_tokens: int = option(4, "draft tokens per round: k of 'fixed', the starting k of the adaptive "
+                                   "policies", "speculative")
+    tv_budget: float = option(0.0, "mentored decoding's total-variation budget D in [0, 1]: 0 = lossless, 1 = "
+                              "accept every draft token (greedy requests ignore it)", "speculative")
 
     def __post_init__(self) -> None:
-        if self.kv_mode not in KV_MODES:
-            raise ConfigError("kv_mode", self.kv_mode, f"allowed: {', '.join(KV_MODES)}")
-        if self.policy not in POLICIES:
-            raise ConfigError("policy", self.policy, f"allowed: {', '.join(POLICIES)}")
+        super().__post_init__()  # the kernel settings, and every field's declared choices
         if not (isinstance(self.page_size, int) and self.page_size >= 1):
             raise ConfigError("page_size", self.page_size, "must be an integer >= 1 (default 16)")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
@@ -79,10 +74,6 @@ class EngineConfig:
         if self.prefix_cache and self.kv_mode == "contiguous":
             raise ConfigError("prefix_cache", self.prefix_cache, "needs kv_mode='paged': a contiguous KV page holds a "
                               "whole sequence, so no page could ever be shared")
-        if self.publication not in PUBLICATIONS:
-            raise ConfigError("publication", self.publication, f"allowed: {', '.join(PUBLICATIONS)}")
-        if self.single_flight not in SINGLE_FLIGHT:
-            raise ConfigError("single_flight", self.single_flight, f"allowed: {', '.join(SINGLE_FLIGHT)}")
         if self.single_flight != "off" and not self.prefix_cache_enabled:
             raise ConfigError("single_flight", self.single_flight, "followers restore the leader's pages from the "
                               "prefix cache: turn prefix_cache on (kv_mode='paged') or set single_flight='off'")
@@ -94,7 +85,6 @@ class EngineConfig:
         if self.draft_policy is None:
             self.draft_policy = "fixed"
         parse_draft_policy(self.draft_policy, self.num_draft_tokens)  # raises ConfigError naming the policy
-        self.kernel_options()  # validates gemv_max_rows, dequant_cache, batch_invariant, cpu_gemv
         if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
             raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")
 
@@ -103,5 +93,4 @@ class EngineConfig:
         return self.kv_mode == "paged" if self.prefix_cache is None else self.prefix_cache
 
     def kernel_options(self) -> KernelOptions:
-        return KernelOptions(gemv_max_rows=self.gemv_max_rows, dequant_cache=self.dequant_cache,
-                             batch_invariant=self.batch_invariant, cpu_gemv=self.cpu_gemv)
+        return KernelOptions(**self.kernel_settings())

@@ -11,24 +11,64 @@ had already generated.
 
 from __future__ import annotations
 
-from dataclasses import fields
+import argparse
+from dataclasses import MISSING, Field, fields
 
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.errors import ConfigError
-from minivllm.kernels.kernel_options import KernelOptions
 
-# Engine switches that live on neither dataclass (CUDA graphs on/off).
-_EXTRA_OPTIONS = ("enforce_eager",)
-# Dataclass fields that are state, not settings.
-_NOT_OPTIONS = {"path_counts"}
+
+def option_fields() -> list[Field]:
+    """Every engine option, in declaration order (kernel settings first)."""
+    return list(fields(EngineConfig))
 
 
 def engine_option_names() -> list[str]:
-    names: list[str] = []
-    for cls in (EngineConfig, KernelOptions):
-        names += [f.name for f in fields(cls) if f.name not in _NOT_OPTIONS]
-    names += _EXTRA_OPTIONS
-    return sorted(set(names))
+    return sorted(f.name for f in option_fields())
+
+
+def option_default(name: str):
+    """The engine's own default for option `name` (what runs when nobody sets it)."""
+    f = next((f for f in option_fields() if f.name == name), None)
+    if f is None:
+        raise ConfigError("option", name, f"unknown engine option; valid ones: {', '.join(engine_option_names())}")
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), draft_model: bool = True) -> None:
+    """One `--kebab-name` flag per engine option, grouped under its `group` heading, help
+    from its declaration. Booleans get `--x/--no-x`; other values are parsed like KEY=VALUE
+    values (`parse_option_value`) and checked by EngineConfig itself, so every command
+    accepts the same values and reports a bad one the same way. A flag left out is absent
+    from the namespace (argparse.SUPPRESS), so the engine's default applies: the one
+    default, whichever command starts it. `draft_model=True` adds `--draft-model` to the
+    speculative group (a model, not an option, but what turns those options on)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in option_fields():
+        if f.name in exclude or not f.metadata.get("flag", True):
+            continue
+        group = f.metadata.get("group", "engine")
+        if group not in groups:
+            groups[group] = parser.add_argument_group(f"engine options: {group}")
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        flag = "--" + f.name.replace("_", "-")
+        if f.default is False or f.default is True:
+            groups[group].add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                       default=argparse.SUPPRESS, help=help_text)
+        else:
+            choices = f.metadata.get("choices")
+            groups[group].add_argument(flag, dest=f.name, type=parse_option_value, default=argparse.SUPPRESS,
+                                       metavar="{" + ",".join(map(str, choices)) + "}" if choices else None,
+                                       help=help_text)
+    if draft_model:
+        speculative = groups.get("speculative") or parser.add_argument_group("engine options: speculative")
+        speculative.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer that "
+                                 "proposes tokens for the target to verify (turns speculative decoding on)")
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line (flags from `add_engine_flags`)."""
+    return {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
 
 
 def check_engine_options(options: dict, side: str) -> dict:

@@ -7,32 +7,33 @@ different thresholds), so layers read it at call time instead of copying values.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from minivllm.errors import ConfigError
+from minivllm.option_field import check_choices, option
+
+
+CPU_GEMV_MODES = ("auto", "f32", "torch", "lowp")
 
 
 @dataclass
-class KernelOptions:
-    # Inputs with at most this many rows take the fused dequantize-GEMV path (one
-    # kernel per row set, weights read in block format); more rows dequantize and GEMM.
-    # 0 disables GEMV. None: the device default (see `default_gemv_max_rows`).
-    gemv_max_rows: int | None = None
-    # Keep a dequantized copy of every quantized weight for the GEMM path ("auto": on
-    # CPU always; on CUDA when the dense copies take at most half the free memory;
-    # True/False force it).
-    dequant_cache: bool | str = "auto"
-    # Every row's arithmetic independent of the batch, chunking and gemv_max_rows.
-    batch_invariant: bool = False
-    # What the GEMV path runs on a CPU (CPU_GEMV_MODES): "auto" is the float32 kernel
-    # (cpu_gemv.cpp: float32 activations, float32 accumulation) unless the model's
-    # activation dtype is bfloat16, which selects "lowp"; "f32" that kernel whatever the
-    # dtype; "torch" the pure-torch dense GEMM in the activation dtype (what runs when
-    # the kernel cannot be built); "lowp" the low-precision packs (cpu_packed.py: bf16
-    # activations and scales for 4-bit types, f16 weights and activations otherwise).
-    cpu_gemv: str = "auto"
-    # Per-path call counts since the last reset; shown in the engine snapshot.
-    path_counts: Counter = field(default_factory=Counter)
+class KernelSettings:
+    """The kernel choices a user sets (also fields of `EngineConfig`, which inherits them)."""
+
+    gemv_max_rows: int | None = option(
+        None, "rows up to which the fused dequantize-GEMV runs (one kernel per row set, weights read in block "
+        "format); more rows dequantize and GEMM. 0 = never; default: per device", "kernels")
+    dequant_cache: bool | str = option(
+        "auto", "keep a dequantized copy of every quantized weight for the GEMM path (auto: on CPU always, on "
+        "CUDA when the copies take at most half the free memory)", "kernels")
+    batch_invariant: bool = option(
+        False, "every row's arithmetic independent of the batch, chunking and gemv_max_rows (slower)", "kernels")
+    cpu_gemv: str = option(
+        "auto", "what a CPU GEMV runs: auto = the float32 kernel (float32 activations and accumulation) unless "
+        "the activation dtype is bfloat16, which selects lowp; f32 = that kernel whatever the dtype; torch = "
+        "the pure-torch dense GEMM in the activation dtype (what runs when the kernel cannot be built); lowp "
+        "= low-precision packs (bf16 activations and scales for 4-bit types, f16 otherwise)", "kernels",
+        choices=CPU_GEMV_MODES)
 
     def __post_init__(self) -> None:
         if self.gemv_max_rows is not None and not (isinstance(self.gemv_max_rows, int) and self.gemv_max_rows >= 0):
@@ -41,8 +42,18 @@ class KernelOptions:
             raise ConfigError("dequant_cache", self.dequant_cache, "allowed: True, False, 'auto'")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be True or False")
-        if self.cpu_gemv not in CPU_GEMV_MODES:
-            raise ConfigError("cpu_gemv", self.cpu_gemv, f"allowed: {', '.join(CPU_GEMV_MODES)}")
+        check_choices(self)
+
+    def kernel_settings(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(KernelSettings)}
+
+
+@dataclass
+class KernelOptions(KernelSettings):
+    """The settings plus what the layers record while they run."""
+
+    # Per-path call counts since the last reset; shown in the engine snapshot.
+    path_counts: Counter = field(default_factory=Counter)
 
     def resolved(self, device, dense_bytes: int | None = None) -> "KernelOptions":
         """A copy with device defaults filled in (None / "auto" replaced). `dense_bytes`:
@@ -68,25 +79,19 @@ class KernelOptions:
             # GEMV decodes the weights once per row (H200, Qwen2.5-7B ffn 18944x3584 Q4_K:
             # 338 us at M=8 vs 47 us for the f16 cuBLAS GEMV, benchmarks/results/
             # h200-kernels-gemv-20261201T225533Z; bench decode at batch 8 was 718 tok/s
-            # with GEMM vs 226 with GEMV, ../shared/peers/README.md). Without the cache
+            # with GEMM vs 226 with GEMV on the same H200, 7B Q4_K_M). Without the cache
             # (a T4), GEMM would dequantize every weight per call, so GEMV keeps 8 rows.
             rows = 1
-        return KernelOptions(gemv_max_rows=rows, dequant_cache=cache, batch_invariant=self.batch_invariant,
-                             cpu_gemv=self.cpu_gemv)
+        return KernelOptions(**{**self.kernel_settings(), "gemv_max_rows": rows, "dequant_cache": cache})
 
     def assign(self, other: "KernelOptions") -> None:
         """Take `other`'s settings in place (every layer holds a reference to self)."""
-        self.gemv_max_rows = other.gemv_max_rows
-        self.dequant_cache = other.dequant_cache
-        self.batch_invariant = other.batch_invariant
-        self.cpu_gemv = other.cpu_gemv
+        for name, value in other.kernel_settings().items():
+            setattr(self, name, value)
 
     def describe(self) -> dict:
-        return {"gemv_max_rows": self.gemv_max_rows, "dequant_cache": self.dequant_cache,
-                "batch_invariant": self.batch_invariant, "cpu_gemv": self.cpu_gemv}
+        return self.kernel_settings()
 
-
-CPU_GEMV_MODES = ("auto", "f32", "torch", "lowp")
 
 
 def default_gemv_max_rows(device) -> int:

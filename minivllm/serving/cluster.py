@@ -57,14 +57,14 @@ DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 32768
 
 class Cluster:
     def __init__(self, model: str = "smollm2-135m", devices: Sequence[str] | str = ("cpu",), *, router: str = "cost",
-                 dtype: str = "f32", draft_model: str | None = None, rates_profile: str | None = None,
+                 dtype: str = "auto", draft_model: str | None = None, rates_profile: str | None = None,
                  calibrate: bool = True, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, ready_timeout_s: float = 1800.0,
                  fault_injection: bool = False, on_progress=None, progress: bool = False,
                  prompt_special_tokens: bool = True,
                  max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS, **engine_options):
-        """`dtype` is the activation dtype of every worker, or "auto" (f32 on CPU workers,
-        f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
+        """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
+        `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
         loop hang (drills, tests, teaching); workers refuse it otherwise. Chat messages are
         always encoded with control tokens only where the template puts them
         (`Tokenizer.encode_chat`); `prompt_special_tokens` says whether control-token text in

@@ -13,6 +13,12 @@ import time
 
 import ipywidgets as W
 
+from minivllm.engine.engine_config import KV_MODES, PUBLICATIONS, SINGLE_FLIGHT
+from minivllm.engine.options import option_default
+
+_ENGINE_CONTROLS = ("kv_mode", "page_size", "max_model_len", "prefix_cache", "publication", "single_flight",
+                    "draft_policy", "tv_budget", "batch_invariant")
+
 
 def detected_devices() -> list[str]:
     try:
@@ -44,19 +50,22 @@ class Launcher:
         self.devices = {d: W.Checkbox(value=d in chosen, description=d, indent=False) for d in found if d != "cpu"}
         self.dtype = W.Dropdown(options=["auto", "f32", "f16", "bf16"], value=defaults.get("dtype", "auto"),
                                 description="activations")
-        self.kv_mode = W.Dropdown(options=["paged", "contiguous"], value="paged", description="KV mode")
-        self.page_size = W.BoundedIntText(value=16, min=1, max=4096, description="page size")
-        self.max_model_len = W.BoundedIntText(value=defaults.get("max_model_len", 2048), min=16, max=131072,
-                                              description="max len")
-        self.prefix_cache = W.Checkbox(value=True, description="prefix cache", indent=False)
-        self.publication = W.Dropdown(options=["incremental", "at_completion"], value="incremental", description="publish")
-        self.single_flight = W.Dropdown(options=["off", "at_completion", "after_prefill"], value="off",
+        # Every engine control starts at the engine's own default (engine/options.py), so a
+        # cluster launched here runs what `minivllm serve` or `Cluster(...)` would.
+        d = {name: defaults.get(name, option_default(name)) for name in _ENGINE_CONTROLS}
+        self.kv_mode = W.Dropdown(options=list(KV_MODES), value=d["kv_mode"], description="KV mode")
+        self.page_size = W.BoundedIntText(value=d["page_size"], min=1, max=4096, description="page size")
+        self.max_model_len = W.BoundedIntText(value=d["max_model_len"] or 0, min=0, max=131072, description="max len",
+                                              tooltip="0 = the engine's default: min(model context, 4096)")
+        self.prefix_cache = W.Checkbox(value=d["prefix_cache"] is not False, description="prefix cache", indent=False)
+        self.publication = W.Dropdown(options=list(PUBLICATIONS), value=d["publication"], description="publish")
+        self.single_flight = W.Dropdown(options=list(SINGLE_FLIGHT), value=d["single_flight"],
                                         description="single-flight")
         self.draft_model = W.Text(value="", description="draft", placeholder="optional draft model")
-        self.draft_policy = W.Text(value="fixed", description="policy")
-        self.tv_budget = W.BoundedFloatText(value=0.0, min=0.0, max=1.0, step=0.05, description="TV budget")
+        self.draft_policy = W.Text(value=d["draft_policy"] or "fixed", description="policy")
+        self.tv_budget = W.BoundedFloatText(value=d["tv_budget"], min=0.0, max=1.0, step=0.05, description="TV budget")
         self.router = W.Dropdown(options=["cost", "round-robin", "least-loaded"], value="cost", description="router")
-        self.batch_invariant = W.Checkbox(value=False, description="batch-invariant", indent=False)
+        self.batch_invariant = W.Checkbox(value=d["batch_invariant"], description="batch-invariant", indent=False)
         self.launch = W.Button(description="Launch", button_style="success")
         self.stop = W.Button(description="Stop", button_style="warning")
         self.status = W.HTML("<i>not running</i>")
@@ -75,7 +84,7 @@ class Launcher:
         paged = self.kv_mode.value == "paged"
         opts = {"model": self.model.value.strip(), "devices": devices, "dtype": self.dtype.value,
                 "router": self.router.value, "kv_mode": self.kv_mode.value, "page_size": self.page_size.value,
-                "max_model_len": self.max_model_len.value, "batch_invariant": self.batch_invariant.value,
+                "max_model_len": self.max_model_len.value or None, "batch_invariant": self.batch_invariant.value,
                 "prefix_cache": self.prefix_cache.value and paged, "publication": self.publication.value,
                 "single_flight": self.single_flight.value if self.prefix_cache.value and paged else "off"}
         if self.draft_model.value.strip():
