@@ -253,3 +253,24 @@ def test_project_many_is_separate_calls_in_one():
         assert all(torch.equal(a, b) for a, b in zip(fused, separate))
         assert counts == ({"gemv": 3} if rows <= opts.gemv_max_rows else {"gemm": 3})
     assert {lin.gemv_kind for lin in lins} == {f"cpu-f32-{cpu_gemv.isa()}"}
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed mid-way (Ctrl-C, OOM) leaves torch's lock file, and every later
+    process would wait on it forever: a lock older than any build is removed."""
+    import os
+    import time
+
+    from minivllm.kernels import cpu_gemv as cg
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    cg._remove_stale_lock("some_ext")
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - cg._STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="did not finish"):
+        cg._remove_stale_lock("some_ext")
+    assert not lock.exists()

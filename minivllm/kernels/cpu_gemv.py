@@ -90,8 +90,10 @@ def _build():
     try:
         from torch.utils.cpp_extension import load_inline
 
+        ext_name = _extension_name(name, flags)
+        _remove_stale_lock(ext_name)
         module = load_inline(
-            name=f"minivllm_cpu_gemv_{name}",
+            name=ext_name,
             cpp_sources=[_SOURCE.read_text()],
             functions=["gemv", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "vector_width"],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
@@ -102,6 +104,41 @@ def _build():
         return None, f"building the extension failed: {type(err).__name__}: {str(err).strip().splitlines()[-1:]}"
     _STATE["isa"] = name
     return module, None
+
+
+def _extension_name(isa_name: str, flags: list[str]) -> str:
+    """A cache name per ISA, source, flags and torch install. Two virtual environments
+    (two torch include paths) sharing one name would rebuild each other's module in the
+    shared cache directory on every first load, and could race on its lock."""
+    import hashlib
+
+    key = "\0".join([_SOURCE.read_text(), *flags, torch.__version__, os.path.dirname(torch.__file__)])
+    return f"minivllm_cpu_gemv_{isa_name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+# A build takes about 40 s on two cores; a lock file older than this was left by a build
+# that was killed (Ctrl-C, OOM, a test timeout), and torch would wait on it forever.
+_STALE_LOCK_S = 600
+
+
+def _remove_stale_lock(ext_name: str) -> None:
+    import time
+    import warnings
+
+    try:  # torch's own rule for the directory (a private helper: if it moves, skip the check)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(ext_name, verbose=False)) / "lock"
+    except (ImportError, TypeError):
+        return
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        warnings.warn(f"removing {lock}: a build of the CPU kernels left it {age:.0f} s ago and did not finish",
+                      stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def gemv(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
