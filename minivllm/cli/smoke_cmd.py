@@ -1,4 +1,4 @@
-"""`minivllm smoke`: one request per worker, all at once, and the original's smoke table.
+"""`minivllm smoke`: one request per worker, all at once, and a per-backend throughput table.
 
     minivllm smoke --model qwen2.5-coder-0.5b --inference-device cpu --inference-device gpu --inference-device gpu
 

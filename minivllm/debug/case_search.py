@@ -1,6 +1,6 @@
 """Look for prompts on which two engine configurations split late: a long identical prefix, then a flip.
 
-A late split is the instructive case (the original engine's 597 identical characters):
+A late split is the instructive case (two runs that agree for hundreds of characters):
 the kernel difference is there from the first token, sits in the KV cache, and only
 shows once some greedy choice is close enough to flip.
 

@@ -1,6 +1,6 @@
 """Continuous batching: decide which rows the next forward runs.
 
-Step shape (like vLLM v1 and the original engine):
+Step shape (as in vLLM v1):
   1. every running request that is decoding gets one row, oldest first — a decode row
      may need a new page, and if none is free the *newest* running request is
      preempted (its pages are freed, it goes back to the front of the waiting queue

@@ -1,7 +1,7 @@
 """Pre-tokenizer rules per `tokenizer.ggml.pre`, transcribed from llama.cpp.
 
 A byte-level BPE vocabulary only reproduces its model's token ids if the text is cut
-into words exactly the way the original tokenizer did before merging. GGUF files do
+into words exactly the way the model's own tokenizer did before merging. GGUF files do
 not store that regex; they store a name (`tokenizer.ggml.pre`), and llama.cpp maps the
 name to a list of regexes in `llm_tokenizer_bpe` (src/llama-vocab.cpp). The names,
 groups and regexes below are copied from there (llama.cpp 0c1e570, vendored by

@@ -14,8 +14,8 @@ picks a path per call from `KernelOptions`:
                                     configuration on CUDA, one M=1 call per row on CPU
 
 Why the row count matters at all: the two paths round differently, and the
-difference survives in the KV cache (the original's "kernel threshold changed the
-text" finding); `batch_invariant` is the way to switch that off.
+difference survives in the KV cache, so changing the kernel threshold can change the
+generated text; `batch_invariant` is the way to switch that off.
 
 Every path returns the activation dtype (rounded once, like cuBLAS rounds a GEMM's
 float32 accumulator), so the paths differ only in accumulation order.

@@ -233,10 +233,9 @@ class _Scope:
     """One traced range. Its life is exactly the `with` block.
 
     The NVTX range starts in __enter__ and ends in __exit__, always and without looking at
-    what the NVTX call returned. The original engine wrapped ranges in an RAII guard whose
-    construction was conditional on a push's return value; the guard was a temporary,
-    dropped at once, so every range closed ~600 ns after it opened and the profile showed
-    nothing. Here nothing but the `with` statement decides when a range ends, and __exit__
+    what the NVTX call returned. A range guard built conditionally on a push's return value
+    is easy to get wrong: bound to a temporary, it is dropped at once, every range closes
+    ~600 ns after it opens and the profile shows nothing. Here nothing but the `with` statement decides when a range ends, and __exit__
     runs on exceptions too.
     """
 

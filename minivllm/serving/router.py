@@ -16,7 +16,7 @@ Policies (`--router`):
     decode tokens = active requests' unused max_tokens + queued requests' full budgets +
     the incoming budget; concurrency = min(max active, requests it would hold).
 
-    `finish` is beyond the original. `drain` assumes the incoming request can use the
+    `finish` exists because `drain` alone misleads: `drain` assumes the incoming request can use the
     worker's whole throughput, but a request runs at the per-request rate
     decode_tps(c) / c and, when every slot (max_active_requests) is taken, only starts
     when one frees. `finish` replays the worker's FCFS slots: active requests free their

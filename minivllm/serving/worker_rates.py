@@ -20,8 +20,8 @@ sizes (on the H200 box the CPU's batch-4 rate under a burst of 516-token prompts
 its calibration while batch 1 matched); a batch size not yet observed borrows the
 nearest observed one's correction. The corrected curve is the calibrated points and the
 observed batch sizes, each base rate times its correction, interpolated linearly.
-(The original used fixed profiles; per-request rates under batching would understate a
-worker's throughput, which is why the steps, not the requests, are the measurements.)
+(Fixed profiles would not follow the machine, and per-request rates under batching
+would understate a worker's throughput, which is why the steps, not the requests, are the measurements.)
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ controller from it, updated after each verification round with (accepted, propos
     adaptive                               acceptance-rate behind the pay-off gate
     <any>+gate                             that policy behind the pay-off gate
 
-The original engine's policies (same rules and defaults: init 4, 0.4/0.8, alpha 0.2,
-[1, 8]) could only shrink k to 1, and on creative text even 1-token rounds lost to the
+The adaptive policies (defaults: init 4, thresholds 0.4/0.8, alpha 0.2, k in [1, 8]) can
+only shrink k to 1, and on creative text even 1-token rounds lost to the
 target alone. The pay-off gate (payoff_gate.py) lets a request stop speculating while it
 measurably does not pay, and probe again later.
 """
@@ -72,7 +72,7 @@ class AcceptedLengthAverage:
         if proposed <= 0:
             return
         self.s = self.alpha * accepted + (1 - self.alpha) * self.s
-        # round half up, like the original (Python's round() would send 2.5 to 2)
+        # round half up (Python's round() would send 2.5 to 2, a shorter proposal than the rule says)
         self.k = min(max(int(self.s + 0.5) + 1, self.min), self.max)
 
 

@@ -1,8 +1,7 @@
 """The pay-off gate: a request speculates only while that measurably beats decoding
 without the draft, and probes again later when it stops.
 
-Beyond the original engine, whose adaptive policies could only shrink proposals to one
-token: on creative text even one-token rounds lost to the target alone (0.63x), because
+Adaptive policies alone can only shrink proposals to one token: on creative text even one-token rounds lost to the target alone (0.63x), because
 a round always pays a draft forward and a wider verification forward.
 
 Per request, in the batch it actually runs in, the gate compares two measured rates:

@@ -1,8 +1,8 @@
 """The engine's speculation: draft proposals before the target forward, verification
 after it. `LLMEngine` owns one when it is given a draft model.
 
-A step with speculation (the original's "finish all draft-model work first, then run the
-target model"):
+A step with speculation (all draft-model work finishes first, then the target model runs
+once):
   1. the scheduler gives each decoding request that wants to speculate a row of 1 + k
      tokens (`wanted_tokens`: the request's draft-length controller, capped by its
      remaining max_tokens and the context) when the step budget and free pages allow;
