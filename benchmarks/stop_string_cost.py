@@ -5,7 +5,7 @@
 Stop 0 is "abab..." and the generated text keeps matching its prefix, so that prefix stays
 held; the 15 other stops never match. `QuadraticMatcher` is the matcher before issue 26
 (every prefix length of every stop re-tested on every token), kept here only to compare.
-The unit test (tests/test_stop_strings.py) counts the new matcher's steps instead of timing.
+The unit test (tests/unit/sampling/test_stop_strings.py) counts the new matcher's steps instead of timing.
 """
 
 from __future__ import annotations

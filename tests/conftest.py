@@ -70,10 +70,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "numerics: results depend on CPU kernel rounding (see NUMERICS_MODULES)")
 
 
+LAYERS = ("unit", "integration", "e2e")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in NUMERICS_MODULES:
             item.add_marker(pytest.mark.numerics)
+        # The directory is the layer: `-m unit` is the same set as `pytest tests/unit`.
+        layer = next((part for part in Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts if part in LAYERS),
+                     None)
+        if layer is not None:
+            item.add_marker(getattr(pytest.mark, layer))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device machine)")

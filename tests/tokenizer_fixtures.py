@@ -1,4 +1,4 @@
-r"""Shared by tests/test_tokenizer.py and scripts/record_llamacpp_token_ids.py.
+r"""Shared by tests/integration/gguf/test_tokenizer.py and scripts/record_llamacpp_token_ids.py.
 
 Kept free of torch and minivllm imports: the recording script runs it under the
 scratch llama-cpp-python virtualenv, which has only numpy and gguf.

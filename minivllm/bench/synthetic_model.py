@@ -100,7 +100,7 @@ QWEN25_05B_CLASS = SyntheticSpec(name="qwen2.5-0.5b-class-q4_k_m", n_layers=24, 
 # so llama.cpp's fallback gives Q5_0 / Q8_0 for the tensors whose rows are 896 long
 # (token_embd Q5_0, output Q8_0, attn_v Q8_0 or Q5_0, everything else on 896-long rows
 # Q5_0; ffn_down Q6_K / Q4_K), as in the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M file,
-# whose tensor bytes this plan reproduces (tests/test_synthetic_model.py).
+# whose tensor bytes this plan reproduces (tests/integration/model/test_synthetic_model.py).
 QWEN25_05B = SyntheticSpec(name="qwen2.5-0.5b-q4_k_m", n_layers=24, d_model=896, n_heads=14, n_kv_heads=2,
                            d_ff=4864, vocab_size=151936, kquant_fallback=True, more_bits_lexicographic=True)
 SPECS = {QWEN25_7B.name: QWEN25_7B, QWEN25_05B_CLASS.name: QWEN25_05B_CLASS, QWEN25_05B.name: QWEN25_05B}

@@ -16,7 +16,7 @@ before anything is allocated or looped over, and every tensor's type id, shape (
 4 dims, no int64 overflow, whole blocks per row) and data range (aligned, inside the
 file, not overlapping another tensor) is validated; anything else is a `GGUFFormatError`
 naming the key or tensor. `require_as`/`get_as` check a metadata value's type
-(`InvalidMetadataError`). tests/test_model_file_fuzz.py feeds it hostile files.
+(`InvalidMetadataError`). tests/integration/gguf/test_model_file_fuzz.py feeds it hostile files.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from triton_devices import DEVICES  # sets TRITON_INTERPRET before any kernel mo
 from minivllm.kernels.rmsnorm import rms_norm  # noqa: E402
 from minivllm.kernels.rope import RotaryEmbedding  # noqa: E402
 from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, swiglu  # noqa: E402
+from conftest import REPO_ROOT  # noqa: E402
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ def test_fused_decoder_forward_matches_the_torch_steps(tmp_path, monkeypatch):
     from minivllm.engine.llm import LLM
     from minivllm.engine.sampling_params import SamplingParams
 
-    source = Path(__file__).resolve().parents[1] / ".gpu19" / "qwen2.5-tokenizer-fields.json.xz"
+    source = REPO_ROOT / ".gpu19" / "qwen2.5-tokenizer-fields.json.xz"
     if not source.is_file():
         pytest.skip("needs the Qwen2.5 tokenizer fields (.gpu19/qwen2.5-tokenizer-fields.json.xz)")
     spec = scaled_down(name="tiny", n_layers=4, d_model=896, n_heads=14, n_kv_heads=2, d_ff=1024,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from minivllm.errors import MinivllmError
+from conftest import REPO_ROOT
 from minivllm.obs import trace
 from minivllm.obs.trace import (
     SCOPE_KINDS,
@@ -304,7 +305,7 @@ def test_every_scope_kind_the_code_opens_is_allowed():
 
     from minivllm.obs.trace import _NVTX_COLORS, SCOPE_KINDS
 
-    root = Path(__file__).resolve().parents[1] / "minivllm"
+    root = REPO_ROOT / "minivllm"
     used = {m for f in root.rglob("*.py") for m in re.findall(r'trace_scope\(\s*"([a-z_]+)"', f.read_text())}
     assert used and used <= SCOPE_KINDS, used - SCOPE_KINDS
     assert set(_NVTX_COLORS) == SCOPE_KINDS

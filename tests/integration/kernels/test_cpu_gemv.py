@@ -24,6 +24,7 @@ from minivllm.gguf.reader import GGUFFile
 from minivllm.kernels import cpu_gemv
 from minivllm.kernels.quant_weight import QuantizedWeight
 from test_cpu_packed import _random_weight
+from conftest import REPO_ROOT  # noqa: E402
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
@@ -173,7 +174,7 @@ def test_avx2_build_where_avx512_is_the_default(tmp_path):
     )
     env = {**os.environ, "MINIVLLM_CPU_GEMV_ISA": "avx2"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).parent.parent)
+                         cwd=REPO_ROOT)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 

@@ -24,7 +24,7 @@ from minivllm.gguf.chat_template import _environment
 from minivllm.gguf.tokenizer import Tokenizer
 from tokenizer_fixtures import write_byte_vocab_gguf
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO_ROOT
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 

@@ -7,7 +7,7 @@ allocate memory in proportion to a count or length *read from* the file: the hea
 claim 2**62 tensors in a 100-byte file. Each case here runs under a memory bound
 (tracemalloc peak and max-RSS growth).
 
-tests/test_gguf_reader.py already covers bad magic, empty/missing files, truncation at
+tests/integration/gguf/test_gguf_reader.py already covers bad magic, empty/missing files, truncation at
 every offset, unsupported versions and a zero alignment; this file does not repeat them.
 
 * `RawGGUF` writes GGUF v3 byte by byte (no gguf-py), so counts, lengths, type ids, dims

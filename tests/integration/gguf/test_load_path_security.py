@@ -27,7 +27,7 @@ import pytest
 from minivllm.errors import ModelSourceError
 from minivllm.models import resolve_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO_ROOT
 PACKAGE = REPO_ROOT / "minivllm"
 
 _PROBE = textwrap.dedent("""
