@@ -94,7 +94,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minivllm.bench.stats import percentile
+from minivllm.bench.common import percentile, provenance
 
 # Common English words; with SmolLM2's (Llama-style BPE) tokenizer nearly every " word" is one token.
 WORDS = """the of and to in is was for on are with as be at by this had not but from have they which one you
@@ -637,7 +637,7 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
             summary = summarize(results, duration, settings.slo_ttft_ms, settings.slo_tpot_ms, settings.ignore_eos)
             cfg = {"bench": "serve", **asdict(settings), "warmup": warmup, "tokenizer": tok_name,
                    "prompt_sizing": "exact (tokenizer)" if tok is not None else f"approximate (words * {TOKENS_PER_WORD})"}
-            prov = _results.provenance("cpu", model_sha, _jsonable(cfg))
+            prov = provenance("cpu", model_sha, _jsonable(cfg))
             prov["device_note"] = "`device` is the load generator's machine; the server is described under `target`"
             target = {
                 "benchmark": "serve", "label": label, "provenance": prov,

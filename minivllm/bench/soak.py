@@ -79,7 +79,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minivllm.bench.stats import percentile
+from minivllm.bench.common import percentile, provenance
 
 OUTCOMES = ("finished", "http_error", "stream_error", "cancelled", "disconnected", "transport_error", "protocol_error")
 DEFAULT_DEVICES = ["cpu:1", "cpu:1"]
@@ -967,7 +967,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, *, url: s
     (`result["ok"]`, `result["checks"]`, ...)."""
     import httpx
 
-    from minivllm.bench.results import RESULTS_DIR, provenance
+    from minivllm.bench.results import RESULTS_DIR
 
     settings = settings or SoakSettings()
     devices_given = bool(devices)

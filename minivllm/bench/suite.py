@@ -336,6 +336,7 @@ def plan(devices: list[str], *, quick: bool, only: list[str] | None = None, skip
          extra_args: dict[str, list[str]] | None = None) -> list[Run]:
     """The runs of `bench all`, in SUITE order, skipped ones included (with a reason)."""
     from minivllm.bench.results import RESULTS_DIR
+    from minivllm.bench.common import provenance
 
     if parser is None:
         from minivllm.cli.main import build_parser
@@ -519,7 +520,6 @@ def run_suite(devices: list[str], *, quick: bool, only: list[str] | None = None,
 
 def write_index(devices: list[str], stamp: str, settings: dict, records: list[dict],
                 results_dir: Path, commit: str | None = None) -> tuple[Path, Path]:
-    from minivllm.bench.results import provenance
 
     results_dir.mkdir(parents=True, exist_ok=True)
     first = next((d for d in devices if not is_cuda(d) or d.startswith("cuda")), "cpu")

@@ -39,7 +39,7 @@ def add_smoke_parser(subparsers) -> None:
 
 
 def run_smoke(args: argparse.Namespace) -> int:
-    from minivllm.bench.results import provenance
+    from minivllm.bench.common import provenance
     from minivllm.bench.routing import backend_label
     from minivllm.engine.options import parse_overrides
     from minivllm.engine.sampling_params import SamplingParams
