@@ -583,7 +583,7 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
             model_sha = None
             serve_cmd = None
             if kind == "start":
-                from minivllm.bench.soak import ServerProcess
+                from minivllm.bench.server_process import ServerProcess
                 from minivllm.models import resolve_model
                 from minivllm.models.cache import sha256_file
                 from minivllm.serving.http_server import free_port

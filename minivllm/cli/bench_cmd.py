@@ -479,7 +479,7 @@ _int_range, _float_range, _colon_range = _range_parser(",", int, 1), _range_pars
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from minivllm.bench.soak import SoakSettings, run
+    from minivllm.reliability.soak import SoakSettings, run
 
     settings = SoakSettings(requests=args.requests, seed=args.seed, cancel_fraction=args.cancel_fraction,
                             disconnect_fraction=args.disconnect_fraction, max_new_tokens=args.max_new_tokens,
