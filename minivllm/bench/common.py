@@ -233,3 +233,84 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+# ---------------------------------------------------------------------------- common flags
+# One spelling per concept across every driver (and as `generate`/`serve` spell them):
+# --model, --inference-device, --activation-dtype, --runs/--max-runs, --prompt-tokens,
+# --max-tokens (the output length), --option KEY=VALUE, --out.
+
+def add_model(p: argparse.ArgumentParser, default: str | None = "smollm2-135m", help: str | None = None,
+              repeatable: bool = False) -> None:
+    p.add_argument("--model", action="append" if repeatable else "store", default=default,
+                   help=help or "model name or .gguf path")
+
+
+def add_inference_device(p: argparse.ArgumentParser, default: str | None = "cpu", help: str = "cpu, gpu, cuda:N",
+                         repeatable: bool = False) -> None:
+    p.add_argument("--inference-device", action="append" if repeatable else "store", default=default, help=help)
+
+
+def add_activation_dtype(p: argparse.ArgumentParser, default: str | None = "f32", help: str = "f32, f16, bf16",
+                         repeatable: bool = False, choices=None) -> None:
+    p.add_argument("--activation-dtype", action="append" if repeatable else "store", default=default, help=help,
+                   choices=choices)
+
+
+def add_runs(p: argparse.ArgumentParser, default: int | None = 3, help: str | None = None,
+             max_default: int | None = None, max_help: str | None = None) -> None:
+    """--runs (at least this many timed runs) and --max-runs (the CV rule's ceiling)."""
+    p.add_argument("--runs", type=int, default=default, help=help)
+    p.add_argument("--max-runs", type=int, default=max_default,
+                   help=max_help or f"more runs while a watched CV exceeds {CV_TARGET:.0%}, up to this "
+                                    "(default 3 x --runs)".replace("%", "%%"))
+
+
+def add_max_tokens(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    p.add_argument("--max-tokens", type=int, default=default, help=help)
+
+
+def add_prompt_tokens(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=default, help=help)
+
+
+def add_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def add_out(p: argparse.ArgumentParser, help: str = "result directory (default benchmarks/results)") -> None:
+    p.add_argument("--out", default=None, help=help)
+
+
+def engine_options(items: list[str]) -> dict:
+    """--option KEY=VALUE items as engine options, checked and parsed by the engine's own rule."""
+    from minivllm.engine.options import parse_overrides
+
+    return parse_overrides(items, "option")
+
+
+def int_list(v: str) -> list[int]:
+    try:
+        return [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {v!r}") from None
+
+
+def names(v: str) -> list[str]:
+    """A comma list, blanks dropped."""
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
+def range_type(sep: str, cast, minimum):
+    """An argparse type for "LO<sep>HI" with minimum <= LO <= HI (burst sizes, gaps, lengths)."""
+    kind = "integers" if cast is int else "numbers"
+
+    def parse(v: str):
+        try:
+            lo, hi = (cast(x) for x in v.split(sep))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MIN{sep}MAX {kind}, got {v!r}") from None
+        if not minimum <= lo <= hi:
+            raise argparse.ArgumentTypeError(f"expected {minimum} <= MIN <= MAX, got {v!r}")
+        return lo, hi
+    return parse
