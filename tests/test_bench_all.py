@@ -28,7 +28,7 @@ def test_every_bench_subcommand_is_in_the_suite():
     registered = _registered()
     covered = {argv[1] for argv in _suite_commands() if argv[0] == "bench"}
     missing = registered - covered - set(suite.EXCLUDED)
-    assert not missing, f"add these to minivllm/bench/suite.py SUITE (or EXCLUDED with a reason): {sorted(missing)}"
+    assert not missing, f"add these to minivllm/bench/suite/table.py SUITE (or EXCLUDED with a reason): {sorted(missing)}"
     assert set(suite.EXCLUDED) <= registered, "stale exclusions"
     assert ("smoke",) in _suite_commands()  # the top-level smoke command runs too
     names = [b.name for b in suite.SUITE]
