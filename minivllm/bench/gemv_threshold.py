@@ -179,8 +179,8 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     meta = provenance(str(dev) if dev.type == "cuda" else device, sha256_file(llm.model_path), settings)
     meta["recommended_gemv_max_rows"] = best
     meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
-    runs_note = runs_note(all_rounds, repeats, max_repeats, "mode's tok/s")
-    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, {runs_note} "
+    over_runs = runs_note(all_rounds, repeats, max_repeats, "mode's tok/s")
+    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, {over_runs} "
             f"after a warm-up (medians in the JSON); modes take turns within each run, ratios are per run. "
             f"sequential: one request at a time, default options (gemv_max_rows="
             f"{engines['sequential'][0].kernel_options.gemv_max_rows}); GEMM: "

@@ -364,8 +364,8 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     meta = provenance(str(llm.model.device) if llm.model.device.type == "cuda" else device, sha, settings)
     meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     rows = [{"table": name, **row} for name, table in tables.items() for row in table]
-    runs_note = runs_note(bench.rounds, repeats, max_repeats, "case's TTFT or slowest completion")
-    notes = render_tables(tables, runs_note)
+    over_runs = runs_note(bench.rounds, repeats, max_repeats, "case's TTFT or slowest completion")
+    notes = render_tables(tables, over_runs)
     json_path, md_path = write_results(f"prefix-cache-{label}-{llm.model.device.type}", meta, rows,
                                        ["table", "cv", "stopped"], notes)
     print(notes, flush=True)
