@@ -23,7 +23,8 @@ import time
 import httpx
 import numpy as np
 
-from minivllm.bench.results import provenance, write_results
+from minivllm.bench.common import provenance
+from minivllm.bench.results import write_results
 from minivllm.models import resolve_model
 from minivllm.models.cache import sha256_file
 from minivllm.serving import Cluster

@@ -1,6 +1,6 @@
 """Issue 19: one table of minivllm vs llama.cpp on the H200 from the raw result files.
 
-Reads the files the GPU runs of scripts/gpu_issue19.sh wrote (copied into
+Reads the files the issue-19 GPU runs wrote (docs/issue19-gpu-notes.md) (copied into
 benchmarks/results with an `h200-` prefix: `bench decode` / `bench kernels` JSON from
 minivllm, `llama-bench -o json` output and the command that produced it) and writes
 benchmarks/results/h200-issue19-vs-llama-cpp-<stamp>.{json,md}: every row with both raw

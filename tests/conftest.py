@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Every benchmark result carries these (minivllm/bench/results.py).
+# Every benchmark result carries these (minivllm/bench/common.py provenance).
 PROVENANCE_KEYS = {"commit", "date", "device", "host", "python", "torch", "cuda", "gguf", "tokenizers",
                    "model_sha256", "settings"}
 

@@ -28,14 +28,15 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import PROMPTS_FILE, _loadavg, model_label
-from minivllm.bench.decode import DEFAULT_CPU_THREADS, MinivllmRunner, _common_prefix, _stats, long_prompt_ids
+from minivllm.bench.common import (common_prefix, CV_TARGET, loadavg, model_label, provenance, record_stat,
+                                   runs_until_stable)
+from minivllm.bench.continuous_batching import PROMPTS_FILE
+from minivllm.bench.decode import DEFAULT_CPU_THREADS, MinivllmRunner, long_prompt_ids
 from minivllm.bench.peak_memory import PeakMemory
-from minivllm.bench.results import provenance, runs_until_stable, write_results
+from minivllm.bench.results import write_results
 from minivllm.devices import DTYPE_CHOICES, check_dtype_supported, dtype_name, resolve_device, resolve_dtype
 from minivllm.errors import ConfigError, DeviceError
 
-CV_TARGET = 0.05  # more runs while decode tok/s varies more than this
 REFERENCE = "f32"
 MIB = 1 << 20
 CHILD_FLAG = "--child"
@@ -126,8 +127,8 @@ def _row(result: dict, prompt_tokens: int, max_tokens: int) -> dict:
     phases = result["memory"]
     row = {"dtype": result["dtype"], "device": result["device"], "status": "ok", "prompt_tokens": prompt_tokens,
            "decode_tokens": max_tokens}
-    _stats(row, "ttft_ms", result["ttft_ms"])
-    _stats(row, "decode_tok_s", result["decode_tok_s"])
+    record_stat(row, "ttft_ms", result["ttft_ms"])
+    record_stat(row, "decode_tok_s", result["decode_tok_s"])
     row["runs"], row["decode_tok_s_cv"] = result["runs"]["runs"], result["runs"]["cv"]
     # Peak total: the highest phase peak (with per-phase resets no single counter holds it).
     row["peak_mib"] = max(p["peak_mib"] for p in phases.values())
@@ -154,7 +155,7 @@ def _compare_with_reference(rows: list[dict]) -> None:
         r["ttft/f32"] = r["ttft_ms_median"] / ref["ttft_ms_median"]
         r["peak_mem/f32"] = r["peak_mib"] / ref["peak_mib"]
         # Evidence that every dtype ran the same model: greedy outputs agree for a while.
-        r["same_tokens_as_f32"] = _common_prefix(r["tokens"], ref["tokens"])
+        r["same_tokens_as_f32"] = common_prefix(r["tokens"], ref["tokens"])
 
 
 def run(model: str = "smollm2-135m", device: str = "cpu", dtypes: list[str] | None = None, *,
@@ -180,7 +181,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtypes: list[str] | No
     if threads is not None:
         torch.set_num_threads(threads)  # the children's count, also named in the provenance's device
     model_path = Path(resolve_model(model, progress=False))
-    load_start = _loadavg()
+    load_start = loadavg()
 
     rows = []
     for dt in dtypes:
@@ -208,7 +209,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtypes: list[str] | No
                            "max_model_len": prompt_tokens + max_tokens + 8, "prefix_cache": False},
                 "memory_method": first_ok.get("memory_method")}
     meta = provenance(str(dev), sha256_file(model_path), settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     on_cuda = dev.type == "cuda"
     note = (f"Batch 1, device {meta['device']}: a {prompt_tokens}-token prompt (from {PROMPTS_FILE.name}), then "
             f"{max_tokens} greedy tokens (EOS ignored); each dtype in its own fresh process, one full-size warm-up, "

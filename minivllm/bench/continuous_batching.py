@@ -18,7 +18,7 @@ One `LLM` loads the model and tokenizer; each configuration gets its own `LLMEng
 
 Runs: per row (a concurrency in (a), a decode length in (b)) at least `repeats` rounds, each
 measuring every mode once; then whole rounds continue while either mode's tok/s varies by more
-than 5% (coefficient of variation), up to `max_repeats` rounds (`results.runs_until_stable`).
+than 5% (coefficient of variation), up to `max_repeats` rounds (`common.runs_until_stable`).
 Each row records its `runs` and every watched CV; the settings record the rounds of each row.
 """
 
@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.results import StableRuns, provenance, runs_until_stable, summarize, write_results
+from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance,
+                                   record_rounds, record_stat, runs_note, runs_until_stable)
+from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -43,7 +45,6 @@ PROMPTS_FILE = Path(__file__).resolve().parents[2] / "data" / "prompts.json"
 FULL_DECODE_LENGTHS = [512, 2048]
 QUICK_DECODE_LENGTHS = [128, 512]
 PARTS = ("batching", "kv")
-CV_TARGET = 0.05  # more rounds while a watched tok/s varies more than this
 DECODE_PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
                  "combined movable metal type, oil-based ink and a wine press into a machine that")
 
@@ -87,51 +88,6 @@ def run_sequential(engine: LLMEngine, prompt_ids: list[list[int]], params: Sampl
     return time.perf_counter() - t0, outs
 
 
-def _stat(row: dict, key: str, samples: list[float]) -> None:
-    s = summarize(samples)
-    row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_median"] = s["mean"], s["std"], s["median"]
-    row[key] = f"{s['mean']:.4g} ± {s['std']:.2g}"  # the Markdown column
-
-
-def _max_repeats(repeats: int, max_repeats: int | None) -> int:
-    """`max_repeats`, 3 x `repeats` when None; refused below `repeats`."""
-    max_repeats = 3 * repeats if max_repeats is None else max_repeats
-    if max_repeats < repeats:
-        raise ConfigError("max_repeats", max_repeats, f"must be >= repeats ({repeats})")
-    return max_repeats
-
-
-def _record_rounds(row: dict, rounds: StableRuns, watched: list[str]) -> None:
-    """A row's number of runs, the CV of each watched series (`<name>_cv`), their max and why it stopped."""
-    row["runs"] = rounds.runs
-    for name, cv in zip(watched, rounds.cvs, strict=True):
-        row[f"{name}_cv"] = cv
-    row["cv"], row["stopped"] = rounds.cv, rounds.stopped
-
-
-def _runs_note(all_rounds: list[StableRuns], repeats: int, max_repeats: int, what: str) -> str:
-    """'mean ± sample std over R runs (at least N, more while the CV of a <what> exceeded 5%, ...)', for a note."""
-    runs = sorted({r.runs for r in all_rounds})
-    count = f"{runs[0]}" if len(runs) == 1 else f"{runs[0]}-{runs[-1]} (column runs)"
-    at_max = sum(r.stopped == "max_runs" for r in all_rounds)
-    stopped = ("stable" if not at_max else "max_runs" if at_max == len(all_rounds)
-               else f"{at_max} of {len(all_rounds)} rows at max_runs, the others stable")
-    return (f"mean ± sample std over {count} runs (at least {repeats}, more while the CV of a {what} exceeded "
-            f"{CV_TARGET:.0%}, at most {max_repeats}; stopped: {stopped}; column cv: a row's largest such CV)")
-
-
-def model_label(model: str) -> str:
-    """A file-name-safe name: a registry name as is, a .gguf path as its stem."""
-    return Path(model).stem if model.endswith(".gguf") or "/" in model else model
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         concurrency: list[int] | None = None, max_tokens: int = 64, decode_lengths: list[int] | None = None,
         quick: bool = False, repeats: int = 3, max_repeats: int | None = None, max_batched_tokens: int = 512,
@@ -147,7 +103,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
             raise ConfigError("parts", p, f"allowed: {', '.join(PARTS)}")
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
-    max_repeats = _max_repeats(repeats, max_repeats)
+    max_repeats = default_max_repeats(repeats, max_repeats)
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64)  # engines are made below
     dev = llm.model.device
     if decode_lengths is None:
@@ -175,7 +131,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
 def _meta(llm: LLM, device: str, sha: str, settings: dict, load_start) -> dict:
     dev = llm.model.device
     meta = provenance(device if dev.type != "cuda" else str(dev), sha, settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg(),
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg(),
                                    "note": "the benchmark's own threads add about torch_threads to the load"}
     return meta
 
@@ -183,7 +139,7 @@ def _meta(llm: LLM, device: str, sha: str, settings: dict, load_start) -> dict:
 def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts: list[str], concurrency: list[int],
               max_tokens: int, repeats: int, max_repeats: int, max_batched_tokens: int, page_size: int) -> list[dict]:
     """(a) aggregate output tok/s, N requests batched vs the same N one after another."""
-    load_start = _loadavg()
+    load_start = loadavg()
     tok = llm.tokenizer
     dev = llm.model.device
     prompt_ids = [tok.encode(t) for t in texts]
@@ -214,11 +170,11 @@ def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts
         ratios = [ws / wb for wb, ws, _ in rounds.samples]
         ttft_b = [t for _, _, t in rounds.samples]
         row = {"concurrency": n, "output_tokens_per_request": max_tokens, "prompt_tokens": [len(x) for x in ids]}
-        _stat(row, "batched_tok_s", b_tps)
-        _stat(row, "sequential_tok_s", s_tps)
-        _stat(row, "batched/sequential", ratios)
-        _stat(row, "batched_max_ttft_s", ttft_b)
-        _record_rounds(row, rounds, ["batched_tok_s", "sequential_tok_s"])
+        record_stat(row, "batched_tok_s", b_tps)
+        record_stat(row, "sequential_tok_s", s_tps)
+        record_stat(row, "batched/sequential", ratios)
+        record_stat(row, "batched_max_ttft_s", ttft_b)
+        record_rounds(row, rounds, ["batched_tok_s", "sequential_tok_s"])
         row["samples"] = {"batched_tok_s": b_tps, "sequential_tok_s": s_tps, "ratio": ratios}
         rows.append(row)
         print(f"N={n}: batched {row['batched_tok_s']} tok/s, sequential {row['sequential_tok_s']} tok/s, "
@@ -233,7 +189,7 @@ def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts
                      "rounds": [{"concurrency": n, **r.info()} for n, r in zip(concurrency, all_rounds)]})
     meta = _meta(llm, device, sha, settings, load_start)
     note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time; "
-            f"{_runs_note(all_rounds, repeats, max_repeats, 'batched or sequential tok/s')} after a warm-up. "
+            f"{runs_note(all_rounds, repeats, max_repeats, 'batched or sequential tok/s')} after a warm-up. "
             f"'batched': all N submitted together to one LLMEngine (paged, fcfs, "
             f"max_batched_tokens={max_batched_tokens}); 'sequential': the same N requests one after another through "
             f"the same engine. The two alternate within each run; the ratio is per run. Target: N=4 >= {target:g}x "
@@ -250,7 +206,7 @@ def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: 
                          quick: bool, repeats: int, max_repeats: int, max_batched_tokens: int,
                          page_size: int) -> list[dict]:
     """(b) one request's decode tok/s through a paged and a contiguous KV cache."""
-    load_start = _loadavg()
+    load_start = loadavg()
     tok = llm.tokenizer
     dec_ids = tok.encode(DECODE_PROMPT)
     max_len = max(decode_lengths) + len(dec_ids) + 1
@@ -274,11 +230,11 @@ def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: 
         tps = {mode: [m[mode] for m in rounds.samples] for mode in engines}
         ratios = [m["paged"] / m["contiguous"] for m in rounds.samples]
         row = {"decode_tokens": length, "prompt_tokens": len(dec_ids), "max_model_len": max_len, "page_size": page_size}
-        _stat(row, "paged_decode_tok_s", tps["paged"])
-        _stat(row, "contiguous_decode_tok_s", tps["contiguous"])
-        _stat(row, "paged/contiguous", ratios)
+        record_stat(row, "paged_decode_tok_s", tps["paged"])
+        record_stat(row, "contiguous_decode_tok_s", tps["contiguous"])
+        record_stat(row, "paged/contiguous", ratios)
         row["target_met(>=0.95)"] = row["paged/contiguous_mean"] >= 0.95
-        _record_rounds(row, rounds, [f"{mode}_decode_tok_s" for mode in engines])
+        record_rounds(row, rounds, [f"{mode}_decode_tok_s" for mode in engines])
         row["samples"] = {**tps, "ratio": ratios}
         rows.append(row)
         print(f"L={length}: paged {row['paged_decode_tok_s']}, contiguous {row['contiguous_decode_tok_s']}, "
@@ -289,7 +245,7 @@ def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: 
                      "rounds": [{"decode_tokens": n, **r.info()} for n, r in zip(decode_lengths, all_rounds)]})
     meta = _meta(llm, device, sha, settings, load_start)
     note = (f"One request, greedy, exactly L output tokens; decode tok/s = (L-1)/(e2e - TTFT) from RequestMetrics; "
-            f"{_runs_note(all_rounds, repeats, max_repeats, 'paged or contiguous decode tok/s')} after a warm-up, "
+            f"{runs_note(all_rounds, repeats, max_repeats, 'paged or contiguous decode tok/s')} after a warm-up, "
             f"paged and contiguous alternating; the ratio is per run. Paged: {page_size}-token pages; contiguous: "
             f"one page of max_model_len={max_len} tokens. Target "
             f"paged/contiguous >= 0.95." + (" QUICK sizes (128, 512 instead of 512, 2048) to fit a CPU run." if quick else "")

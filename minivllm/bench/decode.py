@@ -16,7 +16,7 @@ site-packages to sys.path; "not installed" otherwise) and transformers
 with the same thread count. All engines stay loaded and take turns inside every repeat, so
 each ours/theirs ratio compares numbers measured next to each other. After `repeats` rounds,
 whole rounds continue while any engine's decode tok/s varies by more than 5% (coefficient of
-variation), up to `max_repeats` rounds (`results.runs_until_stable`).
+variation), up to `max_repeats` rounds (`common.runs_until_stable`).
 
 `synthetic="qwen2.5-7b-q4_k_m"` measures the synthetic Qwen2.5-7B Q4_K_M file
 (minivllm/bench/synthetic_model.py), written to the model cache on first use; GPU only.
@@ -33,8 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.bench.continuous_batching import PROMPTS_FILE, _loadavg, model_label
-from minivllm.bench.results import provenance, runs_until_stable, summarize, write_results
+from minivllm.bench.common import (common_prefix, CV_TARGET, loadavg, model_label, provenance, record_stat,
+                                   runs_until_stable)
+from minivllm.bench.continuous_batching import PROMPTS_FILE
+from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
@@ -43,7 +45,6 @@ from minivllm.models.cache import sha256_file
 
 LLAMA_CPP_ENV = "MINIVLLM_LLAMA_CPP_PATH"
 DEFAULT_CPU_THREADS = 2
-CV_TARGET = 0.05  # more rounds while any engine's decode tok/s varies more than this
 
 
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
@@ -159,12 +160,6 @@ def load_llama_cpp(path: str | None = None):
 # --- the benchmark -----------------------------------------------------------------------
 
 
-def _stats(row: dict, key: str, samples: list[float]) -> None:
-    s = summarize(samples)
-    row[f"{key}_median"], row[f"{key}_mean"], row[f"{key}_std"] = s["median"], s["mean"], s["std"]
-    row[key] = f"{s['mean']:.4g} ± {s['std']:.2g}"  # the Markdown column
-
-
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: list[str] | None = None, *,
         max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, max_repeats: int | None = None,
         threads: int | None = None, baselines: bool = True, llama_cpp_path: str | None = None,
@@ -198,7 +193,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
         threads = DEFAULT_CPU_THREADS
     if threads is not None:
         torch.set_num_threads(threads)
-    load_start = _loadavg()
+    load_start = loadavg()
     max_len = prompt_tokens + max_tokens + 8
 
     runners: list = []
@@ -247,11 +242,11 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
     for i, r in enumerate(runners):
         row = {"engine": r.engine, "device": r.device, "dtype": r.dtype, "status": "ok",
                "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens}
-        _stats(row, "prefill_tok_s", prefill[i])
-        _stats(row, "decode_tok_s", decode[i])
+        record_stat(row, "prefill_tok_s", prefill[i])
+        record_stat(row, "decode_tok_s", decode[i])
         row["runs"], row["decode_tok_s_cv"] = rounds.runs, rounds.cvs[i]
         # Same greedy tokens as minivllm's first row: evidence that all engines ran the same model.
-        row["same_tokens_as_first_row"] = _common_prefix(tokens[i], tokens[0])
+        row["same_tokens_as_first_row"] = common_prefix(tokens[i], tokens[0])
         if isinstance(r, MinivllmRunner):
             row["kernels"] = r.kernels()
             row["cached_prompt_tokens"] = r.cached_prompt_tokens  # last run's; 0: the prefill computed every token
@@ -292,7 +287,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
             (r.get("llama_bench_command") for r in rows if r["engine"] == "llama.cpp-cuda"), None)}
     first_dev = str(runners[0].llm.model.device)
     meta = provenance(first_dev, sha256_file(model_path), settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     note = (f"Batch 1: a {prompt_tokens}-token prompt (from {PROMPTS_FILE.name}), then {max_tokens} greedy tokens. "
             f"prefill tok/s = prompt tokens / (prompt submitted -> first token); decode tok/s = "
             f"({max_tokens} - 1) / (first -> last token). Mean ± sample std over {rounds.runs} runs after a warm-up "
@@ -318,10 +313,3 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(torch.device(device))
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

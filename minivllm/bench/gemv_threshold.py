@@ -17,7 +17,7 @@ One model, one `LLMEngine` per mode (an engine applies its own kernel options to
 before every forward); the modes take turns inside every repeat, so each GEMV/GEMM ratio
 compares runs made next to each other. Per N at least `repeats` rounds (every mode once
 each), then whole rounds continue while any mode's tok/s varies by more than 5%
-(coefficient of variation), up to `max_repeats` rounds (`results.runs_until_stable`); each
+(coefficient of variation), up to `max_repeats` rounds (`common.runs_until_stable`); each
 row records its `runs` and every mode's CV (`<mode>_tok_s_cv`). Each row also records how
 many matmul calls took each path (the engine's per-step `kernel_paths`), the evidence that
 a mode ran the kernel it is named after.
@@ -33,9 +33,10 @@ from collections import Counter
 
 import torch
 
-from minivllm.bench.continuous_batching import (CV_TARGET, _loadavg, _max_repeats, _record_rounds, _runs_note,
-                                               load_prompts, model_label)
-from minivllm.bench.results import provenance, runs_until_stable, summarize, write_results
+from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance,
+                                   record_rounds, runs_note, runs_until_stable, summarize)
+from minivllm.bench.continuous_batching import load_prompts
+from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -46,7 +47,7 @@ from minivllm.models.cache import sha256_file
 DEFAULT_CONCURRENCY = list(range(1, 9))
 
 
-def _stat(row: dict, key: str, samples: list[float]) -> None:
+def record_stat(row: dict, key: str, samples: list[float]) -> None:
     s = summarize(samples)
     row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_median"] = s["mean"], s["std"], s["median"]
     row[key] = f"{s['mean']:.4g} ± {s['std']:.2g}"  # the Markdown column
@@ -101,12 +102,12 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     concurrency = concurrency or DEFAULT_CONCURRENCY
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
-    max_repeats = _max_repeats(repeats, max_repeats)
+    max_repeats = default_max_repeats(repeats, max_repeats)
     if max_tokens < 1:
         raise ConfigError("max_tokens", max_tokens, "must be >= 1")
     if min(concurrency) < 1:
         raise ConfigError("concurrency", min(concurrency), "every N must be >= 1")
-    load_start = _loadavg()
+    load_start = loadavg()
     n_max = max(concurrency)
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64)  # the engine is made below
     tok, dev = llm.tokenizer, llm.model.device
@@ -151,14 +152,14 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         bi_cost = ([b / max(g, m) for b, g, m in zip(tps["batch_invariant"], tps["gemv"], tps["gemm"])]
                    if batch_invariant else [])
         row = {"concurrency": n, "output_tokens_per_request": max_tokens, "prompt_tokens": [len(x) for x in ids]}
-        _stat(row, "sequential_tok_s", tps["sequential"])
-        _stat(row, "gemm_tok_s", tps["gemm"])
-        _stat(row, "gemv_tok_s", tps["gemv"])
-        _stat(row, "gemv/gemm", ratio)
+        record_stat(row, "sequential_tok_s", tps["sequential"])
+        record_stat(row, "gemm_tok_s", tps["gemm"])
+        record_stat(row, "gemv_tok_s", tps["gemv"])
+        record_stat(row, "gemv/gemm", ratio)
         if batch_invariant:
-            _stat(row, "batch_invariant_tok_s", tps["batch_invariant"])
-            _stat(row, "invariant/best", bi_cost)
-        _record_rounds(row, rounds, [f"{mode}_tok_s" for mode in engines])
+            record_stat(row, "batch_invariant_tok_s", tps["batch_invariant"])
+            record_stat(row, "invariant/best", bi_cost)
+        record_rounds(row, rounds, [f"{mode}_tok_s" for mode in engines])
         row["matmul_paths_per_run"] = paths
         row["samples"] = tps
         rows.append(row)
@@ -177,9 +178,9 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                 "warmup": f"every mode once at N={n_max}, {warm.max_tokens} tokens"}
     meta = provenance(str(dev) if dev.type == "cuda" else device, sha256_file(llm.model_path), settings)
     meta["recommended_gemv_max_rows"] = best
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
-    runs_note = _runs_note(all_rounds, repeats, max_repeats, "mode's tok/s")
-    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, {runs_note} "
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
+    over_runs = runs_note(all_rounds, repeats, max_repeats, "mode's tok/s")
+    note = (f"Aggregate output tok/s = N x {max_tokens} tokens / wall time, {over_runs} "
             f"after a warm-up (medians in the JSON); modes take turns within each run, ratios are per run. "
             f"sequential: one request at a time, default options (gemv_max_rows="
             f"{engines['sequential'][0].kernel_options.gemv_max_rows}); GEMM: "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.common import provenance, summarize
+from minivllm.bench.results import write_results
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
 from minivllm.models import resolve_model

@@ -26,7 +26,8 @@ import statistics
 
 import torch
 
-from minivllm.bench.results import provenance, write_results
+from minivllm.bench.common import provenance
+from minivllm.bench.results import write_results
 from minivllm.errors import DeviceError
 
 # Qwen2.5-7B's linear shapes (N = out_features, K = in_features): attn_q/attn_output,

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from minivllm.bench.soak import ServerProcess
+from minivllm.bench.server_process import ServerProcess
 from minivllm.errors import ConfigError
 
 LABEL = "llama-cpp-python"

@@ -27,8 +27,8 @@ import time
 import numpy as np
 import torch
 
-from minivllm.bench.continuous_batching import _loadavg, model_label
-from minivllm.bench.results import provenance, summarize, write_results
+from minivllm.bench.common import loadavg, model_label, provenance, summarize
+from minivllm.bench.results import write_results
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     max_runs = max(max_runs, runs)
     if threads is not None:
         torch.set_num_threads(threads)
-    load_start = _loadavg()
+    load_start = loadavg()
     engine_options = dict(engine_options or {})
     max_len = max(engine_options.pop("max_model_len", 0) or 0, input_len_range[1] + output_len_range[1])
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=max_len, **engine_options)
@@ -184,7 +184,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                     "torch_threads": torch.get_num_threads(), "kernels": kernels,
                     "engine": engine_desc}
         meta = provenance(str(llm.model.device), sha256_file(llm.model_path), settings)
-        meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+        meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
         meta["summary"] = {k: v for k, v in summary.items() if not isinstance(v, str) or k == "run"}
         note = (f"Offline throughput: {num_seqs} requests submitted at once to one engine (LLM.generate), random-token "
                 f"prompts of {input_len_range[0]}..{input_len_range[1]} tokens, outputs of exactly "

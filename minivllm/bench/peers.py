@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import _loadavg, model_label
-from minivllm.bench.decode import (PROMPTS_FILE, LlamaCppRunner, MinivllmRunner, TransformersRunner, _common_prefix,
-                                   load_llama_cpp, long_prompt_ids)
-from minivllm.bench.results import provenance, runs_until_stable, summarize, write_results
+from minivllm.bench.common import (common_prefix, CV_TARGET, loadavg, model_label, provenance, record_stat,
+                                   runs_until_stable)
+from minivllm.bench.decode import (PROMPTS_FILE, LlamaCppRunner, MinivllmRunner, TransformersRunner, load_llama_cpp,
+                                   long_prompt_ids)
+from minivllm.bench.results import write_results
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 
@@ -38,7 +39,6 @@ DECODE_COL = "decode tok/s (mean ± std)"
 PREFILL_RATIO_COL = "prefill ratio vs minivllm"
 DECODE_RATIO_COL = "decode ratio vs minivllm"
 AGREE_COL = "greedy tokens equal to minivllm's"
-CV_TARGET = 0.05
 
 
 def default_threads() -> int:
@@ -46,12 +46,6 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _stats(row: dict, key: str, col: str, samples: list[float]) -> None:
-    s = summarize(samples)
-    row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_median"] = s["mean"], s["std"], s["median"]
-    row[col] = f"{s['mean']:.4g} ± {s['std']:.2g}"
 
 
 def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: int = 64, runs: int = 3,
@@ -68,7 +62,7 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
     model_path = Path(resolve_model(model, progress=False))
     threads = threads or default_threads()
     torch.set_num_threads(threads)
-    load_start = _loadavg()
+    load_start = loadavg()
     max_len = prompt_len + decode_tokens + 8
 
     ours = MinivllmRunner(model_path, "cpu", "f32", max_len, prompt_len, engine_options)
@@ -108,10 +102,10 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
     for i, r in enumerate(runners):
         row = {"engine": r.engine, "status": "ok", "dtype": r.dtype, "threads": threads, "prompt_tokens": prompt_len,
                "decode_tokens": decode_tokens, "runs": rounds.runs}
-        _stats(row, "prefill_tok_s", PREFILL_COL, prefill[i])
-        _stats(row, "decode_tok_s", DECODE_COL, decode[i])
+        record_stat(row, "prefill_tok_s", prefill[i], column=PREFILL_COL)
+        record_stat(row, "decode_tok_s", decode[i], column=DECODE_COL)
         row["greedy_tokens"] = tokens[i]
-        row[AGREE_COL] = _common_prefix(tokens[i], tokens[0])
+        row[AGREE_COL] = common_prefix(tokens[i], tokens[0])
         row["samples"] = {"prefill_tok_s": prefill[i], "decode_tok_s": decode[i]}
         rows.append(row)
     base = rows[0]
@@ -133,7 +127,7 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
                 "transformers": {"dtype": "float32", "load": "AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)"},
                 **{f"{k}_version": v for k, v in versions.items()}}
     meta = provenance("cpu", sha256_file(model_path), settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     gemv = (f"minivllm kernels: gemv_max_rows={kernels.get('gemv_max_rows')}, GEMV kinds {kernels.get('gemv_kinds')} "
             f"(decode rows take the GEMV path; the prompt's rows take GEMM). " if isinstance(kernels, dict) else "")
     note = (f"CPU, {threads} threads for every engine, same GGUF file ({model_path.name}), same {prompt_len} prompt "

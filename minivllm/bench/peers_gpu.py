@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import PROMPTS_FILE, model_label
-from minivllm.bench.decode import _common_prefix, long_prompt_ids
-from minivllm.bench.results import (coefficient_of_variation, provenance, runs_until_stable, summarize,
-                                    write_results)
+from minivllm.bench.common import (coefficient_of_variation, common_prefix, CV_TARGET, model_label, provenance,
+                                   runs_until_stable, summarize)
+from minivllm.bench.continuous_batching import PROMPTS_FILE
+from minivllm.bench.decode import long_prompt_ids
+from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
@@ -42,7 +43,6 @@ from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 
 PROMPT_STRIDE = 7  # tokens between the starts of consecutive prompts' windows
-CV_TARGET = 0.05
 TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -135,7 +135,7 @@ def run(model: str = "smollm2-135m", device: str = "cuda:0", dtype: str = "f16",
         walls = {r.engine: [m[i][0] for m in stable.samples] for i, r in enumerate(runners)}
         outs = {r.engine: stable.samples[-1][i][1] for i, r in enumerate(runners)}
         tps = {e: [batch * decode_tokens / w for w in ws] for e, ws in walls.items()}
-        agree = [_common_prefix(a, b) for a, b in zip(outs["minivllm"], outs["transformers"])]
+        agree = [common_prefix(a, b) for a, b in zip(outs["minivllm"], outs["transformers"])]
         for r in runners:
             s = summarize(tps[r.engine])
             rows.append({"batch": batch, "engine": r.engine, "runs": done, "output_tok_s_mean": s["mean"],

@@ -29,7 +29,7 @@ arrival -> finish time in the run. Settings follow the original's prefix benchma
 
 Runs: per case (one strategy of a table row) at least `repeats` runs, each on its own fresh
 engine as above; then more while the coefficient of variation of a number its table reports
-exceeds 5%, up to `max_repeats` runs (`results.runs_until_stable`). Watched: the probe's TTFT
+exceeds 5%, up to `max_repeats` runs (`common.runs_until_stable`). Watched: the probe's TTFT
 (warm-prefix); mean TTFT and slowest completion (cold-burst, single-flight, distinct); mean
 TTFT and the followers' mean TTFT (incremental). A row of one case records `runs`, each
 watched `<measure>_cv`, `cv` (their max) and `stopped`; a row of two cases (warm-prefix's
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import (CV_TARGET, _loadavg, _max_repeats, _record_rounds, _runs_note, _stat,
-                                                model_label)
-from minivllm.bench.results import StableRuns, provenance, runs_until_stable, write_results
+from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance,
+                                   record_rounds, record_stat, runs_note, runs_until_stable, StableRuns)
+from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -167,7 +167,7 @@ def repeat(bench: Bench, once, watched: tuple[str, ...], case: dict) -> tuple[di
     runs = rounds.samples
     row: dict = {}
     for key in ("mean_ttft_s", "slowest_completion_s"):
-        _stat(row, key, [r[key] for r in runs])
+        record_stat(row, key, [r[key] for r in runs])
     row["restored"] = runs[-1]["restored"]
     return row, runs, rounds
 
@@ -231,7 +231,7 @@ def cold_burst(bench: Bench, paragraphs: int, n: int = 4) -> list[dict]:
         stats, runs, rounds = repeat(bench, once, WATCHED, {"table": "cold-burst", "case": label})
         row = {"strategy": label, "requests": n, "input_tokens": len(prompt),
                "restored_per_request": stats["restored"], **stats, "samples": runs}
-        _record_rounds(row, rounds, list(WATCHED))
+        record_rounds(row, rounds, list(WATCHED))
         rows.append(row)
         print(f"cold-burst {label}: restored {stats['restored']}, mean TTFT {stats['mean_ttft_s']}", flush=True)
     return rows
@@ -251,8 +251,8 @@ def incremental(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> list[
             stats, runs, rounds = repeat(bench, once, ("mean_ttft_s", "followers_mean_ttft_s"),
                                          {"table": "incremental", "followers": n, "case": label})
             _record_case(row, label, rounds, [f"{label}_mean_ttft_s", f"{label}_followers_ttft_s"])
-            _stat(row, f"{label}_mean_ttft_s", [r["mean_ttft_s"] for r in runs])
-            _stat(row, f"{label}_followers_ttft_s", [r["followers_mean_ttft_s"] for r in runs])
+            record_stat(row, f"{label}_mean_ttft_s", [r["mean_ttft_s"] for r in runs])
+            record_stat(row, f"{label}_followers_ttft_s", [r["followers_mean_ttft_s"] for r in runs])
             row[f"{label}_restored_per_follower"] = sorted(set(stats["restored"][1:]))
             row[f"{label}_samples"] = runs
         row["mean_ttft_cut_pct"] = cut(row["at_completion_mean_ttft_s_mean"], row["incremental_mean_ttft_s_mean"])
@@ -274,7 +274,7 @@ def single_flight(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> lis
             stats, runs, rounds = repeat(bench, once, WATCHED, {"table": "single-flight", "requests": n, "case": label})
             row = {"requests": n, "release": label, "input_tokens": len(prompt),
                    "restored_per_follower": sorted(set(stats["restored"][1:])), **stats, "samples": runs}
-            _record_rounds(row, rounds, list(WATCHED))
+            record_rounds(row, rounds, list(WATCHED))
             rows.append(row)
             print(f"single-flight N={n} {label}: mean TTFT {stats['mean_ttft_s']}, slowest "
                   f"{stats['slowest_completion_s']}, restored {stats['restored']}", flush=True)
@@ -300,7 +300,7 @@ def distinct(bench: Bench, paragraphs: int, n: int = 8) -> list[dict]:
             return measures(run_together(bench.engine(options, warm_rows=n), prompts, bench.params))
         stats, runs, rounds = repeat(bench, once, WATCHED, {"table": "distinct", "case": label})
         row = {"setting": label, "requests": n, "restored": stats["restored"], **stats, "samples": runs}
-        _record_rounds(row, rounds, list(WATCHED))
+        record_rounds(row, rounds, list(WATCHED))
         rows.append(row)
         print(f"distinct {label}: mean TTFT {stats['mean_ttft_s']}, slowest {stats['slowest_completion_s']}", flush=True)
     base, on = rows
@@ -325,12 +325,12 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
             raise ConfigError("parts", p, f"allowed: {', '.join(PARTS)}")
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
-    max_repeats = _max_repeats(repeats, max_repeats)
+    max_repeats = default_max_repeats(repeats, max_repeats)
     if synthetic is not None:
         from minivllm.bench.synthetic_model import ensure_synthetic_model
 
         model = str(ensure_synthetic_model(synthetic, tokenizer_source=synthetic_tokenizer))
-    load_start = _loadavg()
+    load_start = loadavg()
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64, prefix_cache=False)
     # The original's outputs are 128 tokens; on a CPU that is most of the run time and
     # changes no TTFT, so CPU runs default to 32 (recorded in the settings).
@@ -362,10 +362,10 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     settings["wall_s"] = round(time.perf_counter() - t0, 1)
     settings["rounds"] = bench.record  # per case: runs, its watched measures' CVs ("cvs", in "watched" order), stopped
     meta = provenance(str(llm.model.device) if llm.model.device.type == "cuda" else device, sha, settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     rows = [{"table": name, **row} for name, table in tables.items() for row in table]
-    runs_note = _runs_note(bench.rounds, repeats, max_repeats, "case's TTFT or slowest completion")
-    notes = render_tables(tables, runs_note)
+    over_runs = runs_note(bench.rounds, repeats, max_repeats, "case's TTFT or slowest completion")
+    notes = render_tables(tables, over_runs)
     json_path, md_path = write_results(f"prefix-cache-{label}-{llm.model.device.type}", meta, rows,
                                        ["table", "cv", "stopped"], notes)
     print(notes, flush=True)

@@ -38,7 +38,7 @@ they are the article's diagnostic table. Wall times exclude start-up and seeding
 Runs: per (policy, burst) at least `runs` runs (each on a fresh cluster by default, as
 above); then more while the completion time varies by more than 5% across the runs so far
 (coefficient of variation), up to `max_runs` runs (default 3 x runs;
-`results.runs_until_stable`). Each row records the count as `runs_n` (its `runs` key already
+`common.runs_until_stable`). Each row records the count as `runs_n` (its `runs` key already
 holds the per-run records), `completion_s_cv`, `cv` (the same: one watched series) and
 `stopped`; the settings record every case's rounds.
 """
@@ -53,9 +53,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minivllm.bench.continuous_batching import CV_TARGET, _loadavg, _runs_note, model_label
-from minivllm.bench.results import StableRuns, provenance, runs_until_stable, summarize, write_results
-from minivllm.bench.stats import percentile as _percentile
+from minivllm.bench.common import (CV_TARGET, loadavg, model_label, percentile as _percentile, provenance,
+                                   record_stat, runs_note, runs_until_stable, StableRuns)
+from minivllm.bench.results import write_results
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
@@ -248,11 +248,6 @@ def fastest_worker(workers: list[dict], prompt_tokens: int, prefix_tokens: int, 
     return min(scores, key=lambda n: scores[n]["one_request_s"]), scores
 
 
-def _stats(row: dict, key: str, samples: list[float]) -> None:
-    s = summarize(samples)
-    row[f"{key}_mean"], row[f"{key}_std"], row[f"{key}_median"] = s["mean"], s["std"], s["median"]
-
-
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "f32", *,
         bursts: list[int] | None = None, policies: list[str] | None = None, runs: int | None = None,
         max_runs: int | None = None, max_tokens: int | None = None, prompt_tokens: int | None = None, prefix_tokens: int | None = None,
@@ -292,7 +287,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
         print("routing: the prefix cache is off, so the seeded prefix will not be reused", flush=True)
     page_size = int(engine_options.get("page_size", 16))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    load_start = _loadavg()
+    load_start = loadavg()
 
     state: dict = {"fastest": None, "fastest_scores": None, "workers": None, "sha": None, "workload": None}
 
@@ -360,7 +355,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
             row = {"burst": burst, "policy": policy, "router": records[0]["router"], "runs_n": rounds.runs,
                    "completion_s_cv": rounds.cvs[0], "cv": rounds.cv, "stopped": rounds.stopped}
             for key in MEASURES:
-                _stats(row, key, [rec[key] for rec in records])
+                record_stat(row, key, [rec[key] for rec in records], column=False)
             names = list(records[0]["requests_per_worker"])
             row["requests_per_worker"] = {n: [rec["requests_per_worker"][n] for rec in records] for n in names}
             row["requests_per_worker_mean"] = {n: statistics.fmean(v) for n, v in row["requests_per_worker"].items()}
@@ -390,8 +385,8 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     meta["cpu"] = platform.processor() or platform.machine()
     meta["workers"] = state["workers"]
     meta["forced_fastest"] = {"worker": state["fastest"], "scores": state["fastest_scores"]}
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
-    notes = render(rows, state, settings, _runs_note(all_rounds, runs, max_runs, "case's completion time"))
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
+    notes = render(rows, state, settings, runs_note(all_rounds, runs, max_runs, "case's completion time"))
     columns = ["burst", "policy", "router", "completion_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s",
                "e2e_p95_s", "throughput_vs_forced_fastest", "completion_vs_forced_fastest", "runs_n", "cv"]
     flat = [{**r, **{k: f"{r[k + '_mean']:.4g} ± {r[k + '_std']:.2g}" for k in MEASURES}} for r in rows]

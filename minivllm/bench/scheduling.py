@@ -19,7 +19,7 @@ otherwise carry over from one run into the next.
 
 Runs: per workload at least `repeats` rounds, each running every policy once (fcfs first), then
 whole rounds continue while a watched TTFT of any policy varies by more than 5% (coefficient of
-variation), up to `max_repeats` rounds (`results.runs_until_stable`). Watched: (a) the short
+variation), up to `max_repeats` rounds (`common.runs_until_stable`). Watched: (a) the short
 request's TTFT and the long ones' mean TTFT; (b) the oldest request's TTFT and the later ones'
 mean TTFT. Not the spread (max - min TTFT): a difference of near-equal TTFTs (round-robin's
 aim) has an unbounded CV and would run every fairness workload to the maximum. Each row
@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import CV_TARGET, _loadavg, _max_repeats, _runs_note, _stat, model_label
-from minivllm.bench.results import provenance, runs_until_stable, write_results
+from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance, record_stat,
+                                   runs_note, runs_until_stable)
+from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import POLICIES, EngineConfig
 from minivllm.engine.llm import LLM
@@ -98,7 +99,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         policies = ["fcfs", *policies]  # the baseline every ratio is taken against
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be >= 1")
-    max_repeats = _max_repeats(repeats, max_repeats)
+    max_repeats = default_max_repeats(repeats, max_repeats)
     if not short_tokens < max_batched_tokens < long_tokens:
         raise ConfigError("max_batched_tokens", max_batched_tokens,
                           f"the workloads need short ({short_tokens}) < budget < long ({long_tokens}) so prefills are chunked")
@@ -110,7 +111,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     hol = [make_prompt(tok, texts[i % len(texts)], long_tokens) for i in range(long_prompts)]
     hol.append(make_prompt(tok, texts[-1], short_tokens))
     fair = [make_prompt(tok, texts[(long_prompts + i) % len(texts)], fair_tokens) for i in range(fair_prompts)]
-    load_start = _loadavg()
+    load_start = loadavg()
 
     def workload(prompts):
         return lambda policy: run_workload(llm, policy, prompts, max_tokens, max_batched_tokens, page_size)
@@ -148,14 +149,14 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     for i, p in enumerate(policies):
         rs = results["head_of_line"][p]
         row = {"policy": p, "long_prompts": long_prompts, "long_tokens": long_tokens, "short_tokens": short_tokens}
-        _stat(row, "short_ttft_s", [r["ttft"][-1] for r in rs])
-        _stat(row, "long_ttft_mean_s", [statistics.fmean(r["ttft"][:-1]) for r in rs])
-        _stat(row, "oldest_long_ttft_s", [r["ttft"][0] for r in rs])
-        _stat(row, "short_ttft_vs_fcfs", [r["ttft"][-1] / b["ttft"][-1] for r, b in zip(rs, base)])
-        _stat(row, "long_ttft_vs_fcfs", [statistics.fmean(r["ttft"][:-1]) / statistics.fmean(b["ttft"][:-1])
+        record_stat(row, "short_ttft_s", [r["ttft"][-1] for r in rs])
+        record_stat(row, "long_ttft_mean_s", [statistics.fmean(r["ttft"][:-1]) for r in rs])
+        record_stat(row, "oldest_long_ttft_s", [r["ttft"][0] for r in rs])
+        record_stat(row, "short_ttft_vs_fcfs", [r["ttft"][-1] / b["ttft"][-1] for r, b in zip(rs, base)])
+        record_stat(row, "long_ttft_vs_fcfs", [statistics.fmean(r["ttft"][:-1]) / statistics.fmean(b["ttft"][:-1])
                                          for r, b in zip(rs, base)])
-        _stat(row, "wall_s", [r["wall"] for r in rs])
-        _stat(row, "output_tok_s", [r["output_tok_s"] for r in rs])
+        record_stat(row, "wall_s", [r["wall"] for r in rs])
+        record_stat(row, "output_tok_s", [r["output_tok_s"] for r in rs])
         row["steps"] = rs[0]["steps"]
         record(row, "head_of_line", i)
         row["samples"] = {"ttft": [r["ttft"] for r in rs], "wall": [r["wall"] for r in rs]}
@@ -166,14 +167,14 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     for i, p in enumerate(policies):
         rs = results["fairness"][p]
         row = {"policy": p, "prompts": fair_prompts, "prompt_tokens": fair_tokens}
-        _stat(row, "oldest_ttft_s", [r["ttft"][0] for r in rs])
-        _stat(row, "later_mean_ttft_s", [statistics.fmean(r["ttft"][1:]) for r in rs] if fair_prompts > 1 else [0.0])
-        _stat(row, "spread_s", [max(r["ttft"]) - min(r["ttft"]) for r in rs])
-        _stat(row, "ttft_std_s", [statistics.stdev(r["ttft"]) if fair_prompts > 1 else 0.0 for r in rs])
-        _stat(row, "oldest_ttft_vs_fcfs", [r["ttft"][0] / b["ttft"][0] for r, b in zip(rs, base)])
-        _stat(row, "spread_vs_fcfs", [(max(r["ttft"]) - min(r["ttft"])) / (max(b["ttft"]) - min(b["ttft"]))
+        record_stat(row, "oldest_ttft_s", [r["ttft"][0] for r in rs])
+        record_stat(row, "later_mean_ttft_s", [statistics.fmean(r["ttft"][1:]) for r in rs] if fair_prompts > 1 else [0.0])
+        record_stat(row, "spread_s", [max(r["ttft"]) - min(r["ttft"]) for r in rs])
+        record_stat(row, "ttft_std_s", [statistics.stdev(r["ttft"]) if fair_prompts > 1 else 0.0 for r in rs])
+        record_stat(row, "oldest_ttft_vs_fcfs", [r["ttft"][0] / b["ttft"][0] for r, b in zip(rs, base)])
+        record_stat(row, "spread_vs_fcfs", [(max(r["ttft"]) - min(r["ttft"])) / (max(b["ttft"]) - min(b["ttft"]))
                                       if max(b["ttft"]) > min(b["ttft"]) else float("nan") for r, b in zip(rs, base)])
-        _stat(row, "wall_s", [r["wall"] for r in rs])
+        record_stat(row, "wall_s", [r["wall"] for r in rs])
         row["steps"] = rs[0]["steps"]
         record(row, "fairness", i)
         row["samples"] = {"ttft": [r["ttft"] for r in rs], "wall": [r["wall"] for r in rs]}
@@ -191,7 +192,7 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                 "engine": "synchronous LLMEngine, fresh per run, all requests submitted at once in arrival order",
                 "torch_threads": torch.get_num_threads()}
     meta = provenance(device if dev.type != "cuda" else str(dev), sha, settings)
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     common = (f"after a warm-up; policies alternate within each run and the *_vs_fcfs ratios are per run. "
               f"max_batched_tokens={max_batched_tokens}, {max_tokens} output tokens per request, all requests "
               f"submitted at once in arrival order. Load average (1/5/15 min) at start {load_start}, end "
@@ -201,14 +202,14 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     _, md_a = write_results(f"scheduling-head-of-line-{model_label(model)}", meta, hol_rows, cols,
                             f"Head of line: {long_prompts} long prompts of {long_tokens} tokens, then one short prompt "
                             f"of {short_tokens} tokens. TTFTs in seconds; "
-                            + _runs_note([rounds["head_of_line"]], repeats, max_repeats, "policy's short or long-mean TTFT")
+                            + runs_note([rounds["head_of_line"]], repeats, max_repeats, "policy's short or long-mean TTFT")
                             + " " + common)
     cols_b = ["policy", "oldest_ttft_s", "later_mean_ttft_s", "spread_s", "spread_s_median", "ttft_std_s",
               "oldest_ttft_vs_fcfs", "spread_vs_fcfs", "wall_s", "runs", "cv"]
     _, md_b = write_results(f"scheduling-fairness-{model_label(model)}", meta, fair_rows, cols_b,
                             f"Fairness: {fair_prompts} prompts of {fair_tokens} tokens together; spread = max - min "
                             f"TTFT, ttft_std = std of the TTFTs across requests. Seconds; "
-                            + _runs_note([rounds["fairness"]], repeats, max_repeats, "policy's oldest or later-mean TTFT")
+                            + runs_note([rounds["fairness"]], repeats, max_repeats, "policy's oldest or later-mean TTFT")
                             + " " + common)
     print(md_a.read_text())
     print(md_b.read_text())

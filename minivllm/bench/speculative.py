@@ -24,7 +24,7 @@ setting changed.
 Runs: a run is one generation per seed (greedy: one, no seed), on the case's one engine.
 Per case at least `runs` runs; then more while, for any seed, the e2e time across the runs
 so far varies by more than 5% (coefficient of variation), up to `max_runs` runs
-(`results.runs_until_stable`). Watched per seed, not pooled over seeds: seeds generate
+(`common.runs_until_stable`). Watched per seed, not pooled over seeds: seeds generate
 different texts, so their e2e times differ by design (acceptance, rounds), and a pooled CV
 would measure the seeds rather than the timing noise. The engine stays one per case (fresh,
 warmed up) as before; only the number of runs on it changes. Each row records `runs`, the
@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.continuous_batching import (CV_TARGET, _loadavg, _max_repeats, _record_rounds, _runs_note,
-                                                model_label)
-from minivllm.bench.results import StableRuns, provenance, runs_until_stable, write_results
+from minivllm.bench.common import (CV_TARGET, loadavg, model_label, provenance, record_rounds, runs_note,
+                                   runs_until_stable, StableRuns)
+from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
@@ -128,7 +128,7 @@ class Bench:
         self.rounds.append(rounds)
         self.record.append({"table": table, "case": label, **rounds.info(), "watched": watched})
         row = summarize_case(label, policy, tv_budget, [s for r in rounds.samples for s in r])
-        _record_rounds(row, rounds, watched)
+        record_rounds(row, rounds, watched)
         return row
 
 
@@ -204,7 +204,7 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
 
         target = str(ensure_synthetic_model(QWEN25_7B.name, tokenizer_source=synthetic_tokenizer))
         draft = str(ensure_synthetic_model(QWEN25_05B_CLASS.name, tokenizer_source=synthetic_tokenizer))
-    load_start = _loadavg()
+    load_start = loadavg()
     t_load = time.perf_counter()
     llm = LLM(target, device=device, dtype=dtype, progress=False, draft_model=draft, prefix_cache=False)
     load_s = time.perf_counter() - t_load
@@ -259,9 +259,9 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
     meta = provenance(str(llm.model.device) if llm.model.device.type == "cuda" else device,
                       sha256_file(Path(llm.model_path)), settings)
     meta["draft_model_sha256"] = sha256_file(Path(llm.draft_model_path))
-    meta["load_average_1_5_15"] = {"start": load_start, "end": _loadavg()}
+    meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     rows = [{"table": name, **row} for name, table in tables.items() for row in table]
-    notes = render(tables, _runs_note(bench.rounds, runs, max_runs, "seed's e2e time") if bench.rounds else "")
+    notes = render(tables, runs_note(bench.rounds, runs, max_runs, "seed's e2e time") if bench.rounds else "")
     label = f"{model_label(target)}-from-{model_label(draft)}-{llm.model.device.type}"
     json_path, md_path = write_results(f"speculative-{label}", meta, rows, ["table", "prompt", "case", "runs", "cv"],
                                        notes)

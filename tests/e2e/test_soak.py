@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from minivllm.bench.soak import OUTCOMES, SoakSettings, run
+from minivllm.reliability.soak import OUTCOMES, SoakSettings, run
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,5 +1,5 @@
 """`bench activation-dtype` on the real small model (a child process per dtype), the dtype
-checks, and `results.runs_until_stable`'s stopping rule with scripted measurements."""
+checks, and `common.runs_until_stable`'s stopping rule with scripted measurements."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROVENANCE_KEYS  # the results_dir fixture is in conftest too
-from minivllm.bench.results import runs_until_stable
+from minivllm.bench.common import runs_until_stable
 from minivllm.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from minivllm.bench import suite
+from minivllm.bench import registry, suite
 from minivllm.cli.main import build_parser, main
 
 
@@ -19,12 +19,16 @@ def _suite_commands() -> set[tuple[str, ...]]:
     return {b.argv for b in suite.SUITE}
 
 
+def _registered() -> set[str]:
+    return {d.name for d in registry.bench_drivers()}
+
+
 def test_every_bench_subcommand_is_in_the_suite():
-    """A new `minivllm bench X` that is not in suite.SUITE (nor excluded with a reason) fails here."""
-    registered = set(suite.bench_subparsers())
+    """A new `minivllm bench X` driver that is not in suite.SUITE (nor excluded with a reason) fails here."""
+    registered = _registered()
     covered = {argv[1] for argv in _suite_commands() if argv[0] == "bench"}
     missing = registered - covered - set(suite.EXCLUDED)
-    assert not missing, f"add these to minivllm/bench/suite.py SUITE (or EXCLUDED with a reason): {sorted(missing)}"
+    assert not missing, f"add these to minivllm/bench/suite/table.py SUITE (or EXCLUDED with a reason): {sorted(missing)}"
     assert set(suite.EXCLUDED) <= registered, "stale exclusions"
     assert ("smoke",) in _suite_commands()  # the top-level smoke command runs too
     names = [b.name for b in suite.SUITE]
@@ -32,10 +36,10 @@ def test_every_bench_subcommand_is_in_the_suite():
 
 
 def test_dry_run_lists_every_registered_benchmark(capsys):
-    assert main(["bench", "all", "--quick", "--dry-run", "--device", "cpu", "--device", "cuda:0"]) == 0
+    assert main(["bench", "all", "--quick", "--dry-run", "--inference-device", "cpu", "--inference-device", "cuda:0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     listed = {line.split(":")[0].split("[")[0] for line in lines if not line.startswith("#")}
-    registered = set(suite.bench_subparsers()) - set(suite.EXCLUDED)
+    registered = _registered() - set(suite.EXCLUDED)
     for sub in registered:
         benches = [b.name for b in suite.SUITE if b.argv == ("bench", sub)]
         assert benches and set(benches) & listed, f"bench {sub} is not in the dry-run plan"
@@ -50,7 +54,7 @@ def test_dry_run_lists_every_registered_benchmark(capsys):
                                           (["cpu", "cuda:0", "cuda:1"], {"cuda:0": (9, 0), "cuda:1": (9, 0)})])
 def test_every_planned_command_parses(quick, devices, caps):
     parser = build_parser()
-    runs = suite.plan(devices, quick=quick, parser=parser, capabilities=caps, extra_args={})
+    runs = suite.plan(devices, quick=quick, capabilities=caps, extra_args={})
     assert runs
     for r in runs:
         if r.skip_reason:
@@ -78,7 +82,7 @@ def test_unknown_names_are_refused():
 def _bench_all(cwd, *extra, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != suite.EXTRA_ARGS_ENV}
     env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "all", "--quick", "--device", "cpu", *extra],
+    proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "all", "--quick", "--inference-device", "cpu", *extra],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     results = cwd / "benchmarks" / "results"
     index = sorted(results.glob("bench-all-cpu-*.json"))

@@ -71,7 +71,7 @@ def test_bench_routing_max_runs_below_runs_is_refused():
 
 
 def test_smoke_one_cpu_worker(smollm2_path, capsys):
-    from minivllm.cli.smoke_cmd import default_prompt
+    from minivllm.bench.drivers.smoke import default_prompt
     from minivllm.gguf.tokenizer import Tokenizer
 
     assert main(["smoke", "--model", str(smollm2_path), "--inference-device", "cpu:1", "--max-tokens", "8"]) == 0

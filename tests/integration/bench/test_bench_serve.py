@@ -95,13 +95,13 @@ def test_arrivals_and_requests_are_seeded():
 
 def test_cli_parses_serve_options():
     args = build_parser().parse_args(["bench", "serve", "--url", "http://a:1", "--label", "x", "--url", "http://b:2",
-                                      "--label", "y", "--input-len-range", "4:8", "--no-ignore-eos",
+                                      "--label", "y", "--prompt-tokens-range", "4:8", "--no-ignore-eos",
                                       "--request-rate", "inf", "--slo-ttft-ms", "200"])
     assert args.url == ["http://a:1", "http://b:2"] and args.label == ["x", "y"]
-    assert args.input_len_range == (4, 8) and args.ignore_eos is False and math.isinf(args.request_rate)
+    assert args.prompt_tokens_range == (4, 8) and args.ignore_eos is False and math.isinf(args.request_rate)
     assert args.endpoint == "completions" and args.num_prompts == 200 and args.arrival == "poisson"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "serve", "--url", "u", "--output-len-range", "9:2"])
+        build_parser().parse_args(["bench", "serve", "--url", "u", "--max-tokens-range", "9:2"])
 
 
 # -- the SSE client against canned answers --------------------------------------------------------

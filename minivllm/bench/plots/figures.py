@@ -1,120 +1,12 @@
-"""`minivllm bench plot`: benchmark result files drawn as PNG figures for benchmarks/README.md.
-
-Each figure draws ONE result file: the newest, by the time stamp in its name, of the
-`<results>/<prefix>*.json` files whose rows the figure can draw. Files of the same prefix
-that hold other rows (`bench speculative`'s greedy and sampling tables written by separate
-runs, `peers-gpu-*` next to `peers-*`) are passed over instead of giving an empty figure.
-A figure with no such file is skipped and reported. A footer names the source file, commit
-and device, so a picture can be traced back to its numbers as a table can.
-
-matplotlib is optional (the `bench` extra) and is imported only when drawing, so the rest
-of minivllm works without it.
-"""
+"""FIGURES: every figure `bench plot` draws, each with the test of the result files it can draw and
+its drawing function (matplotlib Figure, result data) -> a footer note."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import textwrap
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
-DEFAULT_OUT = Path("benchmarks/plots")
-INSTALL_HINT = "pip install 'minivllm[bench]'"
-DPI = 100
-FIGSIZE = (8.0, 4.5)  # inches: 800x450 px at DPI, small enough for PNGs well under 100 KB
+from minivllm.bench.plots.sources import Figure, mean_std, ordered, rows_of, rows_with, to_ms, to_number
 
-# A result file's stamp: 20261201T061354Z from results.write_results, or a bare date.
-_STAMP = re.compile(r"(\d{8})(?:T(\d{6})Z)?")
-
-
-class MatplotlibMissing(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Figure:
-    name: str                                   # the PNG is <out>/<name>.png
-    prefix: str                                 # source candidates: <results>/<prefix>*.json
-    title: str
-    shows: str                                  # one line for index.md
-    wants: Callable[[dict], bool]               # does this result file hold rows the figure draws
-    draw: Callable[[object, dict], str | None]  # (matplotlib Figure, result data) -> a note for the footer
-
-
-@dataclass(frozen=True)
-class Drawn:
-    figure: Figure
-    png: Path
-    source: Path
-
-
-@dataclass(frozen=True)
-class Skipped:
-    figure: Figure
-    reason: str
-
-
-# ------------------------------------------------------------------ picking the source file
-
-def stamp_key(path: Path) -> tuple[str, str]:
-    """Sortable (date, time) of a result file's name; the last stamp in the name counts
-    (bench serve appends -2, -3 after it). Names without one sort first."""
-    found = _STAMP.findall(path.stem)
-    if not found:
-        return ("", "")
-    date, time = found[-1]
-    return (date, time or "000000")
-
-
-def _load(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _extent(data: dict) -> int:
-    return len(data.get("rows") or data.get("targets") or [])
-
-
-def newest_source(results_dir: Path, figure: Figure) -> tuple[Path, dict] | None:
-    """The newest result file for `figure`, with its data. On equal stamps (one `bench serve`
-    run writes a per-server file and a comparison) the file with more rows or servers wins."""
-    candidates = []
-    for path in sorted(results_dir.glob(f"{figure.prefix}*.json")):
-        data = _load(path)
-        if data is not None and figure.wants(data):
-            candidates.append((stamp_key(path), _extent(data), path.name, path, data))
-    if not candidates:
-        return None
-    *_, path, data = max(candidates, key=lambda c: c[:3])
-    return path, data
-
-
-# ------------------------------------------------------------------ row helpers
-
-def _rows(data: dict, **match) -> list[dict]:
-    return [r for r in data.get("rows") or [] if all(r.get(k) == v for k, v in match.items())]
-
-
-def _rows_with(data: dict, *keys: str) -> list[dict]:
-    return [r for r in data.get("rows") or [] if all(isinstance(r.get(k), (int, float)) for k in keys)]
-
-
-def _number(v) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def _ordered(values) -> list:
-    """Distinct values in order of first appearance (the driver's own order)."""
-    return list(dict.fromkeys(values))
-
-
-# ------------------------------------------------------------------ drawing helpers
 
 def _lines(ax, series: dict[str, list[tuple[float, float, float | None]]]) -> None:
     """One line per label through (x, y, std) points, std drawn as error bars."""
@@ -149,18 +41,6 @@ def _bars(ax, groups: list[str], series: dict[str, list[tuple[float | None, floa
         ax.legend(fontsize=8)
 
 
-def _mean_std(row: dict, key: str, scale: float = 1.0) -> tuple[float | None, float | None]:
-    mean, std = _number(row.get(f"{key}_mean")), _number(row.get(f"{key}_std"))
-    return (None if mean is None else mean * scale, None if std is None else std * scale)
-
-
-def _footer(source: Path, data: dict) -> str:
-    prov = data.get("provenance") or {}
-    text = (f"source: {source.name} · commit {prov.get('commit', '?')} · device {prov.get('device', '?')}"
-            f" · {prov.get('date', '?')}")
-    return "\n".join(textwrap.wrap(text, 150))
-
-
 # ------------------------------------------------------------------ the figures
 
 _GEMV_MODES = (("sequential", "unbatched (one request at a time)"), ("gemm", "batched, GEMM"),
@@ -169,9 +49,9 @@ _GEMV_MODES = (("sequential", "unbatched (one request at a time)"), ("gemm", "ba
 
 def _draw_gemv_threshold(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = _rows_with(data, "concurrency")
-    _lines(ax, {label: [(r["concurrency"], *_mean_std(r, f"{mode}_tok_s")) for r in rows
-                        if _number(r.get(f"{mode}_tok_s_mean")) is not None]
+    rows = rows_with(data, "concurrency")
+    _lines(ax, {label: [(r["concurrency"], *mean_std(r, f"{mode}_tok_s")) for r in rows
+                        if to_number(r.get(f"{mode}_tok_s_mean")) is not None]
                 for mode, label in _GEMV_MODES})
     ax.set_xlabel("concurrent requests N")
     ax.set_ylabel("aggregate output tokens/s")
@@ -180,9 +60,9 @@ def _draw_gemv_threshold(fig, data: dict) -> None:
 
 def _draw_continuous_batching(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = _rows_with(data, "concurrency", "batched_tok_s_mean")
-    _lines(ax, {"batched (continuous batching)": [(r["concurrency"], *_mean_std(r, "batched_tok_s")) for r in rows],
-                "sequential (one request at a time)": [(r["concurrency"], *_mean_std(r, "sequential_tok_s"))
+    rows = rows_with(data, "concurrency", "batched_tok_s_mean")
+    _lines(ax, {"batched (continuous batching)": [(r["concurrency"], *mean_std(r, "batched_tok_s")) for r in rows],
+                "sequential (one request at a time)": [(r["concurrency"], *mean_std(r, "sequential_tok_s"))
                                                        for r in rows]})
     ax.set_xlabel("concurrent requests N")
     ax.set_ylabel("aggregate output tokens/s")
@@ -191,37 +71,32 @@ def _draw_continuous_batching(fig, data: dict) -> None:
 
 def _draw_paged_vs_contiguous(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = sorted(_rows_with(data, "decode_tokens", "paged_decode_tok_s_mean"), key=lambda r: r["decode_tokens"])
+    rows = sorted(rows_with(data, "decode_tokens", "paged_decode_tok_s_mean"), key=lambda r: r["decode_tokens"])
     _bars(ax, [f"{r['decode_tokens']} tokens" for r in rows],
-          {"paged KV cache": [_mean_std(r, "paged_decode_tok_s") for r in rows],
-           "contiguous KV cache": [_mean_std(r, "contiguous_decode_tok_s") for r in rows]})
+          {"paged KV cache": [mean_std(r, "paged_decode_tok_s") for r in rows],
+           "contiguous KV cache": [mean_std(r, "contiguous_decode_tok_s") for r in rows]})
     ax.set_xlabel("decode length (one request)")
     ax.set_ylabel("decode tokens/s")
 
 
 def _draw_prefix_cache(fig, data: dict) -> None:
-    warm = _rows(data, table="warm-prefix")
-    cold = _rows(data, table="cold-burst")
+    warm = rows_of(data, table="warm-prefix")
+    cold = rows_of(data, table="cold-burst")
     axes = fig.subplots(1, 2 if warm and cold else 1, squeeze=False)[0]
     if warm:
         ax = axes[0]
         _bars(ax, [f"{r['overlap_pct']}%" for r in warm],
-              {"cache off (cold)": [(_ms(r.get("ttft_off_s")), _ms(r.get("ttft_off_s_std"))) for r in warm],
-               "cache on (warm)": [(_ms(r.get("ttft_on_s")), _ms(r.get("ttft_on_s_std"))) for r in warm]})
+              {"cache off (cold)": [(to_ms(r.get("ttft_off_s")), to_ms(r.get("ttft_off_s_std"))) for r in warm],
+               "cache on (warm)": [(to_ms(r.get("ttft_on_s")), to_ms(r.get("ttft_on_s_std"))) for r in warm]})
         ax.set_title("warm prefix: TTFT by shared-prefix overlap", fontsize=9)
         ax.set_xlabel("prompt overlap with an earlier request")
         ax.set_ylabel("TTFT (ms)")
     if cold:
         ax = axes[-1]
         _bars(ax, [textwrap.fill(str(r["strategy"]), 14) for r in cold],
-              {"mean TTFT": [_mean_std(r, "mean_ttft_s", 1000.0) for r in cold]})
+              {"mean TTFT": [mean_std(r, "mean_ttft_s", 1000.0) for r in cold]})
         ax.set_title(f"cold burst of {cold[0].get('requests', '?')} identical requests", fontsize=9)
         ax.set_ylabel("mean TTFT (ms)")
-
-
-def _ms(seconds) -> float | None:
-    v = _number(seconds)
-    return None if v is None else v * 1000.0
 
 
 _RELEASES = {"independent": "independent (no sharing)", "at_completion": "release at leader completion",
@@ -230,13 +105,13 @@ _RELEASES = {"independent": "independent (no sharing)", "at_completion": "releas
 
 def _draw_single_flight(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = _rows(data, table="single-flight")
-    sizes = _ordered(r["requests"] for r in rows)
-    releases = _ordered(r["release"] for r in rows)
+    rows = rows_of(data, table="single-flight")
+    sizes = ordered(r["requests"] for r in rows)
+    releases = ordered(r["release"] for r in rows)
 
     def cell(n, release):
         match = [r for r in rows if r["requests"] == n and r["release"] == release]
-        return _mean_std(match[0], "mean_ttft_s", 1000.0) if match else (None, None)
+        return mean_std(match[0], "mean_ttft_s", 1000.0) if match else (None, None)
 
     _bars(ax, [f"{n} requests" for n in sizes],
           {_RELEASES.get(rel, rel): [cell(n, rel) for n in sizes] for rel in releases})
@@ -246,16 +121,16 @@ def _draw_single_flight(fig, data: dict) -> None:
 
 def _draw_speculative_greedy(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = _rows(data, table="greedy")
-    prompts = _ordered(r["prompt"] for r in rows)
-    cases = _ordered(r["case"] for r in rows)
+    rows = rows_of(data, table="greedy")
+    prompts = ordered(r["prompt"] for r in rows)
+    cases = ordered(r["case"] for r in rows)
 
     def cell(prompt, case):
         match = [r for r in rows if r["prompt"] == prompt and r["case"] == case]
         return match[0] if match else {}
 
     _bars(ax, [f"{p} prompt" for p in prompts],
-          {case: [(_number(cell(p, case).get("tok_s_mean")), _number(cell(p, case).get("tok_s_std")))
+          {case: [(to_number(cell(p, case).get("tok_s_mean")), to_number(cell(p, case).get("tok_s_std")))
                   for p in prompts] for case in cases},
           annotate={case: [_speedup(cell(p, case)) for p in prompts] for case in cases})
     ax.set_ylabel("end-to-end tokens/s")
@@ -264,24 +139,24 @@ def _draw_speculative_greedy(fig, data: dict) -> None:
 
 
 def _speedup(row: dict) -> str | None:
-    v = _number(row.get("speedup_e2e"))
+    v = to_number(row.get("speedup_e2e"))
     return None if v is None else f"{v:.2f}×"
 
 
 def _draw_speculative_tv(fig, data: dict) -> None:
-    rows = _rows(data, table="sampling")
-    prompts = _ordered(r["prompt"] for r in rows)
+    rows = rows_of(data, table="sampling")
+    prompts = ordered(r["prompt"] for r in rows)
     axes = fig.subplots(1, len(prompts), squeeze=False)[0]
     for ax, prompt in zip(axes, prompts):
         mine = [r for r in rows if r["prompt"] == prompt]
         spec = [r for r in mine if r.get("policy") not in (None, "draft-only")]
-        _lines(ax, {policy: [(r["tv_budget"], _number(r.get("tok_s_mean")), _number(r.get("tok_s_std")))
+        _lines(ax, {policy: [(r["tv_budget"], to_number(r.get("tok_s_mean")), to_number(r.get("tok_s_std")))
                              for r in spec if r["policy"] == policy]
-                    for policy in _ordered(r["policy"] for r in spec)})
+                    for policy in ordered(r["policy"] for r in spec)})
         for case, style, label in (("target-only", "--", "target only: break-even"),
                                    ("draft-only", ":", "draft only: upper bound")):
             for r in mine:
-                if r["case"] == case and _number(r.get("tok_s_mean")) is not None:
+                if r["case"] == case and to_number(r.get("tok_s_mean")) is not None:
                     ax.axhline(r["tok_s_mean"], linestyle=style, color="0.3", linewidth=1, label=label)
         ax.legend(fontsize=7)
         ax.set_title(f"{prompt} prompt, sampling", fontsize=9)
@@ -292,13 +167,13 @@ def _draw_speculative_tv(fig, data: dict) -> None:
 
 def _draw_routing(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = _rows_with(data, "burst", "completion_s_mean")
-    bursts = sorted(_ordered(r["burst"] for r in rows))
-    policies = _ordered(r["policy"] for r in rows)
+    rows = rows_with(data, "burst", "completion_s_mean")
+    bursts = sorted(ordered(r["burst"] for r in rows))
+    policies = ordered(r["policy"] for r in rows)
 
     def cell(burst, policy):
         match = [r for r in rows if r["burst"] == burst and r["policy"] == policy]
-        return _mean_std(match[0], "completion_s") if match else (None, None)
+        return mean_std(match[0], "completion_s") if match else (None, None)
 
     _bars(ax, [f"burst of {b}" for b in bursts], {p: [cell(b, p) for b in bursts] for p in policies})
     ax.set_xlabel("requests submitted in one burst")
@@ -312,12 +187,12 @@ def _engine_label(row: dict, vary: set[str]) -> str:
 
 def _draw_engines(fig, data: dict) -> str | None:
     """Prefill and decode tok/s per engine (peers, decode): two panels, their scales differ ~50x."""
-    rows = _rows_with(data, "prefill_tok_s_mean", "decode_tok_s_mean")
+    rows = rows_with(data, "prefill_tok_s_mean", "decode_tok_s_mean")
     vary = {k for k in ("device", "dtype") if len({str(r.get(k)) for r in rows}) > 1}
     labels = [_engine_label(r, vary) for r in rows]
     axes = fig.subplots(1, 2)
     for ax, key, what in ((axes[0], "prefill_tok_s", "prefill"), (axes[1], "decode_tok_s", "decode")):
-        _bars(ax, labels, {what: [_mean_std(r, key) for r in rows]})
+        _bars(ax, labels, {what: [mean_std(r, key) for r in rows]})
         ax.set_ylabel(f"{what} tokens/s")
         ax.set_title(what, fontsize=9)
     missing = [f"{r.get('engine')}: {str(r.get('status')).split('(')[0].strip()}" for r in data.get("rows") or []
@@ -327,9 +202,9 @@ def _draw_engines(fig, data: dict) -> str | None:
 
 def _draw_peers_gpu(fig, data: dict) -> None:
     ax = fig.subplots()
-    rows = _rows_with(data, "batch", "output_tok_s_mean")
-    _lines(ax, {engine: [(r["batch"], *_mean_std(r, "output_tok_s")) for r in rows if r.get("engine") == engine]
-                for engine in _ordered(r.get("engine") for r in rows)})
+    rows = rows_with(data, "batch", "output_tok_s_mean")
+    _lines(ax, {engine: [(r["batch"], *mean_std(r, "output_tok_s")) for r in rows if r.get("engine") == engine]
+                for engine in ordered(r.get("engine") for r in rows)})
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (requests generated together)")
     ax.set_ylabel("output tokens/s")
@@ -337,11 +212,11 @@ def _draw_peers_gpu(fig, data: dict) -> None:
 
 def _draw_offline(fig, data: dict) -> None:
     ax = fig.subplots()
-    runs = _rows_with(data, "output_tok_s", "total_tok_s")
-    summary = next((r for r in data.get("rows") or [] if _number(r.get("output_tok_s_mean")) is not None), None)
+    runs = rows_with(data, "output_tok_s", "total_tok_s")
+    summary = next((r for r in data.get("rows") or [] if to_number(r.get("output_tok_s_mean")) is not None), None)
     keys = (("output_tok_s", "output tokens/s"), ("total_tok_s", "prompt + output tokens/s"))
     if summary:
-        _bars(ax, [label for _, label in keys], {"mean ± std over runs": [_mean_std(summary, k) for k, _ in keys]})
+        _bars(ax, [label for _, label in keys], {"mean ± std over runs": [mean_std(summary, k) for k, _ in keys]})
     for i, (key, _) in enumerate(keys):
         ax.plot([i] * len(runs), [r[key] for r in runs], "k.", markersize=6,
                 label="single runs" if i == 0 else None)
@@ -354,20 +229,20 @@ def _draw_offline(fig, data: dict) -> None:
 
 
 def _draw_activation_dtype(fig, data: dict) -> str | None:
-    rows = _rows_with(data, "decode_tok_s_mean", "peak_mib")
+    rows = rows_with(data, "decode_tok_s_mean", "peak_mib")
     dtypes = [str(r.get("dtype")) for r in rows]
     axes = fig.subplots(1, 3)
     panels = ((axes[0], "ttft_ms", "TTFT (ms)", "time to first token"),
               (axes[1], "decode_tok_s", "decode tokens/s", "batch-1 decode"))
     for ax, key, unit, title in panels:
-        _bars(ax, dtypes, {"mean ± std": [_mean_std(r, key) for r in rows]})
+        _bars(ax, dtypes, {"mean ± std": [mean_std(r, key) for r in rows]})
         ax.set_ylabel(unit)
         ax.set_title(title, fontsize=9)
         if ax.get_legend() is not None:  # one series: the panel title says what it is
             ax.get_legend().remove()
     # Peak memory split into what the load left resident and what generation added on top.
-    resident = [_number(r.get("after_load_mib")) or 0.0 for r in rows]
-    peak = [_number(r.get("peak_mib")) or 0.0 for r in rows]
+    resident = [to_number(r.get("after_load_mib")) or 0.0 for r in rows]
+    peak = [to_number(r.get("peak_mib")) or 0.0 for r in rows]
     ax = axes[2]
     ax.bar(range(len(rows)), resident, 0.6, label="after load")
     ax.bar(range(len(rows)), [max(0.0, p - q) for p, q in zip(peak, resident)], 0.6, bottom=resident,
@@ -399,8 +274,8 @@ def _draw_serve(fig, data: dict) -> None:
     axes = fig.subplots(1, 2)
     for ax, key, what in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
         stats = [t["summary"].get(key) or {} for t in targets]
-        _bars(ax, labels, {"p50": [(_number(s.get("median")), None) for s in stats],
-                           "p99": [(_number(s.get("p99")), None) for s in stats]})
+        _bars(ax, labels, {"p50": [(to_number(s.get("median")), None) for s in stats],
+                           "p99": [(to_number(s.get("p99")), None) for s in stats]})
         ax.set_ylabel(f"{what} (ms)")
         ax.set_title(what, fontsize=9)
 
@@ -408,52 +283,52 @@ def _draw_serve(fig, data: dict) -> None:
 FIGURES: tuple[Figure, ...] = (
     Figure("gemv-threshold", "gemv-threshold-", "GEMV threshold: aggregate output tok/s by concurrency (CPU)",
            "unbatched vs batched GEMM vs batched row-wise GEMV, tok/s by number of concurrent requests",
-           lambda d: bool(_rows_with(d, "concurrency", "gemv_tok_s_mean")), _draw_gemv_threshold),
+           lambda d: bool(rows_with(d, "concurrency", "gemv_tok_s_mean")), _draw_gemv_threshold),
     Figure("h200-gemv-threshold", "h200-gemv-threshold-", "GEMV threshold: aggregate output tok/s by concurrency (H200)",
            "the same sweep on the H200",
-           lambda d: bool(_rows_with(d, "concurrency", "gemv_tok_s_mean")), _draw_gemv_threshold),
+           lambda d: bool(rows_with(d, "concurrency", "gemv_tok_s_mean")), _draw_gemv_threshold),
     Figure("continuous-batching", "continuous-batching-", "Continuous batching: batched vs sequential",
            "aggregate output tok/s of N requests batched vs one after another",
-           lambda d: bool(_rows_with(d, "concurrency", "batched_tok_s_mean")), _draw_continuous_batching),
+           lambda d: bool(rows_with(d, "concurrency", "batched_tok_s_mean")), _draw_continuous_batching),
     Figure("paged-vs-contiguous", "paged-vs-contiguous-", "Paged vs contiguous KV cache: decode tok/s",
            "single-request decode tok/s with a paged and a contiguous KV cache, by decode length",
-           lambda d: bool(_rows_with(d, "decode_tokens", "paged_decode_tok_s_mean")), _draw_paged_vs_contiguous),
+           lambda d: bool(rows_with(d, "decode_tokens", "paged_decode_tok_s_mean")), _draw_paged_vs_contiguous),
     Figure("prefix-cache", "prefix-cache-", "Prefix cache: TTFT cold vs warm",
            "TTFT with the prefix cache off (cold) and on (warm) by prompt overlap; the cold burst's strategies",
-           lambda d: bool(_rows(d, table="warm-prefix") or _rows(d, table="cold-burst")), _draw_prefix_cache),
+           lambda d: bool(rows_of(d, table="warm-prefix") or rows_of(d, table="cold-burst")), _draw_prefix_cache),
     Figure("prefix-cache-single-flight", "prefix-cache-", "Prefix cache single flight: mean TTFT by release policy",
            "mean TTFT of identical requests: independent vs followers released at leader completion or after prefill",
-           lambda d: bool(_rows(d, table="single-flight")), _draw_single_flight),
+           lambda d: bool(rows_of(d, table="single-flight")), _draw_single_flight),
     Figure("speculative-greedy", "speculative-", "Speculative decoding (greedy): tok/s per draft policy",
            "end-to-end tok/s per draft policy and prompt, with the speedup over target-only",
-           lambda d: bool(_rows(d, table="greedy")), _draw_speculative_greedy),
+           lambda d: bool(rows_of(d, table="greedy")), _draw_speculative_greedy),
     Figure("speculative-tv-budget", "speculative-", "Mentored decoding: tok/s by TV budget (break-even curve)",
            "end-to-end tok/s by TV budget per draft policy against target-only (break-even) and draft-only",
-           lambda d: bool(_rows(d, table="sampling")), _draw_speculative_tv),
+           lambda d: bool(rows_of(d, table="sampling")), _draw_speculative_tv),
     Figure("routing", "routing-", "Routing: burst completion time per policy (CPU workers)",
            "time to finish a burst of requests per routing policy and burst size",
-           lambda d: bool(_rows_with(d, "burst", "completion_s_mean")), _draw_routing),
+           lambda d: bool(rows_with(d, "burst", "completion_s_mean")), _draw_routing),
     Figure("h200-routing", "h200-routing-", "Routing: burst completion time per policy (H200 + CPU)",
            "the same with an H200 and a CPU worker",
-           lambda d: bool(_rows_with(d, "burst", "completion_s_mean")), _draw_routing),
+           lambda d: bool(rows_with(d, "burst", "completion_s_mean")), _draw_routing),
     Figure("peers", "peers-", "Peers on the same GGUF file: prefill and decode tok/s",
            "prefill and decode tok/s per engine (minivllm, transformers, llama.cpp when installed)",
-           lambda d: bool(_rows_with(d, "prefill_tok_s_mean", "decode_tok_s_mean")), _draw_engines),
+           lambda d: bool(rows_with(d, "prefill_tok_s_mean", "decode_tok_s_mean")), _draw_engines),
     Figure("peers-gpu", "peers-gpu-", "Peers on a GPU: batched generation tok/s",
            "output tok/s by batch size, minivllm vs transformers' generate",
-           lambda d: bool(_rows_with(d, "batch", "output_tok_s_mean")), _draw_peers_gpu),
+           lambda d: bool(rows_with(d, "batch", "output_tok_s_mean")), _draw_peers_gpu),
     Figure("decode", "decode-", "Batch-1 prefill and decode tok/s per engine",
            "`bench decode`: prefill and decode tok/s per engine, device and dtype",
-           lambda d: bool(_rows_with(d, "prefill_tok_s_mean", "decode_tok_s_mean")), _draw_engines),
+           lambda d: bool(rows_with(d, "prefill_tok_s_mean", "decode_tok_s_mean")), _draw_engines),
     Figure("offline", "offline-", "Offline throughput (random prompts, all submitted at once)",
            "output and total tok/s, mean ± std over fresh engines, and every run",
-           lambda d: bool(_rows_with(d, "output_tok_s", "total_tok_s")), _draw_offline),
+           lambda d: bool(rows_with(d, "output_tok_s", "total_tok_s")), _draw_offline),
     Figure("serve", "serve-", "Online serving load: TTFT and TPOT per server",
            "TTFT and TPOT p50/p99 per server under the same seeded load",
            lambda d: bool(_serve_targets(d)), _draw_serve),
     Figure("activation-dtype", "activation-dtype-", "Activation dtype: TTFT, decode tok/s and peak memory",
            "f32 / f16 / bf16, a fresh process each: TTFT, decode tok/s, peak memory (resident after load + generation)",
-           lambda d: bool(_rows_with(d, "decode_tok_s_mean", "peak_mib")), _draw_activation_dtype),
+           lambda d: bool(rows_with(d, "decode_tok_s_mean", "peak_mib")), _draw_activation_dtype),
 )
 # Figures whose GPU rows come from H200 result files kept beside the CPU ones.
 FIGURES += tuple(_on_h200(f) for f in FIGURES
@@ -462,70 +337,3 @@ FIGURES += tuple(_on_h200(f) for f in FIGURES
 
 # ------------------------------------------------------------------ rendering
 
-def _matplotlib():
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure as MplFigure
-    except ImportError as exc:
-        raise MatplotlibMissing(f"minivllm bench plot needs matplotlib, which is not installed: {INSTALL_HINT}") from exc
-    return MplFigure, FigureCanvasAgg
-
-
-def render(figure: Figure, source: Path, data: dict, png: Path) -> None:
-    MplFigure, FigureCanvasAgg = _matplotlib()
-    # A bare Figure on the Agg canvas, not pyplot: no global backend switch and no figure
-    # registry in the caller's process (a notebook keeps its own backend).
-    fig = MplFigure(figsize=FIGSIZE, dpi=DPI)
-    FigureCanvasAgg(fig)
-    note = figure.draw(fig, data)
-    fig.suptitle(f"{figure.title}\n{data.get('benchmark', '')}", fontsize=10)
-    footer = "\n".join(filter(None, [note, _footer(source, data)]))
-    fig.text(0.01, 0.01, footer, fontsize=6.5, color="0.35", ha="left", va="bottom")
-    bottom = 0.04 + 0.025 * footer.count("\n")
-    fig.tight_layout(rect=(0, bottom, 1, 1))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=DPI)
-
-
-def plot_all(results_dir: Path, out_dir: Path, figures: tuple[Figure, ...] = FIGURES,
-             progress: Callable[[str], None] | None = print) -> tuple[list[Drawn], list[Skipped]]:
-    """Draw every figure whose source exists; write <out>/index.md. Raises MatplotlibMissing
-    before touching anything when matplotlib is not installed."""
-    _matplotlib()
-    say = progress or (lambda line: None)
-    results_dir, out_dir = Path(results_dir), Path(out_dir)
-    drawn: list[Drawn] = []
-    skipped: list[Skipped] = []
-    for figure in figures:
-        found = newest_source(results_dir, figure)
-        if found is None:
-            reason = f"no {figure.prefix}*.json with rows it can draw in {results_dir}"
-            skipped.append(Skipped(figure, reason))
-            say(f"bench plot: skipped {figure.name}: {reason}")
-            continue
-        source, data = found
-        png = out_dir / f"{figure.name}.png"
-        render(figure, source, data, png)
-        drawn.append(Drawn(figure, png, source))
-        say(f"bench plot: wrote {png} (from {source.name})")
-    index = write_index(out_dir, drawn, skipped)
-    say(f"bench plot: {len(drawn)} figures, {len(skipped)} skipped; index {index}")
-    return drawn, skipped
-
-
-def write_index(out_dir: Path, drawn: list[Drawn], skipped: list[Skipped]) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lines = ["# Benchmark plots", "",
-             "Written by `minivllm bench plot` (also the last step of `minivllm bench all`): each figure draws the "
-             "newest result file, by the time stamp in its name, that holds its rows. Its footer names that file, "
-             "the commit and the device.", "",
-             "| figure | shows | source |", "|---|---|---|"]
-    for d in drawn:
-        link = Path(os.path.relpath(d.source, out_dir)).as_posix()
-        lines.append(f"| [{d.figure.name}]({d.png.name}) | {d.figure.shows} | [{d.source.name}]({link}) |")
-    if skipped:
-        lines += ["", "Skipped (no result file with rows they draw yet):", ""]
-        lines += [f"- {s.figure.name}: {s.reason}" for s in skipped]
-    path = out_dir / "index.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
