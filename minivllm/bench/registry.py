@@ -5,7 +5,7 @@ Adding a driver: write minivllm/bench/drivers/<name>.py with a `Settings` datacl
 named as the parsed arguments' dests), `add_arguments(parser)` (common flags from
 bench/common.py, no torch at import), `run(settings) -> exit code` (importing the measuring
 module inside) and `DRIVER = Driver(...)`; add it to DRIVERS below and give it a row in
-suite.SUITE (tests/test_bench_all.py fails until it has one).
+suite.SUITE (tests/integration/bench/test_bench_all.py fails until it has one).
 """
 
 from __future__ import annotations
