@@ -37,9 +37,9 @@ from minivllm.cache.page_pool import PagePool
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput
+from minivllm.sampling.outputs import RequestOutput
 from minivllm.engine.request import Status
-from minivllm.engine.sampler import make_generator, sample
+from minivllm.sampling.sampler import make_generator, sample
 from minivllm.errors import ConfigError
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]

@@ -42,7 +42,7 @@ from minivllm.cache.prefix_index import ROOT_KEY, PrefixIndex
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Status
-from minivllm.engine.sampler import make_generator, sample
+from minivllm.sampling.sampler import make_generator, sample
 from minivllm.errors import ConfigError
 from minivllm.kernels.kernel_options import KernelOptions
 

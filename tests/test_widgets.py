@@ -19,7 +19,7 @@ W = pytest.importorskip("ipywidgets")
 
 from conftest import REPO_ROOT
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm_widgets import Publisher, Workbench
 from minivllm_widgets.page_grid import COLOURS, counts_from_codes, grid_layout, grid_shape, page_codes, render_page_grid
 from minivllm_widgets.panel_state import ThroughputTracker, kv_view, queues_view, router_view

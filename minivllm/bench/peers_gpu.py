@@ -37,7 +37,7 @@ from minivllm.bench.results import (coefficient_of_variation, provenance, runs_u
                                     write_results)
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 

@@ -51,8 +51,8 @@ from minivllm.bench.results import StableRuns, provenance, runs_until_stable, wr
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import RequestOutput
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from minivllm.bench.continuous_batching import CV_TARGET, _loadavg, _runs_note, model_label
 from minivllm.bench.results import StableRuns, provenance, runs_until_stable, summarize, write_results
 from minivllm.bench.stats import percentile as _percentile
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 from minivllm.serving.router import Router, parse_router_policy

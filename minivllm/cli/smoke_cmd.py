@@ -42,7 +42,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     from minivllm.bench.results import provenance
     from minivllm.bench.routing import backend_label
     from minivllm.engine.options import parse_overrides
-    from minivllm.engine.sampling_params import SamplingParams
+    from minivllm.sampling.sampling_params import SamplingParams
     from minivllm.models.cache import sha256_file
     from minivllm.serving import Cluster
 

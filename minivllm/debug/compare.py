@@ -27,7 +27,7 @@ from minivllm.engine.options import check_engine_options
 from minivllm.debug.hidden_state_diff import diff_hidden_states
 from minivllm.devices import describe_device, dtype_name
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, MinivllmError
 
 

@@ -18,8 +18,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from minivllm.engine.engine import LLMEngine
-from minivllm.engine.outputs import RequestOutput, TokenEvent
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import RequestOutput, TokenEvent
+from minivllm.sampling.sampling_params import SamplingParams
 
 
 class AsyncEngine:

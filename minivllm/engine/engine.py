@@ -26,10 +26,10 @@ from minivllm.cache.flight_coordinator import FlightCoordinator
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput, TokenEvent
+from minivllm.sampling.outputs import RequestOutput, TokenEvent
 from minivllm.engine.request import Request, Status
-from minivllm.engine.sampler import sample, top_logprobs
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampler import sample, top_logprobs
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.snapshot import build_snapshot
 from minivllm.errors import ConfigError

@@ -15,8 +15,8 @@ import torch
 from minivllm.devices import check_dtype_supported, describe_device, dtype_name, resolve_device, resolve_dtype
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput, TokenEvent
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import RequestOutput, TokenEvent
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer

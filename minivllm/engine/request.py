@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from minivllm.engine.outputs import RequestMetrics
-from minivllm.engine.sampler import make_generator
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.stop_strings import StopStringMatcher
+from minivllm.sampling.outputs import RequestMetrics
+from minivllm.sampling.sampler import make_generator
+from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.stop_strings import StopStringMatcher
 from minivllm.gguf.detokenizer import StreamingDetokenizer
 
 

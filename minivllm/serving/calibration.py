@@ -19,7 +19,7 @@ import random
 import statistics
 
 from minivllm.engine.engine import LLMEngine
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.worker_rates import WorkerRates
 
 

@@ -27,7 +27,7 @@ import torch
 
 from minivllm.cache.batch_kv import PagedBatchKV, Segment
 from minivllm.cache.page_pool import PagePool
-from minivllm.engine.sampler import apply_penalties, filtered_probs
+from minivllm.sampling.sampler import apply_penalties, filtered_probs
 from minivllm.spec.draft_policy import DraftController
 from minivllm.spec.stats import SpecStats
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.engine.sampler import filtered_probs
+from minivllm.sampling.sampler import filtered_probs
 from minivllm.spec.draft_compat import shared_vocab_size
 from minivllm.spec.draft_policy import parse_draft_policy
 from minivllm.spec.drafter import Drafter, Proposal, SpecState, choose, processed_logits
