@@ -65,11 +65,13 @@ class LLMEngine:
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
         self.speculator = None
         if draft_model is not None:
+            from minivllm.engine.cuda_graphs import decode_graph_runner
             from minivllm.spec.speculator import Speculator
 
             self.speculator = Speculator(draft_model, draft_tokenizer if draft_tokenizer is not None else tokenizer,
                                          model, tokenizer, config, kv_tokens=num_pages * page_size,
-                                         page_size=page_size, max_model_len=self.max_model_len, draft_name=draft_name)
+                                         page_size=page_size, max_model_len=self.max_model_len, draft_name=draft_name,
+                                         graph_runner=None if config.enforce_eager else decode_graph_runner)
         spec = self.speculator
         self.scheduler = Scheduler(
             config, self.pool, self.prefix, self.flights,
@@ -459,13 +461,10 @@ class LLMEngine:
         """Decode steps replay CUDA graphs on a GPU unless enforce_eager; see cuda_graphs.py."""
         if self.config.enforce_eager or self.model.device.type != "cuda":
             return None
-        from minivllm.cache.batch_kv import _triton_paged_attention
-        from minivllm.engine.cuda_graphs import DecodeGraphRunner
+        from minivllm.engine.cuda_graphs import decode_graph_runner
 
-        if _triton_paged_attention(self.pool, False) is None or self.pool.num_pages < 2:
-            return None  # no Triton kernel for this cache dtype/device: eager steps
-        return DecodeGraphRunner(self.model, self.pool, max_rows=self.config.max_active_requests,
-                                 max_model_len=self.max_model_len, invariant=self.kernel_options.batch_invariant)
+        return decode_graph_runner(self.model, self.pool, max_rows=self.config.max_active_requests,
+                                   max_model_len=self.max_model_len, invariant=self.kernel_options.batch_invariant)
 
     @property
     def cuda_graphs_enabled(self) -> bool:

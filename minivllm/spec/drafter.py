@@ -75,7 +75,7 @@ def choose(row: torch.Tensor, context_ids: list[int], output_ids: list[int], par
 
 class Drafter:
     def __init__(self, model, *, num_pages: int, page_size: int, kernel_options, vocab: int,
-                 graphs: bool, max_rows: int, max_model_len: int):
+                 graph_runner=None, max_rows: int, max_model_len: int):
         cfg = model.config
         self.model = model
         self.vocab = vocab
@@ -83,13 +83,9 @@ class Drafter:
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
         self.kernel_options = kernel_options
         self.graph_runner = None
-        if graphs and model.device.type == "cuda" and num_pages >= 2:
-            from minivllm.cache.batch_kv import _triton_paged_attention
-            from minivllm.engine.cuda_graphs import DecodeGraphRunner
-
-            if _triton_paged_attention(self.pool, False) is not None:
-                self.graph_runner = DecodeGraphRunner(model, self.pool, max_rows=max_rows, max_model_len=max_model_len,
-                                                      invariant=kernel_options.batch_invariant)
+        if graph_runner is not None:
+            self.graph_runner = graph_runner(model, self.pool, max_rows=max_rows, max_model_len=max_model_len,
+                                             invariant=kernel_options.batch_invariant)
         self.forwards = 0
         self.tokens = 0
 
