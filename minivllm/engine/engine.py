@@ -23,6 +23,7 @@ import torch
 
 from minivllm.cache.batch_kv import PagedBatchKV, Segment
 from minivllm.cache.flight_coordinator import FlightCoordinator
+from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
@@ -62,6 +63,8 @@ class LLMEngine:
         self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
         self.prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
+        # The only writer of block tables (admission, growth, truncation, free, publication).
+        self._kv = KVManager(self.pool, self.prefix, publication=config.publication)
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
         self.speculator = None
         if draft_model is not None:
@@ -74,7 +77,7 @@ class LLMEngine:
                                          graph_runner=None if config.enforce_eager else decode_graph_runner)
         spec = self.speculator
         self.scheduler = Scheduler(
-            config, self.pool, self.prefix, self.flights,
+            config, self._kv, self.flights,
             draft_len=(lambda r: spec.wanted_tokens(r, self.max_model_len)) if spec is not None else None,
             on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
@@ -238,8 +241,7 @@ class LLMEngine:
             if row.draft_tokens:
                 continue  # advanced by the verification below, by what it accepts
             row.request.num_computed += row.n_tokens
-            if self.prefix is not None and self.config.publication == "incremental":
-                self._publish(row.request)
+            self._kv.computed(row.request)
         li = 0
         timed = []  # (request, round result or None) for the speculation pay-off gate
         for row in plan.rows:
@@ -272,7 +274,7 @@ class LLMEngine:
                     and self.flights.release == "after_prefill"):
                 # The prompt is computed: publish its pages (whatever the publication
                 # policy) and end the flight, releasing the followers.
-                self._publish(req)
+                self._kv.publish(req)
                 self._release_followers(req.id, self.flights.prefill_done(req.id))
         described["duration_s"] = time.perf_counter() - t0
         if timed:
@@ -319,11 +321,10 @@ class LLMEngine:
             if event.finished:
                 break
         if req.status != Status.FINISHED:
-            self.scheduler.truncate(req)
+            self._kv.truncate(req, req.num_tokens)  # the rejected positions' pages
             # The draft computed positions up to the proposal's next-to-last token.
             spec.drafter.truncate(req.spec, n0 + 1 + min(result.accepted, result.proposed - 1))
-            if self.prefix is not None and self.config.publication == "incremental":
-                self._publish(req)
+            self._kv.computed(req)
         return result, events
 
     def _record_speculation(self, timed: list, described: dict, plan: ScheduledStep) -> None:
@@ -389,9 +390,9 @@ class LLMEngine:
         # A failed request may hold K/V that a failed forward half-wrote: it publishes
         # nothing more. Finished and aborted ones publish every full page they computed
         # (abort runs between steps, so those pages are complete).
-        published = reason != "error" and self.prefix is not None
+        published = reason != "error" and self._kv.caching
         if published:
-            self._publish(req)
+            self._kv.publish(req)
         self.scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.finished(req)
@@ -404,17 +405,6 @@ class LLMEngine:
         self.counters["requests_finished"] += 1
         self.counters[f"finished_{reason}"] += 1
         return TokenEvent(req.id, token, text, finished=True, finish_reason=reason, logprobs=logprobs, error=error)
-
-    def _publish(self, req: Request) -> None:
-        """Index the request's full pages whose K/V are computed (committed tokens only:
-        the pending last token has no K/V yet)."""
-        full = min(req.num_computed // self.pool.page_size, len(req.block_table))
-        if full <= req.published_pages:
-            return
-        ids = req.all_ids
-        keys = self.prefix.keys_for(ids[:full * self.pool.page_size], req.cache_keys)
-        self.prefix.publish(ids, keys, req.block_table, req.published_pages, full)
-        req.published_pages = full
 
     # -- results and inspection ---------------------------------------------------------------
 

@@ -38,7 +38,7 @@ class Request:
         self.status = Status.WAITING
         self.arrival_index = arrival_index  # submission order: fcfs and "newest" for preemption
         self.num_computed = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # KV pages; written only by cache/kv_manager.py
         # Prefix cache bookkeeping: chain keys of the full blocks hashed so far (content
         # keys, valid across preemptions), tokens restored at the latest admission, and
         # how many leading block-table pages are already published or were restored.
