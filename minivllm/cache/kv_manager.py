@@ -154,13 +154,14 @@ class KVManager:
         # The engine always computes at least the last prompt token (its logits start decode).
         return min(len(blocks) * index.page_size, len(prompt_ids) - 1)
 
-    def reset_cache(self) -> None:
-        """Evict every idle cached page (pages in use stay indexed) and zero the cache's
-        counters."""
-        index = self._prefix
-        if index is not None:
-            index.clear()
-            index.counters = dict.fromkeys(index.counters, 0)
+    def clear_cache(self) -> int:
+        """Evict every idle cached page (pages in use stay indexed); returns how many."""
+        return self._prefix.clear() if self._prefix is not None else 0
+
+    def reset_counters(self) -> None:
+        """Zero the prefix cache's counters."""
+        if self._prefix is not None:
+            self._prefix.counters = dict.fromkeys(self._prefix.counters, 0)
 
     def describe_cache(self) -> dict:
         """The prefix index's `snapshot()` section, or zeros when there is none."""

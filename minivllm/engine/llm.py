@@ -106,15 +106,14 @@ class LLM:
         text, ids = self._prompt_ids(prompt)
         rid = self.engine.add_request(ids, params or SamplingParams(), prompt=text)
         try:
-            while True:
-                for event in self.engine.step():
+            for events in self.engine.run():
+                for event in events:
                     if event.request_id == rid:
                         yield event
                         if event.finished:
                             return
         finally:
-            self.engine.abort(rid)  # a consumer that stops early cancels the request
-            self.engine.requests.pop(rid, None)
+            self.engine.release(rid)  # a consumer that stops early cancels the request
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -134,12 +133,12 @@ class LLM:
         try:
             for (text, ids), p in zip(encoded, params):
                 rids.append(self.engine.add_request(ids, p, prompt=text))
-            while any(self.engine.requests[r].finish_reason is None for r in rids):
-                self.engine.step()
+            engine = self.engine
+            for _ in engine.run(until=lambda: all(engine.request_state(r).finished for r in rids)):
+                pass
         except BaseException:
             for r in rids:
-                self.engine.abort(r)
-                self.engine.requests.pop(r, None)
+                self.engine.release(r)
             raise
         return [self.engine.pop_output(r) for r in rids]
 
