@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from minivllm.engine.stop_strings import StopStringMatcher
+from minivllm.sampling.stop_strings import StopStringMatcher
 
 
 class QuadraticMatcher:

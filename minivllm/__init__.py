@@ -5,7 +5,7 @@
     print(llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=32))[0].text)
 """
 
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

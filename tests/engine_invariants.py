@@ -17,25 +17,30 @@ from minivllm.engine.request import Status
 FINISH_REASONS = {"stop", "length", "abort", "error"}
 
 
+def requests(engine: LLMEngine) -> list:
+    """Read-only views of every request the engine holds."""
+    return [engine.request_state(r) for r in engine.request_ids()]
+
+
 def cached_pages(engine: LLMEngine) -> set[int]:
-    index = engine.prefix
-    if index is None:
-        return set()
-    pages = set(index.page_block)
-    assert len(pages) == len(index.blocks), "index maps and page maps disagree"
-    for key, block in index.blocks.items():
-        assert block.key == key and index.page_block[block.page] is block
-        assert len(block.tokens) == engine.pool.page_size
+    cache = engine.kv_ownership()["cache"]
+    blocks, by_page = cache["blocks"], cache["pages"]
+    pages = set(by_page)
+    assert len(pages) == len(blocks), "index maps and page maps disagree"
+    for key, (parent_key, page, n_tokens) in blocks.items():
+        assert by_page[page] == key
+        assert n_tokens == engine.pool.page_size
         # A chain is never cut in the middle: every cached block's parent is cached too
         # (eviction takes leaves only).
-        assert block.parent_key == 0 or block.parent_key in index.blocks, f"orphan block on page {block.page}"
+        assert parent_key == 0 or parent_key in blocks, f"orphan block on page {page}"
     return pages
 
 
 def check_invariants(engine: LLMEngine) -> None:
     pool = engine.pool
-    live = [r for r in engine.requests.values() if r.status != Status.FINISHED]
-    for r in engine.requests.values():
+    everyone = requests(engine)
+    live = [r for r in everyone if r.status != Status.FINISHED]
+    for r in everyone:
         if r.status == Status.FINISHED:
             assert r.block_table == [], f"finished {r.id} still holds pages {r.block_table}"
             assert r.finish_reason in FINISH_REASONS
@@ -53,9 +58,9 @@ def check_invariants(engine: LLMEngine) -> None:
         assert pool.refcount[p] == owners.get(p, 0), f"page {p}: refcount {pool.refcount[p]}, holders {owners.get(p, 0)}"
     assert len(owners) == pool.num_pages - pool.num_free
     idle = {p for p in cached if p not in held}
-    if engine.prefix is not None:
-        assert set(engine.prefix._idle) == idle, "the index's idle list disagrees with who holds its pages"
-    running = engine.scheduler.running
+    assert set(engine.kv_ownership()["cache"]["idle"]) == idle, "the index's idle list disagrees with who holds its pages"
+    assert engine.kv_ownership()["requests"] == {r.id: r.block_table for r in live}
+    running = [engine.request_state(r) for r in engine.progress()]
     assert len(running) <= engine.config.max_active_requests
     for r in live:
         if r in running:
@@ -85,7 +90,7 @@ def check_invariants(engine: LLMEngine) -> None:
     assert len(queued) == len(set(queued)) and set(queued) == {r.id for r in live}
     for name in ("waiting", "preempted", "running"):
         for d in q[name]:
-            assert d["status"] == name and d["pages"] == len(engine.requests[d["id"]].block_table)
+            assert d["status"] == name and d["pages"] == len(engine.request_state(d["id"]).block_table)
     c = snap["counters"]
     assert c["requests_finished"] == sum(c[f"finished_{k}"] for k in ("stop", "length", "abort", "error"))
 
@@ -98,7 +103,6 @@ def free_equals_total(engine: LLMEngine) -> None:
     reserved = [engine.graph_runner.scratch_page] if engine.graph_runner is not None else []
     assert snap["available_pages"] + len(reserved) == snap["total_pages"] == engine.pool.num_pages, snap
     assert set(snap["page_states"]) - {"free", "cached-idle"} <= ({"owned"} if reserved else set()), snap["page_states"]
-    if engine.prefix is not None:
-        engine.prefix.clear()
+    engine.clear_prefix_cache()
     assert engine.pool.num_free + len(reserved) == engine.pool.num_pages
     assert all(r == (p in reserved) for p, r in enumerate(engine.pool.refcount))

@@ -19,7 +19,7 @@ import math
 import torch
 
 from minivllm import SamplingParams
-from minivllm.engine.sampler import apply_penalties, filtered_probs, sample
+from minivllm.sampling.sampler import apply_penalties, filtered_probs, sample
 
 
 def _clone(generator: torch.Generator) -> torch.Generator:

@@ -39,7 +39,7 @@ from minivllm.bench.continuous_batching import PROMPTS_FILE
 from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 

@@ -31,7 +31,7 @@ from minivllm.bench.common import loadavg, model_label, provenance, summarize
 from minivllm.bench.results import write_results
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 

@@ -51,8 +51,8 @@ from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import RequestOutput
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 
@@ -109,14 +109,12 @@ class Bench:
             ids = self.ids(document(f"warmup{self._warm_ns}x{i}", 4))
             engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=3 + 3 * i, ignore_eos=True))
         drain(engine)
-        if engine.prefix is not None:
-            engine.prefix.clear()
-            engine.prefix.counters = dict.fromkeys(engine.prefix.counters, 0)
+        engine.reset_stats()
         return engine
 
 
 def drain(engine: LLMEngine) -> list[RequestOutput]:
-    rids = [r for r in engine.requests]
+    rids = engine.request_ids()
     while engine.has_unfinished():
         engine.step()
     if engine.model.device.type == "cuda":
@@ -137,7 +135,7 @@ def run_after_first_token(engine: LLMEngine, first: list[int], later: list[list[
                           params: SamplingParams) -> list[RequestOutput]:
     """Submit `first`; when its first token is out, submit `later`; run to the end."""
     rid = engine.add_request(first, params)
-    while not engine.requests[rid].output_ids:
+    while not engine.request_state(rid).output_ids:
         engine.step()
     submit(engine, later, params)
     return _checked(drain(engine), params)

@@ -56,7 +56,7 @@ from pathlib import Path
 from minivllm.bench.common import (CV_TARGET, loadavg, model_label, percentile as _percentile, provenance,
                                    record_stat, runs_note, runs_until_stable, StableRuns)
 from minivllm.bench.results import write_results
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
 from minivllm.serving.router import Router, parse_router_policy

@@ -77,7 +77,7 @@ class PagedBatchKV:
                                          dtype=torch.int32).to(device)
         self.row_seq = torch.tensor(row_seq, dtype=torch.int32).to(device)
         self.row_pos = torch.tensor(row_pos, dtype=torch.int32).to(device)
-        self._paged_attention = _triton_paged_attention(pool, invariant)
+        self._paged_attention = triton_paged_attention(pool, invariant)
         # Rows the kernel handles in a mixed step (decode rows), when not all rows are.
         self._kernel_rows = None
         self._all_rows_in_kernel = self._paged_attention is not None and (
@@ -95,7 +95,7 @@ class PagedBatchKV:
         """A decode-only step over caller-owned device tensors (one row per sequence),
         for CUDA-graph capture: the graph records these tensors' addresses, and the
         runner refills them in place before every replay."""
-        attention = _triton_paged_attention(pool, invariant)
+        attention = triton_paged_attention(pool, invariant)
         if attention is None:
             raise DeviceError(f"captured decode steps need the Triton paged-attention kernel on {pool.k.device}; "
                               f"run with enforce_eager=True")
@@ -159,7 +159,7 @@ class PagedBatchKV:
         return causal_attention_runs(q, [(kf[r], vf[r]) for r in runs], self.segments[i].start)
 
 
-def _triton_paged_attention(pool: PagePool, invariant: bool):
+def triton_paged_attention(pool: PagePool, invariant: bool):
     """The Triton kernel when this pool's device can run it, else None (SDPA path).
 
     Imported lazily: CPU users need not have Triton installed, and importing the kernel

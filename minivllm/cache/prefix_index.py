@@ -137,6 +137,10 @@ class PrefixIndex:
         """Called by the pool when only the index still references `page`."""
         self._idle[page] = None
 
+    def idle_pages(self) -> list[int]:
+        """Pages held by the index alone, least recently used first."""
+        return list(self._idle)
+
     @property
     def num_idle(self) -> int:
         return len(self._idle)

@@ -27,7 +27,7 @@ from minivllm.engine.options import check_engine_options
 from minivllm.debug.hidden_state_diff import diff_hidden_states
 from minivllm.devices import describe_device, dtype_name
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, MinivllmError
 
 
@@ -174,12 +174,12 @@ def _greedy_run(llm, prompt_ids: list[int], max_tokens: int, k: int, side: str,
     engine.logits_hook = record
     try:
         engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), request_id=rid)
-        while engine.requests[rid].finish_reason is None:
-            engine.step()
+        for _ in engine.run(until=lambda: engine.request_state(rid).finished):
+            pass
     finally:
         engine.logits_hook = previous
         engine.abort(rid)  # a no-op when it finished; frees the pages when interrupted
-    error = engine.requests[rid].error
+    error = engine.request_state(rid).error
     out = engine.pop_output(rid)
     if out.finish_reason == "error":
         raise MinivllmError(f"side {side} failed while generating: {error}")

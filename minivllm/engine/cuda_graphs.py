@@ -26,7 +26,7 @@ from collections import Counter
 
 import torch
 
-from minivllm.cache.batch_kv import PagedBatchKV, Segment
+from minivllm.cache.batch_kv import PagedBatchKV, Segment, triton_paged_attention
 from minivllm.cache.page_pool import PagePool
 
 
@@ -38,6 +38,17 @@ def buckets_for(max_rows: int) -> list[int]:
         out.append(b)
         b += 8
     return out + [max_rows]
+
+
+def decode_graph_runner(model, pool: PagePool, *, max_rows: int, max_model_len: int,
+                        invariant: bool) -> "DecodeGraphRunner | None":
+    """A graph runner for decode steps of `model` over `pool`, or None where graphs cannot
+    run (not CUDA, no Triton kernel for this cache dtype, no room for the scratch page):
+    steps are then eager. The engine makes one for its target and hands this factory to
+    the speculator for the draft, so spec/ needs nothing from engine/."""
+    if model.device.type != "cuda" or pool.num_pages < 2 or triton_paged_attention(pool, False) is None:
+        return None
+    return DecodeGraphRunner(model, pool, max_rows=max_rows, max_model_len=max_model_len, invariant=invariant)
 
 
 class DecodeGraphRunner:

@@ -2,12 +2,15 @@
 
     engine = LLMEngine(model, tokenizer, EngineConfig(...))   # draft_model=... to speculate
     rid = engine.add_request(prompt_ids, SamplingParams(...))
-    while engine.has_unfinished():
-        for event in engine.step(): ...
+    for events in engine.run(): ...                           # or engine.step() by hand
     output = engine.pop_output(rid)
 
-Single-threaded by design: the async wrapper (`async_engine.py`) drives `step()` from one
-thread and serialises submissions and cancellations with it.
+Single-threaded by design. `run()` is the one step loop (`LLM`, the serving worker and
+debug.compare use it); a host taking submissions from elsewhere applies them in its
+`between_steps` hook. Callers get `add_request`, `abort`, `release`, `step`/`run`,
+`output`/`pop_output`, `snapshot`, `clear_prefix_cache`, `reset_stats` and read-only views (`request_state`,
+`request_ids`, `progress`, `cached_prefix_tokens`, `kv_ownership`); the request table,
+the scheduler and the KV manager (which owns the prefix index) are private.
 
 Robustness contract: invalid requests are refused in `add_request` with a `ConfigError`
 naming the field; a failure inside a step finishes only the affected requests with
@@ -18,25 +21,25 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
 from minivllm.cache.batch_kv import PagedBatchKV, Segment
 from minivllm.cache.flight_coordinator import FlightCoordinator
+from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput, TokenEvent
-from minivllm.engine.request import Request, Status
-from minivllm.engine.sampler import sample, top_logprobs
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.request import Request, RequestView, Status
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.snapshot import build_snapshot
 from minivllm.errors import ConfigError
 from minivllm.model.decoder import DecoderModel
 from minivllm.obs.trace import trace_scope
-
-_CPU_KV_CAP = 1 << 30
+from minivllm.sampling.outputs import RequestOutput, TokenEvent
+from minivllm.sampling.sampler import sample, top_logprobs
+from minivllm.sampling.sampling_params import SamplingParams
 
 
 class LLMEngine:
@@ -58,21 +61,25 @@ class LLMEngine:
         page_size = self.max_model_len if config.kv_mode == "contiguous" else config.page_size
         page_bytes = PagePool.page_bytes(n_layers=cfg.n_layers, page_size=page_size, n_kv_heads=cfg.n_kv_heads,
                                          head_dim=cfg.head_dim, dtype=model.dtype)
-        num_pages = self._kv_budget_bytes(page_bytes, page_size) // page_bytes
+        num_pages = config.kv_budget_bytes(model.device, self.max_model_len, page_bytes, page_size) // page_bytes
         self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
-        self.prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
+        # The only writer of block tables, and the owner of the prefix index.
+        prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
+        self._kv = KVManager(self.pool, prefix, publication=config.publication)
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
         self.speculator = None
         if draft_model is not None:
+            from minivllm.engine.cuda_graphs import decode_graph_runner
             from minivllm.spec.speculator import Speculator
 
             self.speculator = Speculator(draft_model, draft_tokenizer if draft_tokenizer is not None else tokenizer,
                                          model, tokenizer, config, kv_tokens=num_pages * page_size,
-                                         page_size=page_size, max_model_len=self.max_model_len, draft_name=draft_name)
+                                         page_size=page_size, max_model_len=self.max_model_len, draft_name=draft_name,
+                                         graph_runner=None if config.enforce_eager else decode_graph_runner)
         spec = self.speculator
-        self.scheduler = Scheduler(
-            config, self.pool, self.prefix, self.flights,
+        self._scheduler = Scheduler(
+            config, self._kv, self.flights,
             draft_len=(lambda r: spec.wanted_tokens(r, self.max_model_len)) if spec is not None else None,
             on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
@@ -84,31 +91,13 @@ class LLMEngine:
         # right before sampling (debug.compare records top-k logits through it).
         self.logits_hook = None
         self.graph_runner = self._make_graph_runner()
-        self.requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
                          "requests_submitted": 0, "requests_finished": 0, "finished_stop": 0,
                          "finished_length": 0, "finished_abort": 0, "finished_error": 0, "rejected": 0}
         # The snapshot schema promises every key, also before the first step.
         self.last_step: dict = self._describe_step(ScheduledStep(), time.perf_counter(), logits_rows=0)
-
-    def _kv_budget_bytes(self, page_bytes: int, page_size: int) -> int:
-        c = self.config
-        if c.kv_memory_bytes is not None:
-            return c.kv_memory_bytes
-        device = self.model.device
-        if c.kv_memory_fraction is not None:
-            if device.type != "cuda":
-                raise ConfigError("kv_memory_fraction", c.kv_memory_fraction,
-                                  "is a fraction of free GPU memory; on a CPU give kv_memory_bytes")
-            return int(torch.cuda.mem_get_info(device)[0] * c.kv_memory_fraction)
-        pages_per_seq = -(-self.max_model_len // page_size)
-        # The CUDA graphs take one page as their scratch (padding rows write there): without
-        # it counted, a pool sized for exactly one full-length request refuses that request.
-        graph_scratch = 1 if device.type == "cuda" and not c.enforce_eager else 0
-        wanted = (c.max_active_requests * pages_per_seq + graph_scratch) * page_bytes
-        cap = int(torch.cuda.mem_get_info(device)[0] * 0.5) if device.type == "cuda" else _CPU_KV_CAP
-        return max(page_bytes * (pages_per_seq + graph_scratch), min(wanted, cap))
 
     # -- submission ----------------------------------------------------------------------
 
@@ -123,19 +112,19 @@ class LLMEngine:
         index = next(self._arrivals)
         rid = request_id or f"req-{index}"
         req = Request(rid, prompt, prompt_ids, params, self.tokenizer, self.model.device, index)
-        self.requests[rid] = req
+        self._requests[rid] = req
         if self.flights is not None:
             self.flights.join(rid, req.prompt_ids)
         if self.speculator is not None:
             self.speculator.attach(req)
-        self.scheduler.add(req)
+        self._scheduler.add(req)
         self.counters["requests_submitted"] += 1
         return rid
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> None:
         if not isinstance(params, SamplingParams):
             raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
-        if request_id is not None and request_id in self.requests:
+        if request_id is not None and request_id in self._requests:
             raise ConfigError("request_id", request_id, "is already in use; give a unique id or none")
         if not prompt_ids:
             raise ConfigError("prompt", "", "must contain at least one token")
@@ -156,17 +145,45 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request at any moment; its pages are freed at once."""
-        req = self.requests.get(request_id)
+        req = self._requests.get(request_id)
         if req is None or req.status == Status.FINISHED:
             return None
         return self._finish(req, "abort", token=-1, text=req.stops.flush())
 
+    def release(self, request_id: str) -> None:
+        """Done with this request: abort it if unfinished and forget it (a no-op if unknown)."""
+        self.abort(request_id)
+        self._requests.pop(request_id, None)
+
     # -- the step ------------------------------------------------------------------------
+
+    def run(self, between_steps: Callable[[bool], bool] | None = None, *, until: Callable[[], bool] | None = None,
+            on_error: Callable[[Exception], list[TokenEvent]] | None = None) -> Iterator[list[TokenEvent]]:
+        """The step loop: yields each step's token events. Every turn first calls
+        `between_steps(busy)` if given (busy: something is unfinished), where the host applies
+        submissions and aborts, may wait for work, and returns False to end the loop. It also
+        ends once `until()` is true, or when nothing is unfinished and there is no
+        `between_steps`. `on_error(exc)` turns a step that raised into events instead."""
+        while True:
+            if between_steps is not None and not between_steps(self.has_unfinished()):
+                return
+            if until is not None and until():
+                return
+            if self.has_unfinished():
+                try:
+                    events = self.step()
+                except Exception as exc:  # noqa: BLE001 - only with on_error; re-raised otherwise
+                    if on_error is None:
+                        raise
+                    events = on_error(exc)
+                yield events
+            elif between_steps is None:
+                return
 
     def has_unfinished(self) -> bool:
         # Released followers' first-token events (from an abort between steps) are still
         # owed to their consumers even if those followers already finished on that token.
-        return bool(self.scheduler.waiting or self.scheduler.running or self._released_events)
+        return bool(self._scheduler.waiting or self._scheduler.running or self._released_events)
 
     def step(self) -> list[TokenEvent]:
         """Schedule, run one forward over every scheduled row, sample; return token events."""
@@ -179,7 +196,7 @@ class LLMEngine:
     @torch.inference_mode()
     def _step(self) -> list[TokenEvent]:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self._scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
         events: list[TokenEvent] = []
         if not plan.rows:
@@ -236,8 +253,7 @@ class LLMEngine:
             if row.draft_tokens:
                 continue  # advanced by the verification below, by what it accepts
             row.request.num_computed += row.n_tokens
-            if self.prefix is not None and self.config.publication == "incremental":
-                self._publish(row.request)
+            self._kv.computed(row.request)
         li = 0
         timed = []  # (request, round result or None) for the speculation pay-off gate
         for row in plan.rows:
@@ -270,7 +286,7 @@ class LLMEngine:
                     and self.flights.release == "after_prefill"):
                 # The prompt is computed: publish its pages (whatever the publication
                 # policy) and end the flight, releasing the followers.
-                self._publish(req)
+                self._kv.publish(req)
                 self._release_followers(req.id, self.flights.prefill_done(req.id))
         described["duration_s"] = time.perf_counter() - t0
         if timed:
@@ -317,11 +333,10 @@ class LLMEngine:
             if event.finished:
                 break
         if req.status != Status.FINISHED:
-            self.scheduler.truncate(req)
+            self._kv.truncate(req, req.num_tokens)  # the rejected positions' pages
             # The draft computed positions up to the proposal's next-to-last token.
             spec.drafter.truncate(req.spec, n0 + 1 + min(result.accepted, result.proposed - 1))
-            if self.prefix is not None and self.config.publication == "incremental":
-                self._publish(req)
+            self._kv.computed(req)
         return result, events
 
     def _record_speculation(self, timed: list, described: dict, plan: ScheduledStep) -> None:
@@ -354,7 +369,7 @@ class LLMEngine:
         if logits is None:
             return
         for fid in followers:
-            self._released_events.append(self._sample_token(self.requests[fid], logits))
+            self._released_events.append(self._sample_token(self._requests[fid], logits))
 
     def _append_token(self, req: Request, token: int, logprobs: dict | None) -> TokenEvent:
         if not req.output_ids:
@@ -387,10 +402,10 @@ class LLMEngine:
         # A failed request may hold K/V that a failed forward half-wrote: it publishes
         # nothing more. Finished and aborted ones publish every full page they computed
         # (abort runs between steps, so those pages are complete).
-        published = reason != "error" and self.prefix is not None
+        published = reason != "error" and self._kv.caching
         if published:
-            self._publish(req)
-        self.scheduler.remove(req)
+            self._kv.publish(req)
+        self._scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.finished(req)
         if self.flights is not None:
@@ -403,30 +418,57 @@ class LLMEngine:
         self.counters[f"finished_{reason}"] += 1
         return TokenEvent(req.id, token, text, finished=True, finish_reason=reason, logprobs=logprobs, error=error)
 
-    def _publish(self, req: Request) -> None:
-        """Index the request's full pages whose K/V are computed (committed tokens only:
-        the pending last token has no K/V yet)."""
-        full = min(req.num_computed // self.pool.page_size, len(req.block_table))
-        if full <= req.published_pages:
-            return
-        ids = req.all_ids
-        keys = self.prefix.keys_for(ids[:full * self.pool.page_size], req.cache_keys)
-        self.prefix.publish(ids, keys, req.block_table, req.published_pages, full)
-        req.published_pages = full
-
     # -- results and inspection ---------------------------------------------------------------
 
     def output(self, request_id: str) -> RequestOutput:
-        req = self.requests[request_id]
+        req = self._requests[request_id]
         req.metrics.speculation = req.spec.stats.as_dict() if req.spec is not None else None
         return RequestOutput(req.id, req.prompt, list(req.prompt_ids), list(req.output_ids), req.text,
                              req.finish_reason, req.metrics)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         out = self.output(request_id)
-        if self.requests[request_id].status == Status.FINISHED:
-            del self.requests[request_id]
+        if self._requests[request_id].status == Status.FINISHED:
+            del self._requests[request_id]
         return out
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine still holds (finished ones until popped), in submission order."""
+        return list(self._requests)
+
+    def request_state(self, request_id: str) -> RequestView:
+        """A read-only live view of one request (KeyError for an unknown id)."""
+        return RequestView(self._requests[request_id])
+
+    def progress(self) -> dict[str, int]:
+        """Running requests (holding pages) in admission order: prompt tokens computed."""
+        return {r.id: min(r.num_computed, len(r.prompt_ids)) for r in self._scheduler.running}
+
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of this prompt the prefix cache could restore now; safe
+        to call from another thread (a read-only lookup, possibly slightly stale)."""
+        return self._kv.cached_prefix_tokens(prompt_ids)
+
+    def kv_ownership(self) -> dict:
+        """Who holds which KV page, copied: unfinished requests' target and draft pages, the
+        prefix index's contents (`KVManager.cache_contents`), the graphs' scratch page."""
+        live = [r for r in self._requests.values() if r.status != Status.FINISHED]
+        return {"requests": {r.id: list(r.block_table) for r in live},
+                "draft": {r.id: list(r.spec.block_table) for r in live if r.spec is not None},
+                "cache": self._kv.cache_contents(),
+                "reserved": [self.graph_runner.scratch_page] if self.graph_runner is not None else []}
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every idle cached page (pages in use stay cached); returns how many."""
+        return self._kv.clear_cache()
+
+    def reset_stats(self) -> None:
+        """Forget warm-up or calibration traffic: `clear_prefix_cache`, then zero the cache's
+        counters and the engine's."""
+        self.clear_prefix_cache()
+        self._kv.reset_counters()
+        for key in self.counters:
+            self.counters[key] = 0
 
     def _describe_step(self, plan: ScheduledStep, t0: float, logits_rows: int) -> dict:
         return {
@@ -441,35 +483,18 @@ class LLMEngine:
             "duration_s": time.perf_counter() - t0,
         }
 
-    def describe_kernels(self) -> dict:
-        from collections import Counter
-
-        model = self.model
-        kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
-                        for f in ("q", "k", "v", "o", "gate", "up", "down"))
-        kinds[model.output.gemv_kind] += 1
-        graphs = self.graph_runner
-        return {**self.kernel_options.describe(),
-                "cuda_graphs": None if graphs is None else {
-                    "buckets": graphs.buckets, "captured": sorted(graphs.graphs), "replays": graphs.replays,
-                    "failed": {str(b): why for b, why in graphs.failed.items()}},
-                "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
-
     def _make_graph_runner(self):
         """Decode steps replay CUDA graphs on a GPU unless enforce_eager; see cuda_graphs.py."""
         if self.config.enforce_eager or self.model.device.type != "cuda":
             return None
-        from minivllm.cache.batch_kv import _triton_paged_attention
-        from minivllm.engine.cuda_graphs import DecodeGraphRunner
+        from minivllm.engine.cuda_graphs import decode_graph_runner
 
-        if _triton_paged_attention(self.pool, False) is None or self.pool.num_pages < 2:
-            return None  # no Triton kernel for this cache dtype/device: eager steps
-        return DecodeGraphRunner(self.model, self.pool, max_rows=self.config.max_active_requests,
-                                 max_model_len=self.max_model_len, invariant=self.kernel_options.batch_invariant)
+        return decode_graph_runner(self.model, self.pool, max_rows=self.config.max_active_requests,
+                                   max_model_len=self.max_model_len, invariant=self.kernel_options.batch_invariant)
 
     @property
     def cuda_graphs_enabled(self) -> bool:
         return self.graph_runner is not None
 
     def snapshot(self) -> dict:
-        return build_snapshot(self)
+        return build_snapshot(self, self._scheduler, self._kv, self._requests)

@@ -13,6 +13,7 @@ KV_MODES = ("paged", "contiguous")
 POLICIES = ("fcfs", "shortest-prefill-first", "round-robin")
 PUBLICATIONS = ("at_completion", "incremental")
 SINGLE_FLIGHT = ("off", "at_completion", "after_prefill")
+_CPU_KV_CAP = 1 << 30
 
 
 @dataclass
@@ -94,3 +95,22 @@ class EngineConfig(KernelSettings):
 
     def kernel_options(self) -> KernelOptions:
         return KernelOptions(**self.kernel_settings())
+
+    def kv_budget_bytes(self, device, max_model_len: int, page_bytes: int, page_size: int) -> int:
+        """The KV pool's size in bytes on `device` (see kv_memory_bytes above)."""
+        import torch
+
+        if self.kv_memory_bytes is not None:
+            return self.kv_memory_bytes
+        if self.kv_memory_fraction is not None:
+            if device.type != "cuda":
+                raise ConfigError("kv_memory_fraction", self.kv_memory_fraction,
+                                  "is a fraction of free GPU memory; on a CPU give kv_memory_bytes")
+            return int(torch.cuda.mem_get_info(device)[0] * self.kv_memory_fraction)
+        pages_per_seq = -(-max_model_len // page_size)
+        # The CUDA graphs take one page as their scratch (padding rows write there): without
+        # it counted, a pool sized for exactly one full-length request refuses that request.
+        graph_scratch = 1 if device.type == "cuda" and not self.enforce_eager else 0
+        wanted = (self.max_active_requests * pages_per_seq + graph_scratch) * page_bytes
+        cap = int(torch.cuda.mem_get_info(device)[0] * 0.5) if device.type == "cuda" else _CPU_KV_CAP
+        return max(page_bytes * (pages_per_seq + graph_scratch), min(wanted, cap))

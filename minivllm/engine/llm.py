@@ -15,8 +15,8 @@ import torch
 from minivllm.devices import check_dtype_supported, describe_device, dtype_name, resolve_device, resolve_dtype
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput, TokenEvent
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import RequestOutput, TokenEvent
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
@@ -106,15 +106,14 @@ class LLM:
         text, ids = self._prompt_ids(prompt)
         rid = self.engine.add_request(ids, params or SamplingParams(), prompt=text)
         try:
-            while True:
-                for event in self.engine.step():
+            for events in self.engine.run():
+                for event in events:
                     if event.request_id == rid:
                         yield event
                         if event.finished:
                             return
         finally:
-            self.engine.abort(rid)  # a consumer that stops early cancels the request
-            self.engine.requests.pop(rid, None)
+            self.engine.release(rid)  # a consumer that stops early cancels the request
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -134,12 +133,12 @@ class LLM:
         try:
             for (text, ids), p in zip(encoded, params):
                 rids.append(self.engine.add_request(ids, p, prompt=text))
-            while any(self.engine.requests[r].finish_reason is None for r in rids):
-                self.engine.step()
+            engine = self.engine
+            for _ in engine.run(until=lambda: all(engine.request_state(r).finished for r in rids)):
+                pass
         except BaseException:
             for r in rids:
-                self.engine.abort(r)
-                self.engine.requests.pop(r, None)
+                self.engine.release(r)
             raise
         return [self.engine.pop_output(r) for r in rids]
 

@@ -8,15 +8,16 @@ everything again after a preemption, which drops the pages and sets `num_compute
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
 import torch
 
-from minivllm.engine.outputs import RequestMetrics
-from minivllm.engine.sampler import make_generator
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.stop_strings import StopStringMatcher
+from minivllm.sampling.outputs import RequestMetrics
+from minivllm.sampling.sampler import make_generator
+from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.stop_strings import StopStringMatcher
 from minivllm.gguf.detokenizer import StreamingDetokenizer
 
 
@@ -38,7 +39,7 @@ class Request:
         self.status = Status.WAITING
         self.arrival_index = arrival_index  # submission order: fcfs and "newest" for preemption
         self.num_computed = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # KV pages; written only by cache/kv_manager.py
         # Prefix cache bookkeeping: chain keys of the full blocks hashed so far (content
         # keys, valid across preemptions), tokens restored at the latest admission, and
         # how many leading block-table pages are already published or were restored.
@@ -94,3 +95,58 @@ class Request:
             "preemptions": self.metrics.preemptions,
             "speculation": self.spec.describe() if self.spec is not None else None,
         }
+
+
+class RequestView:
+    """A read-only, live view of one request (`LLMEngine.request_state`): attributes read
+    the request's current state; lists come back as copies."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request):
+        self._req = req
+
+    id = property(lambda self: self._req.id)
+    status = property(lambda self: self._req.status)
+    phase = property(lambda self: self._req.phase)
+    finish_reason = property(lambda self: self._req.finish_reason)
+    error = property(lambda self: self._req.error)
+    text = property(lambda self: self._req.text)
+    num_computed = property(lambda self: self._req.num_computed)
+    num_tokens = property(lambda self: self._req.num_tokens)
+    restored_tokens = property(lambda self: self._req.restored_tokens)
+    prompt_ids = property(lambda self: list(self._req.prompt_ids))
+    output_ids = property(lambda self: list(self._req.output_ids))
+    block_table = property(lambda self: list(self._req.block_table))
+    metrics = property(lambda self: dataclasses.replace(self._req.metrics))
+
+    @property
+    def finished(self) -> bool:
+        return self._req.finish_reason is not None
+
+    @property
+    def draft_block_table(self) -> list[int]:
+        """The draft model's KV pages (empty without speculation)."""
+        spec = self._req.spec
+        return list(spec.block_table) if spec is not None else []
+
+    @property
+    def draft_computed(self) -> int:
+        """Positions with draft K/V (0 without speculation)."""
+        spec = self._req.spec
+        return spec.computed if spec is not None else 0
+
+    @property
+    def speculation(self) -> dict | None:
+        """The request's speculation row of the snapshot, or None."""
+        spec = self._req.spec
+        return spec.describe() if spec is not None else None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RequestView) and other._req is self._req
+
+    def __hash__(self) -> int:
+        return id(self._req)
+
+    def __repr__(self) -> str:
+        return f"RequestView({self.id!r}, {self.status.value}, {self.phase})"

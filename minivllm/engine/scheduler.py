@@ -10,11 +10,13 @@ Step shape (as in vLLM v1):
      can be admitted (a free slot under `max_active_requests` and enough free pages
      for their whole prompt).
 
-Prefix cache: admission first looks the request's tokens (all but the last, so at least
-one token is computed and there are logits to sample) up in the prefix index, shares the
-matched pages, reserves pages only for the rest, and starts computing after them. Pages
-the cache holds idle count as available: allocating one evicts the least recently used.
-Single-flight followers stay in the waiting queue until their flight releases them.
+Pages: the scheduler decides who runs, the KV manager (cache/kv_manager.py) which pages
+they get; it never touches a block table itself. Admission asks `KVManager.admit`, which
+first restores the longest cached prefix of the request's tokens (all but the last, so
+at least one token is computed and there are logits to sample), reserves pages only for
+the rest, and starts computing after them. Pages the cache holds idle count as
+available: allocating one evicts the least recently used. Single-flight followers stay
+in the waiting queue until their flight releases them.
 
 Speculative decoding: after every decode row has its page, decode rows whose request
 wants to speculate (`draft_len`) grow to 1 + k tokens, k capped by the step budget and
@@ -35,8 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.cache.flight_coordinator import FlightCoordinator
-from minivllm.cache.page_pool import PagePool
-from minivllm.cache.prefix_index import PrefixIndex
+from minivllm.cache.kv_manager import KVManager
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, Status
 
@@ -64,8 +65,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, prefix: PrefixIndex | None = None,
-                 flights: FlightCoordinator | None = None, *,
+    def __init__(self, config: EngineConfig, kv: KVManager, flights: FlightCoordinator | None = None, *,
                  draft_len: Callable[[Request], int] | None = None,
                  on_free: Callable[[Request], None] | None = None):
         self.config = config
@@ -73,8 +73,7 @@ class Scheduler:
         # request wants next, and freeing its draft pages with its target pages.
         self.draft_len = draft_len
         self.on_free = on_free
-        self.pool = pool
-        self.prefix = prefix
+        self.kv = kv
         self.flights = flights
         self.waiting: list[Request] = []  # kept in arrival order; preempted ones keep theirs
         self.running: list[Request] = []  # in admission order
@@ -95,19 +94,9 @@ class Scheduler:
         self._free_pages(request)
 
     def _free_pages(self, request: Request) -> None:
-        if request.block_table:
-            self.pool.release(request.block_table[::-1])  # deepest first: the prefix cache's LRU order
-            request.block_table = []
-        request.published_pages = 0
+        self.kv.free(request)
         if self.on_free is not None:
             self.on_free(request)
-
-    def truncate(self, request: Request) -> None:
-        """Free the pages past the request's known tokens (rejected speculative positions)."""
-        keep = self.pool.pages_for(request.num_tokens)
-        if len(request.block_table) > keep:
-            self.pool.release(request.block_table[keep:][::-1])
-            del request.block_table[keep:]
 
     def _preempt(self, victim: Request, step: ScheduledStep) -> None:
         self.running.remove(victim)
@@ -131,10 +120,7 @@ class Scheduler:
             if req not in self.running or req.phase != "decode":
                 continue
             # The row writes K/V at position num_computed: make sure a page holds it.
-            while self.pool.pages_for(req.num_computed + 1) > len(req.block_table):
-                if self.pool.num_available > 0:
-                    req.block_table += self.pool.allocate(1, after=req.block_table[-1] if req.block_table else None)
-                    continue
+            while self.kv.allocate_slots(req, req.num_computed + 1) is None:
                 victim = max((r for r in self.running if r.id not in scheduled), key=lambda r: r.arrival_index)
                 self._preempt(victim, step)
                 if victim is req:
@@ -175,15 +161,10 @@ class Scheduler:
             k = min(self.draft_len(req), budget)
             if k <= 0:
                 continue
-            ps = self.pool.page_size
             # Positions num_computed .. num_computed + k need pages; take only free ones.
-            spare = (len(req.block_table) + self.pool.num_available) * ps - (req.num_computed + 1)
-            k = min(k, spare)
+            k = self.kv.allocate_slots(req, req.num_computed + 1, lookahead=k)
             if k <= 0:
                 continue
-            need = self.pool.pages_for(req.num_computed + 1 + k) - len(req.block_table)
-            if need > 0:
-                req.block_table += self.pool.allocate(need, after=req.block_table[-1])
             row.draft_tokens = k
             row.n_tokens = 1 + k
             budget -= k
@@ -192,19 +173,10 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Give a waiting request pages for every known token, restoring what the prefix
         cache has; False (and nothing changed) if the pool cannot hold the rest now."""
-        hit = []
-        if self.prefix is not None:
-            lookup_ids = req.all_ids[:-1]
-            hit = self.prefix.match(lookup_ids, self.prefix.keys_for(lookup_ids, req.cache_keys))
-        needed = self.pool.pages_for(req.num_tokens) - len(hit)
-        # Matched idle pages stop being evictable once shared, so they don't count twice.
-        available = self.pool.num_available - (self.prefix.num_idle_among(hit) if hit else 0)
-        if needed > available:
+        restored = self.kv.admit(req)
+        if restored is None:
             return False
-        shared = self.prefix.acquire(hit) if self.prefix is not None else []
-        req.block_table = shared + self.pool.allocate(needed, after=shared[-1] if shared else None)
-        req.num_computed = req.restored_tokens = len(hit) * self.pool.page_size
-        req.published_pages = len(hit)
+        req.num_computed = req.restored_tokens = restored
         if req.metrics.preemptions == 0:
             req.metrics.cached_prompt_tokens = req.restored_tokens
         req.status = Status.RUNNING

@@ -61,7 +61,8 @@ from __future__ import annotations
 SCHEMA = "minivllm.engine.snapshot/1"
 
 
-def build_snapshot(engine) -> dict:
+def build_snapshot(engine, scheduler, kv, requests: dict) -> dict:
+    """`engine` for its public parts; its scheduler, KV manager and request table too."""
     cfg = engine.config
     model = engine.model
     return {
@@ -78,41 +79,51 @@ def build_snapshot(engine) -> dict:
             "max_active_requests": cfg.max_active_requests,
             "policy": cfg.policy,
         },
-        "queues": engine.scheduler.snapshot(),
+        "queues": scheduler.snapshot(),
         # reserved_pages: held by the engine itself, not by a request (the CUDA graphs'
         # scratch page), so an idle engine has available_pages + reserved_pages == total_pages.
         "kv": {**engine.pool.snapshot(), "reserved_pages": 1 if engine.graph_runner is not None else 0},
         "last_step": dict(engine.last_step),
-        "prefix_cache": describe_prefix_cache(engine),
-        "speculative": describe_speculation(engine),
-        "kernels": engine.describe_kernels(),
+        "prefix_cache": describe_prefix_cache(engine, kv, requests),
+        "speculative": describe_speculation(engine, scheduler),
+        "kernels": describe_kernels(engine),
         "counters": dict(engine.counters),
     }
 
 
-_EMPTY_INDEX = {"cached_pages": 0, "idle_pages": 0, "in_use_pages": 0, "cached_tokens": 0, "lookups": 0, "hits": 0,
-                "restored_tokens": 0, "published_pages": 0, "duplicate_pages": 0, "evicted_pages": 0, "hit_rate": 0.0}
-
-
-def describe_prefix_cache(engine) -> dict:
+def describe_prefix_cache(engine, kv, requests: dict) -> dict:
     cfg = engine.config
     flights = engine.flights
-    index = engine.prefix
-    section = {"enabled": index is not None, "publication": cfg.publication, "single_flight": cfg.single_flight,
-               **(index.snapshot() if index is not None else _EMPTY_INDEX),
+    section = {"enabled": kv.caching, "publication": cfg.publication, "single_flight": cfg.single_flight,
+               **kv.describe_cache(),
                "flights": [], "released": [], "flight_counters": {}}
     if flights is not None:
         fs = flights.snapshot()
         for f in fs["flights"]:
-            leader = engine.requests.get(f["leader"])
+            leader = requests.get(f["leader"])
             f["leader_phase"] = "waiting" if leader is None or leader.status.value != "running" else leader.phase
         section.update(flights=fs["flights"], released=fs["released"],
                        flight_counters=fs["counters"])
     return section
 
 
-def describe_speculation(engine) -> dict:
+def describe_speculation(engine, scheduler) -> dict:
     spec = engine.speculator
     if spec is None:
         return {"enabled": False}
-    return spec.snapshot(engine.scheduler.running + engine.scheduler.waiting)
+    return spec.snapshot(scheduler.running + scheduler.waiting)
+
+
+def describe_kernels(engine) -> dict:
+    from collections import Counter
+
+    model = engine.model
+    kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
+                    for f in ("q", "k", "v", "o", "gate", "up", "down"))
+    kinds[model.output.gemv_kind] += 1
+    graphs = engine.graph_runner
+    return {**engine.kernel_options.describe(),
+            "cuda_graphs": None if graphs is None else {
+                "buckets": graphs.buckets, "captured": sorted(graphs.graphs), "replays": graphs.replays,
+                "failed": {str(b): why for b, why in graphs.failed.items()}},
+            "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}

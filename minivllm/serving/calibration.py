@@ -19,7 +19,7 @@ import random
 import statistics
 
 from minivllm.engine.engine import LLMEngine
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.worker_rates import WorkerRates
 
 
@@ -74,9 +74,4 @@ def calibrate(engine: LLMEngine, *, prefill_tokens: int = 128, decode_steps: int
 
 def _reset(engine: LLMEngine) -> None:
     """Forget the synthetic requests: empty the prefix cache, zero the counters."""
-    if engine.prefix is not None:
-        engine.prefix.clear()
-        for key in engine.prefix.counters:
-            engine.prefix.counters[key] = 0
-    for key in engine.counters:
-        engine.counters[key] = 0
+    engine.reset_stats()

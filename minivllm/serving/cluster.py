@@ -28,8 +28,8 @@ from pathlib import Path
 
 from minivllm.devices import resolve_dtype
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import RequestOutput
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from minivllm.engine.outputs import TokenEvent
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.outputs import TokenEvent
+from minivllm.sampling.sampling_params import SamplingParams
 
 
 def params_to_wire(params: SamplingParams) -> dict:

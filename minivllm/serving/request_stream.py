@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 
-from minivllm.engine.outputs import RequestMetrics, RequestOutput, TokenEvent
+from minivllm.sampling.outputs import RequestMetrics, RequestOutput, TokenEvent
 
 
 class RequestStream:

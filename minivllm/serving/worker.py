@@ -4,8 +4,12 @@
 it); `worker_main(conn, config)` is importable, so any transport can host a worker.
 
 Threads inside the worker:
-- the step loop (main thread) owns the engine: it applies submissions and aborts between
-  steps, steps while anything is unfinished and sends token events after every step;
+- the step loop (main thread) owns the engine. It is the engine's own loop,
+  `LLMEngine.run`, the same one `LLM.generate` turns: this module only supplies its
+  `between_steps` hook (apply submissions and aborts, wait for work while idle, send a
+  state snapshot every interval) and handles each step's events. There is no second,
+  thread-based async loop (the old `AsyncEngine` is gone): asynchronous callers go through
+  the controller (`Cluster` and its `RequestStream`s), which talks to this loop;
 - a receiver thread reads the pipe. It answers prefix-cache queries at once (a read-only
   lookup, so routing never waits for a long prefill step) and queues everything else for
   the step loop. When the controller goes away it stops the worker;
@@ -83,6 +87,7 @@ class Worker:
         self.stopping = threading.Event()
         self.last_loop = time.monotonic()
         self._last_running: dict[str, int] = {}
+        self._last_state = 0.0  # when the last state snapshot went out
         self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
         self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
         info = {**self.llm.info(), "name": self.name, "pid": os.getpid(), "device_spec": device,
@@ -128,26 +133,27 @@ class Worker:
     # -- the step loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        engine = self.engine
-        last_state = 0.0
-        while not self.stopping.is_set():
-            self.last_loop = time.monotonic()
-            busy = engine.has_unfinished()
-            try:
-                msg = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
-                while True:
-                    if self._handle(msg) == "shutdown":
-                        self._send({"op": "bye"})
-                        return
-                    msg = self.inbox.get_nowait()
-            except queue.Empty:
-                pass
-            if engine.has_unfinished():
-                self._step()
-            now = time.monotonic()
-            if now - last_state >= self.state_interval:
-                self._send({"op": "state", "snapshot": engine.snapshot(), "rates": self.rates.as_dict()})
-                last_state = now
+        for events in self.engine.run(self._between_steps, on_error=self._fail_everything):
+            self._after_step(events)
+
+    def _between_steps(self, busy: bool) -> bool:
+        """Before every turn of the engine's loop: report state when due, apply what the
+        inbox holds (waiting for it briefly when the engine is idle). False ends the loop."""
+        now = time.monotonic()
+        self.last_loop = now
+        if now - self._last_state >= self.state_interval:
+            self._send({"op": "state", "snapshot": self.engine.snapshot(), "rates": self.rates.as_dict()})
+            self._last_state = now
+        try:
+            msg = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
+            while True:
+                if self._handle(msg) == "shutdown":
+                    self._send({"op": "bye"})
+                    return False
+                msg = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return not self.stopping.is_set()
 
     def _handle(self, msg: dict) -> str | None:
         op = msg.get("op")
@@ -177,35 +183,39 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a bad request must not take the worker down
             self._send({"op": "rejected", "request_id": rid, "field": None, "error": f"{type(exc).__name__}: {exc}"})
 
-    def _step(self) -> None:
+    def _fail_everything(self, exc: Exception) -> list:
+        """The last net: the engine contains its errors, so a step that raises is a bug.
+        Finish everything still in flight with the error instead of dying with it."""
         engine = self.engine
-        try:
-            events = engine.step()
-        except Exception as exc:  # noqa: BLE001 - the engine contains its errors; this is the last net
-            # Finish everything still in flight with the error instead of dying with it.
-            message = f"worker {self.name}: engine step failed: {type(exc).__name__}: {exc}"
-            events = []
-            for rid in list(engine.requests):
-                event = engine.abort(rid)
-                if event is not None:
-                    event.finish_reason, event.error = "error", message
-                    events.append(event)
+        message = f"worker {self.name}: engine step failed: {type(exc).__name__}: {exc}"
+        events = []
+        for rid in engine.request_ids():
+            event = engine.abort(rid)
+            if event is not None:
+                event.finish_reason, event.error = "error", message
+                events.append(event)
+        return events
+
+    def _after_step(self, events) -> None:
+        engine = self.engine
         step = engine.last_step
         if not any(row.get("draft_tokens") for row in step["rows"]):
             self.rates.observe_step(step["prefill_tokens"], step["decode_rows"], step["duration_s"])
         self._send_events(events)
         # Which requests hold pages now, and how far their prompts are: a few ids per step,
         # so the router's active/queued split lags by one step, not by a state interval.
-        running = {r.id: min(r.num_computed, len(r.prompt_ids)) for r in engine.scheduler.running}
+        running = engine.progress()
         if running != self._last_running:
             self._send({"op": "progress", "running": running})
             self._last_running = running
 
     def _send_events(self, events) -> None:
         wire = []
+        held = set(self.engine.request_ids()) if any(e.finished for e in events) else set()
         for event in events:
             metrics = None
-            if event.finished and event.request_id in self.engine.requests:
+            if event.finished and event.request_id in held:
+                held.discard(event.request_id)
                 metrics = self.engine.pop_output(event.request_id).metrics.as_dict()
             wire.append(event_to_wire(event, metrics))
         if wire:
@@ -213,19 +223,10 @@ class Worker:
 
     def _cached_tokens(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of this prompt the prefix cache could restore now.
-
-        Called from the receiver thread while the step loop may be publishing: the
-        lookup only reads dicts (atomic under the GIL), so the worst case is a slightly
-        stale answer, which is all a routing estimate needs."""
-        index = self.engine.prefix
-        if index is None or not prompt_ids:
-            return 0
-        try:
-            blocks = index.match(prompt_ids, index.keys_for(prompt_ids, []))
-        except Exception:  # noqa: BLE001 - an estimate; never fail a route over it
-            return 0
-        # The engine always computes at least the last prompt token (its logits start decode).
-        return min(len(blocks) * index.page_size, len(prompt_ids) - 1)
+        Called from the receiver thread while the step loop may be publishing: the engine
+        answers with a read-only lookup, at worst slightly stale, which is all a routing
+        estimate needs."""
+        return self.engine.cached_prefix_tokens(prompt_ids)
 
 
 if __name__ == "__main__":

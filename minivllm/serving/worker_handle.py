@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.inference_devices import InferenceDevice
 from minivllm.serving.protocol import event_from_wire, params_to_wire
 from minivllm.serving.request_stream import RequestStream

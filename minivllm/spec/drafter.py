@@ -16,7 +16,8 @@ proposal length k:
 The draft then has K/V for n + k - 1 positions; after verification `truncate` keeps
 those the target accepted. Pages come from the draft's own pool, sized for as many
 tokens as the target's; when it is full, a request simply decodes without a proposal
-this step (speculation never preempts anything).
+this step (speculation never preempts anything). The draft's block tables are written
+only by its `KVManager` (cache/kv_manager.py), one per draft pool, without a prefix cache.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.cache.batch_kv import PagedBatchKV, Segment
+from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_pool import PagePool
-from minivllm.engine.sampler import apply_penalties, filtered_probs
+from minivllm.sampling.sampler import apply_penalties, filtered_probs
 from minivllm.spec.draft_policy import DraftController
 from minivllm.spec.stats import SpecStats
 
@@ -38,7 +40,7 @@ class SpecState:
 
     controller: DraftController
     stats: SpecStats = field(default_factory=SpecStats)
-    block_table: list[int] = field(default_factory=list)  # draft KV pages
+    block_table: list[int] = field(default_factory=list)  # draft KV pages (written by the draft's KVManager)
     computed: int = 0  # positions with draft K/V
     catch_up: int = 0  # tokens the latest round's first draft forward had to compute
 
@@ -75,21 +77,18 @@ def choose(row: torch.Tensor, context_ids: list[int], output_ids: list[int], par
 
 class Drafter:
     def __init__(self, model, *, num_pages: int, page_size: int, kernel_options, vocab: int,
-                 graphs: bool, max_rows: int, max_model_len: int):
+                 graph_runner=None, max_rows: int, max_model_len: int):
         cfg = model.config
         self.model = model
         self.vocab = vocab
         self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
                              n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
+        self.kv = KVManager(self.pool)
         self.kernel_options = kernel_options
         self.graph_runner = None
-        if graphs and model.device.type == "cuda" and num_pages >= 2:
-            from minivllm.cache.batch_kv import _triton_paged_attention
-            from minivllm.engine.cuda_graphs import DecodeGraphRunner
-
-            if _triton_paged_attention(self.pool, False) is not None:
-                self.graph_runner = DecodeGraphRunner(model, self.pool, max_rows=max_rows, max_model_len=max_model_len,
-                                                      invariant=kernel_options.batch_invariant)
+        if graph_runner is not None:
+            self.graph_runner = graph_runner(model, self.pool, max_rows=max_rows, max_model_len=max_model_len,
+                                             invariant=kernel_options.batch_invariant)
         self.forwards = 0
         self.tokens = 0
 
@@ -97,27 +96,15 @@ class Drafter:
 
     def _reserve(self, state: SpecState, positions: int) -> bool:
         """Pages for draft positions 0..positions-1; False (nothing taken) if they don't fit."""
-        need = self.pool.pages_for(positions) - len(state.block_table)
-        if need <= 0:
-            return True
-        if need > self.pool.num_available:
-            return False
-        after = state.block_table[-1] if state.block_table else None
-        state.block_table += self.pool.allocate(need, after=after)
-        return True
+        return self.kv.allocate_slots(state, positions) is not None
 
     def truncate(self, state: SpecState, valid: int) -> None:
         """Keep draft K/V for positions < valid only, and the pages that hold them."""
         state.computed = min(state.computed, valid)
-        keep = self.pool.pages_for(state.computed)
-        if len(state.block_table) > keep:
-            self.pool.release(state.block_table[keep:][::-1])
-            del state.block_table[keep:]
+        self.kv.truncate(state, state.computed)
 
     def release(self, state: SpecState) -> None:
-        if state.block_table:
-            self.pool.release(state.block_table[::-1])
-        state.block_table = []
+        self.kv.free(state)
         state.computed = 0
 
     # -- proposals --------------------------------------------------------------------------

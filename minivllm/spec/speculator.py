@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.engine.sampler import filtered_probs
+from minivllm.sampling.sampler import filtered_probs
 from minivllm.spec.draft_compat import shared_vocab_size
 from minivllm.spec.draft_policy import parse_draft_policy
 from minivllm.spec.drafter import Drafter, Proposal, SpecState, choose, processed_logits
@@ -46,7 +46,11 @@ class RoundResult:
 
 class Speculator:
     def __init__(self, draft_model, draft_tokenizer, target_model, target_tokenizer, config, *,
-                 kv_tokens: int, page_size: int, max_model_len: int, draft_name: str = "draft"):
+                 kv_tokens: int, page_size: int, max_model_len: int, draft_name: str = "draft",
+                 graph_runner=None):
+        """`graph_runner(model, pool, max_rows=, max_model_len=, invariant=)`, when given,
+        makes the draft's CUDA-graph runner (None where graphs cannot run); the engine
+        passes its own factory (engine/cuda_graphs.py), so spec/ never imports engine/."""
         self.vocab = shared_vocab_size(target_tokenizer, draft_tokenizer, target_model.config, draft_model.config,
                                        draft_name=draft_name)
         d, t = draft_model.device, target_model.device
@@ -62,7 +66,7 @@ class Speculator:
         kernel_options = config.kernel_options().resolved(draft_model.device, dense_bytes=draft_model.dense_bytes())
         self.drafter = Drafter(draft_model, num_pages=-(-kv_tokens // page_size) + 1, page_size=page_size,
                                kernel_options=kernel_options, vocab=self.vocab,
-                               graphs=not config.enforce_eager, max_rows=config.max_active_requests,
+                               graph_runner=graph_runner, max_rows=config.max_active_requests,
                                max_model_len=max_model_len)
         self.totals = SpecStats()  # requests that have finished
         self.recent: deque[dict] = deque(maxlen=RECENT_ROUNDS)  # the latest rounds, for the widgets

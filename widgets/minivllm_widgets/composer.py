@@ -52,7 +52,7 @@ class Composer:
         return [path.read_text()] if path else []
 
     def submit(self, prompts: list[str]) -> list[str]:
-        from minivllm.engine.sampling_params import SamplingParams
+        from minivllm.sampling.sampling_params import SamplingParams
         from minivllm.errors import MinivllmError
 
         cluster = self.runner.cluster

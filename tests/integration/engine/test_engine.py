@@ -19,7 +19,6 @@ Everything here is f32 on the CPU.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -34,12 +33,11 @@ from sampling_margin import draw_margin
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.page_pool import PagePool
-from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.outputs import RequestOutput
+from minivllm.sampling.outputs import RequestOutput
 from minivllm.engine.request import Status
-from minivllm.engine.sampler import make_generator, sample
+from minivllm.sampling.sampler import make_generator, sample
 from minivllm.errors import ConfigError
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
@@ -163,7 +161,8 @@ def check_logits_close(ref: Reference, ids: list[int], got: list[int], engine_ro
 def fragmented(engine: LLMEngine) -> bool:
     """Whether some running request's pages are not one consecutive run (attention then
     reads several slices of the pool)."""
-    return any(any(b != a + 1 for a, b in zip(r.block_table, r.block_table[1:])) for r in engine.scheduler.running)
+    tables = engine.kv_ownership()["requests"]
+    return any(any(b != a + 1 for a, b in zip(t, t[1:])) for rid, t in tables.items() if rid in engine.progress())
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 2000) -> list[dict]:
@@ -286,7 +285,7 @@ def test_impossible_requests_are_refused_and_the_engine_keeps_serving(llm, ref):
     with pytest.raises(ConfigError, match="max_model_len") as err:
         engine.add_request(list(range(10, 74)), SamplingParams(max_tokens=1))  # 64 tokens == max_model_len
     assert err.value.field == "prompt"
-    assert engine.counters["rejected"] == 2 and not engine.requests and not engine.has_unfinished()
+    assert engine.counters["rejected"] == 2 and not engine.request_ids() and not engine.has_unfinished()
 
     ids = llm.tokenizer.encode(PROMPTS[4])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -414,14 +413,14 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
                     engine.add_request(ids, params)
                 assert err.value.field == "max_tokens"
         elif op == "abort":
-            live = sorted(r for r in submitted if engine.requests[r].status != Status.FINISHED)
+            live = sorted(r for r in submitted if engine.request_state(r).status != Status.FINISHED)
             if live:
                 # An index drawn from a fixed range, not sampled_from(live): unseeded requests
                 # make `live` differ between runs of the same example, and hypothesis rejects
                 # draws whose constraints depend on such state (FlakyStrategyDefinition).
                 rid = live[data.draw(st.integers(0, 1 << 16), label="abort") % len(live)]
-                others = {p for r in engine.requests.values() if r.id != rid for p in r.block_table}
-                pages = len(set(engine.requests[rid].block_table) - others)  # pages nobody else uses
+                others = {p for r, t in engine.kv_ownership()["requests"].items() if r != rid for p in t}
+                pages = len(set(engine.request_state(rid).block_table) - others)  # pages nobody else uses
                 free = engine.pool.num_available
                 event = engine.abort(rid)
                 assert event.finished and event.finish_reason == "abort"
@@ -441,7 +440,7 @@ def test_random_programs_keep_pages_and_queues_consistent(tiny, data):
     free_equals_total(engine)
 
     for rid, (ids, params) in submitted.items():
-        error = engine.requests[rid].error
+        error = engine.request_state(rid).error
         out = engine.pop_output(rid)
         if rid in aborted:
             assert out.finish_reason == "abort"
@@ -552,7 +551,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_pages_at_once(llm, ref):
     survivor_ids = tok.encode(PROMPTS[6])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     survivor = engine.add_request(survivor_ids, params)
-    d, p = engine.requests[decoding], engine.requests[prefilling]
+    d, p = engine.request_state(decoding), engine.request_state(prefilling)
     for _ in range(10):
         engine.step()
         check_invariants(engine)
@@ -579,54 +578,54 @@ def test_abort_mid_prefill_and_mid_decode_frees_pages_at_once(llm, ref):
     free_equals_total(engine)
 
 
-# -- 9: the async engine ----------------------------------------------------------------------
+# -- 9: the one step loop -------------------------------------------------------------------
 
 
-def test_async_engine(llm, ref):
+def test_run_is_the_one_step_loop(llm, ref):
+    """`LLMEngine.run` is the loop every host drives (LLM, the worker): submissions and
+    cancellations land in `between_steps`, and releasing a request mid-stream aborts it and
+    frees its pages at once."""
     tok = llm.tokenizer
     prompts = [tok.encode(PROMPTS[4]), tok.encode(PROMPTS[9])]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine = make_engine(llm, max_batched_tokens=16)
-    aengine = AsyncEngine(engine)
+    rids, tokens, last, turns = [], {}, {}, [0]
+    long_params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
-    async def consume(ids):
-        tokens, last = [], None
-        async for event in aengine.generate(ids, params):
-            tokens.append(event.token_id)
-            last = event
-        return tokens, last
+    def between_steps(busy: bool) -> bool:
+        turns[0] += 1
+        if turns[0] == 1:
+            rids.extend(engine.add_request(ids, params) for ids in prompts)
+            rids.append(engine.add_request(prompts[0], long_params))
+        elif len(tokens.get(rids[2], [])) == 2 and rids[2] in engine.request_ids():
+            engine.release(rids[2])  # a consumer that stops early
+        return busy or turns[0] == 1
 
-    async def break_early():
-        gen = aengine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-        first = await gen.__anext__()
-        await gen.__anext__()
-        await gen.aclose()
-        return first.request_id
-
-    async def main():
-        both = await asyncio.gather(consume(prompts[0]), consume(prompts[1]))
-        rid = await break_early()
-        after_break = aengine.snapshot()
-        completed = await aengine.complete(prompts[1], params)
-        return both, rid, after_break, completed
-
-    try:
-        both, rid, snap, completed = asyncio.run(asyncio.wait_for(main(), timeout=300))  # fail, never hang
-    finally:
-        aengine.shutdown()
-    for (tokens, last), ids in zip(both, prompts):
-        want, margins = ref.expected(ids, params, tok.eos_ids)
-        check_against_reference(tokens, want, margins, last.request_id, tie=ENGINE_RTOL)
-        assert last.finished and last.finish_reason == "length"
-    # Leaving the async for early aborted the request and freed its pages at once.
-    assert snap["counters"]["finished_abort"] == 1
+    for events in engine.run(between_steps):
+        for event in events:
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+            if event.finished:
+                last[event.request_id] = event
+    snap = engine.snapshot()
+    assert snap["counters"]["finished_abort"] == 1 and rids[2] not in last
     assert not snap["queues"]["running"] and not snap["queues"]["waiting"]
     assert snap["kv"]["available_pages"] == snap["kv"]["total_pages"]  # free or cached-idle
-    assert rid not in engine.requests
-    assert isinstance(completed, RequestOutput) and completed.finish_reason == "length"
+    assert engine.request_ids() == rids[:2]
+    for rid, ids in zip(rids, prompts):
+        want, margins = ref.expected(ids, params, tok.eos_ids)
+        check_against_reference(tokens[rid], want, margins, rid, tie=ENGINE_RTOL)
+        assert last[rid].finished and last[rid].finish_reason == "length"
+        out = engine.pop_output(rid)
+        assert isinstance(out, RequestOutput) and out.token_ids == tokens[rid]
+    assert not engine.request_ids()
+    # Without a hook the loop ends when nothing is unfinished; `until` ends it earlier.
+    rid = engine.add_request(prompts[1], params)
+    steps = list(engine.run(until=lambda: len(engine.request_state(rid).output_ids) >= 3))
+    assert len(engine.request_state(rid).output_ids) == 3 and len(steps) >= 3
+    list(engine.run())
+    assert engine.request_state(rid).finished
     want, margins = ref.expected(prompts[1], params, tok.eos_ids)
-    check_against_reference(completed.token_ids, want, margins, completed.request_id, tie=ENGINE_RTOL)
-    assert not engine.requests  # every consumer cleaned up after itself
+    check_against_reference(engine.pop_output(rid).token_ids, want, margins, rid, tie=ENGINE_RTOL)
     free_equals_total(engine)
 
 
@@ -680,7 +679,7 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     check_schema(engine.snapshot())  # "all keys always present", also before the first step
     short = engine.add_request(tok.encode(PROMPTS[9]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.step()
-    assert engine.requests[short].phase == "decode"
+    assert engine.request_state(short).phase == "decode"
     long_ids = tok.encode(PROMPTS[3])
     long = engine.add_request(long_ids, SamplingParams(temperature=0.0, max_tokens=2))
 
@@ -734,7 +733,7 @@ def steps_until_first_token(llm, policy: str) -> tuple[int, list[list[str]], lis
     for n in range(1, 30):
         engine.step()
         orders.append([r["id"] for r in engine.last_step["rows"] if r["phase"] == "prefill"])
-        if engine.requests[short].output_ids:
+        if engine.request_state(short).output_ids:
             break
     for r in longs + [short]:
         engine.abort(r)

@@ -42,7 +42,7 @@ from minivllm.cache.prefix_index import ROOT_KEY, PrefixIndex
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Status
-from minivllm.engine.sampler import make_generator, sample
+from minivllm.sampling.sampler import make_generator, sample
 from minivllm.errors import ConfigError
 from minivllm.kernels.kernel_options import KernelOptions
 
@@ -146,7 +146,7 @@ def check_output(tiny, engine: LLMEngine, rid: str, ids: list[int], params: Samp
     """A finished (stop/length) greedy or seeded request against the single-sequence reference."""
     model, tokenizer = tiny
     out = engine.output(rid)
-    assert out.finish_reason in ("stop", "length"), (rid, out.finish_reason, engine.requests[rid].error)
+    assert out.finish_reason in ("stop", "length"), (rid, out.finish_reason, engine.request_state(rid).error)
     want, margins = reference_tokens(model, tokenizer, ids, params)
     # Greedy or seeded: the reference's tokens up to its first near-tie. Restored K/V were
     # computed in another batch than this path's, so an exact match past a near-tie draw
@@ -271,10 +271,10 @@ def test_collisions_in_the_engine_still_give_the_reference_tokens(tiny, monkeypa
     run_to_end(engine)
     rb = engine.add_request(b, GREEDY)
     run_to_end(engine)
-    assert engine.requests[rb].restored_tokens == 0
+    assert engine.request_state(rb).restored_tokens == 0
     ra2 = engine.add_request(a, GREEDY)
     run_to_end(engine)
-    assert engine.requests[ra2].restored_tokens == 4
+    assert engine.request_state(ra2).restored_tokens == 4
     for rid, ids in ((ra, a), (rb, b), (ra2, a)):
         check_output(tiny, engine, rid, ids, GREEDY)
     free_equals_total(engine)
@@ -316,7 +316,7 @@ def shared_document_workload(smol, **config) -> tuple[LLMEngine, list[list[int]]
     outs = [engine.output(r).token_ids for r in rids]
     for r in rids:
         assert engine.output(r).finish_reason in ("stop", "length")
-    return engine, outs, [engine.requests[r].restored_tokens for r in rids]
+    return engine, outs, [engine.request_state(r).restored_tokens for r in rids]
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +363,7 @@ def test_invariant_logits_do_not_depend_on_page_layout(tiny):
         fragmented = False
         while engine.has_unfinished():
             step(engine)
-            table = engine.requests[rid].block_table
+            table = engine.request_state(rid).block_table
             fragmented |= any(b != a + 1 for a, b in zip(table, table[1:]))
         return seen[rid], fragmented
 
@@ -445,7 +445,7 @@ def test_random_reuse_programs_keep_pages_consistent(tiny):
                         engine.add_request(ids, params)
                     assert err.value.field == "max_tokens"
             elif op == "abort":
-                live = sorted(r for r in submitted if engine.requests[r].status != Status.FINISHED)
+                live = sorted(r for r in submitted if engine.request_state(r).status != Status.FINISHED)
                 if live:
                     # An index from a fixed range, not sampled_from(live): see test_engine.py.
                     rid = live[data.draw(st.integers(0, 1 << 16), label="abort") % len(live)]
@@ -492,7 +492,7 @@ def test_random_reuse_programs_keep_pages_consistent(tiny):
 # -- 4: eviction under pressure never takes a page in use ---------------------------------------
 
 
-def test_eviction_under_pressure_never_evicts_a_page_in_use(tiny):
+def test_eviction_under_pressure_never_evicts_a_page_in_use(tiny, monkeypatch):
     """The pool is filled with idle cached pages; a running request shares three of them;
     new requests need most of the pool. References: a spy on every eviction (no evicted
     page is in a live block table), the shared pages' refcounts (index + request), and
@@ -509,22 +509,22 @@ def test_eviction_under_pressure_never_evicts_a_page_in_use(tiny):
     assert engine.pool.num_free == 0 and pc["idle_pages"] == pages == pc["cached_pages"]
 
     evicted_in_use = []
-    evict = engine.prefix.evict
+    evict = PrefixIndex.evict
 
-    def spy(n: int) -> int:
-        live = {p for r in engine.requests.values() for p in r.block_table}
-        before = set(engine.prefix.page_block)
-        done = evict(n)
-        evicted_in_use.extend((before - set(engine.prefix.page_block)) & live)
+    def spy(index: PrefixIndex, n: int) -> int:
+        live = {p for t in engine.kv_ownership()["requests"].values() for p in t}
+        before = set(index.page_block)
+        done = evict(index, n)
+        evicted_in_use.extend((before - set(index.page_block)) & live)
         return done
 
-    engine.prefix.evict = spy
+    monkeypatch.setattr(PrefixIndex, "evict", spy)
 
     r_ids = docs[0] + [5, 6]
     r_params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     r = engine.add_request(r_ids, r_params)
     step(engine)
-    req = engine.requests[r]
+    req = engine.request_state(r)
     assert req.restored_tokens == 12
     shared = req.block_table[:3]
     big = [(prompt(40, 28), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
@@ -539,7 +539,7 @@ def test_eviction_under_pressure_never_evicts_a_page_in_use(tiny):
         if req.status == Status.RUNNING:
             assert req.block_table[:3] == shared
             for p in shared:
-                assert engine.prefix.holds(p) and engine.pool.refcount[p] >= 2
+                assert p in engine.kv_ownership()["cache"]["pages"] and engine.pool.refcount[p] >= 2
         assert n < 100
     assert engine.snapshot()["prefix_cache"]["evicted_pages"] > 0
     assert req.metrics.preemptions == 0 and evicted_in_use == []
@@ -587,11 +587,11 @@ def test_admission_does_not_reserve_restored_pages_again(tiny, prefix_cache):
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     a = engine.add_request(ids, params)
     b = engine.add_request(ids, params)
-    ra, rb = engine.requests[a], engine.requests[b]
+    ra, rb = engine.request_state(a), engine.request_state(b)
     together = 0
     while engine.has_unfinished():
         step(engine)
-        running = engine.scheduler.running
+        running = [engine.request_state(r) for r in engine.progress()]
         if ra in running and rb in running:
             together += 1
             assert rb.restored_tokens == 16
@@ -621,9 +621,9 @@ def test_a_page_aligned_repeated_prompt_still_computes_its_last_page(tiny, k):
     assert engine.snapshot()["prefix_cache"]["cached_pages"] >= k  # the whole prompt is cached
     second = engine.add_request(ids, GREEDY)
     step(engine)
-    assert engine.requests[second].restored_tokens == (k - 1) * ps
+    assert engine.request_state(second).restored_tokens == (k - 1) * ps
     assert engine.last_step["rows"] == [{"id": second, "phase": "prefill", "tokens": ps, "draft_tokens": 0}]
-    assert engine.last_step["logits_rows"] == 1 and len(engine.requests[second].output_ids) == 1
+    assert engine.last_step["logits_rows"] == 1 and len(engine.request_state(second).output_ids) == 1
     run_to_end(engine)
     check_twins(tiny, engine, second, first, ids, GREEDY)
     free_equals_total(engine)
@@ -644,12 +644,12 @@ def test_publication_policy_decides_what_a_concurrent_twin_restores(tiny, public
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     a = engine.add_request(ids, params)
     step(engine)
-    assert len(engine.requests[a].output_ids) == 1
+    assert len(engine.request_state(a).output_ids) == 1
     b = engine.add_request(ids, params)
     step(engine)
-    assert engine.requests[a].status == Status.RUNNING and engine.requests[b].status == Status.RUNNING
+    assert engine.request_state(a).status == Status.RUNNING and engine.request_state(b).status == Status.RUNNING
     want = (n - 1) // ps * ps if publication == "incremental" else 0
-    assert engine.requests[b].restored_tokens == want
+    assert engine.request_state(b).restored_tokens == want
     run_to_end(engine)
     check_twins(tiny, engine, a, b, ids, params)
     free_equals_total(engine)
@@ -677,7 +677,7 @@ def test_single_flight_followers_restore_the_leaders_prompt(tiny, release, n):
               "seed1": SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True),
               "seed2": SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True)}
     rid = {name: engine.add_request(ids, p, request_id=name) for name, p in params.items()}
-    leader = engine.requests["leader"]
+    leader = engine.request_state("leader")
     followers = ["greedy", "seed1", "seed2"]
     restored = n // ps * ps
 
@@ -697,11 +697,11 @@ def test_single_flight_followers_restore_the_leaders_prompt(tiny, release, n):
             break
         for event in step(engine):
             first_token_at.setdefault(event.request_id, step_no)
-        running = {r.id for r in engine.scheduler.running}
+        running = set(engine.progress())
         for f in followers:
             if f in running and f not in admitted_at:
                 admitted_at[f] = step_no
-                assert engine.requests[f].restored_tokens == restored
+                assert engine.request_state(f).restored_tokens == restored
                 leader_running_at_admission.append(leader.status == Status.RUNNING)
         if released_at is None:
             done = leader.output_ids if release == "after_prefill" else leader.status == Status.FINISHED
@@ -709,11 +709,11 @@ def test_single_flight_followers_restore_the_leaders_prompt(tiny, release, n):
                 released_at = step_no
                 rows = rows_of(engine)
                 assert all(rows[f]["flight"] == "released" and rows[f]["waiting_on"] is None for f in followers)
-                assert all(len(engine.requests[f].output_ids) == 1 for f in followers)
+                assert all(len(engine.request_state(f).output_ids) == 1 for f in followers)
                 assert engine.snapshot()["prefix_cache"]["flights"] == []
             else:
                 assert not running & set(followers)
-                assert all(not engine.requests[f].output_ids for f in followers)
+                assert all(not engine.request_state(f).output_ids for f in followers)
                 rows = rows_of(engine)
                 assert all(rows[f]["waiting_on"] == "leader" for f in followers)
                 flights = engine.snapshot()["prefix_cache"]["flights"]
@@ -742,7 +742,7 @@ def test_a_follower_released_by_an_aborted_leader_still_reports_its_end(tiny):
     prompt logits — with max_tokens=1 that finishes it at once. Reference: the engine's
     driving contract (engine.py: `while engine.has_unfinished(): for event in
     engine.step()`), under which every request's finished event is seen: abort()
-    returns the aborted request's, step() must return the others. AsyncEngine steps only
+    returns the aborted request's, step() must return the others. `LLMEngine.run` steps only
     while has_unfinished(), so a lost event leaves the follower's consumer waiting forever."""
     engine = tiny_engine(tiny, single_flight="at_completion")
     ids = prompt(130, 10)
@@ -751,7 +751,7 @@ def test_a_follower_released_by_an_aborted_leader_still_reports_its_end(tiny):
     follower = engine.add_request(ids, one)
     step(engine)
     step(engine)
-    assert engine.requests[leader].phase == "decode" and engine.flights.waiting_on(follower) == leader
+    assert engine.request_state(leader).phase == "decode" and engine.flights.waiting_on(follower) == leader
     seen = {}
     event = engine.abort(leader)
     seen[event.request_id] = event.finish_reason
@@ -783,7 +783,7 @@ def test_cancelling_the_leader_mid_prefill_promotes_the_oldest_follower(tiny, re
         engine.add_request(ids, GREEDY, request_id=name)
     step(engine)
     step(engine)
-    assert engine.requests["leader"].num_computed == 8 and engine.requests["leader"].phase == "prefill"
+    assert engine.request_state("leader").num_computed == 8 and engine.request_state("leader").phase == "prefill"
 
     event = engine.abort("f2")  # a waiting follower
     assert event.finished and event.finish_reason == "abort"
@@ -800,12 +800,12 @@ def test_cancelling_the_leader_mid_prefill_promotes_the_oldest_follower(tiny, re
     rows = rows_of(engine)
     assert rows["f1"]["flight"] == "leader" and rows["f1"]["waiting_on"] is None
     assert rows["f3"]["flight"] == "follower" and rows["f3"]["waiting_on"] == "f1"
-    assert not engine.requests["f1"].output_ids and not engine.requests["f3"].output_ids
+    assert not engine.request_state("f1").output_ids and not engine.request_state("f3").output_ids
 
     steps = run_to_end(engine, max_steps=40)
     assert steps < 40
-    assert engine.requests["f1"].restored_tokens == 8  # the aborted leader's two full pages
-    assert engine.requests["f3"].restored_tokens == 20
+    assert engine.request_state("f1").restored_tokens == 8  # the aborted leader's two full pages
+    assert engine.request_state("f3").restored_tokens == 20
     assert engine.output("leader").finish_reason == engine.output("f2").finish_reason == "abort"
     for name in ("f1", "f3"):
         check_output(tiny, engine, name, ids, GREEDY)

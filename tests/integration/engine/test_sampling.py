@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampler import apply_penalties, filtered_probs, make_generator, sample
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.stop_strings import StopStringMatcher
+from minivllm.sampling.sampler import apply_penalties, filtered_probs, make_generator, sample
+from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.stop_strings import StopStringMatcher
 from minivllm.errors import ConfigError
 
 # --- SamplingParams validation ---------------------------------------------------------------

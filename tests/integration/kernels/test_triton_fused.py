@@ -128,7 +128,7 @@ def test_fused_decoder_forward_matches_the_torch_steps(tmp_path, monkeypatch):
 
     from minivllm.bench.synthetic_model import scaled_down, write_synthetic_model
     from minivllm.engine.llm import LLM
-    from minivllm.engine.sampling_params import SamplingParams
+    from minivllm.sampling.sampling_params import SamplingParams
 
     source = REPO_ROOT / ".gpu19" / "qwen2.5-tokenizer-fields.json.xz"
     if not source.is_file():

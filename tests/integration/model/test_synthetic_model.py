@@ -97,7 +97,7 @@ def test_write_refuses_rows_that_are_not_whole_k_quant_blocks(tmp_path, qwen05_p
 def test_scaled_down_file_loads_and_generates(tmp_path, qwen05_path):
     """All 28 layers (so activations must stay finite through the full depth), small widths."""
     from minivllm.engine.llm import LLM
-    from minivllm.engine.sampling_params import SamplingParams
+    from minivllm.sampling.sampling_params import SamplingParams
     from minivllm.gguf.tokenizer import Tokenizer
 
     spec = scaled_down(name="tiny", d_model=256, n_heads=2, n_kv_heads=1, d_ff=512)

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.serving import Cluster
 from minivllm.serving.cluster import AdmissionRefused

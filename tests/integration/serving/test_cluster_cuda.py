@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
 
 pytestmark = pytest.mark.cuda

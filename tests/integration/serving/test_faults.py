@@ -26,7 +26,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
 from minivllm.serving.http_server import start_server_in_background
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
 from minivllm.serving.http_server import start_server_in_background
 

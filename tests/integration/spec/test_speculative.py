@@ -250,20 +250,23 @@ def draft_pool_check(engine: LLMEngine) -> None:
     request has draft K/V past what the target accepted."""
     spec = engine.speculator
     pool = spec.drafter.pool
-    live = [r for r in engine.requests.values() if r.status != Status.FINISHED]
-    held = Counter(p for r in live for p in r.spec.block_table)
+    everyone = [engine.request_state(r) for r in engine.request_ids()]
+    live = [r for r in everyone if r.status != Status.FINISHED]
+    held = Counter(p for r in live for p in r.draft_block_table)
     assert all(n == 1 for n in held.values()), f"a draft page is held twice: {held}"
     for p in range(pool.num_pages):
         assert pool.refcount[p] == held.get(p, 0), f"draft page {p}: refcount {pool.refcount[p]}, held {held.get(p, 0)}"
-    assert pool.num_pages - pool.num_free == sum(len(r.spec.block_table) for r in live)
-    for r in engine.requests.values():
-        s = r.spec
-        if r.status == Status.FINISHED or r not in engine.scheduler.running:
-            assert s.block_table == [] and s.computed == 0, f"{r.id} ({r.status.value}) keeps draft K/V"
+    assert pool.num_pages - pool.num_free == sum(len(r.draft_block_table) for r in live)
+    assert engine.kv_ownership()["draft"] == {r.id: r.draft_block_table for r in live}
+    running = engine.progress()
+    for r in everyone:
+        table, computed = r.draft_block_table, r.draft_computed
+        if r.status == Status.FINISHED or r.id not in running:
+            assert table == [] and computed == 0, f"{r.id} ({r.status.value}) keeps draft K/V"
             continue
         # The draft keeps K/V only for positions whose tokens the target accepted.
-        assert s.computed <= r.num_computed <= r.num_tokens - 1, (r.id, s.computed, r.num_computed, r.num_tokens)
-        assert len(s.block_table) == pool.pages_for(s.computed), (r.id, s.block_table, s.computed)
+        assert computed <= r.num_computed <= r.num_tokens - 1, (r.id, computed, r.num_computed, r.num_tokens)
+        assert len(table) == pool.pages_for(computed), (r.id, table, computed)
 
 
 def step_checked(engine: LLMEngine) -> list:
@@ -599,7 +602,7 @@ def test_abort_during_speculation_frees_both_pools(pair):
         if engine.snapshot()["speculative"]["rounds"] > 0 and dpool.num_free < dpool.num_pages:
             break
     assert dpool.num_free < dpool.num_pages and engine.snapshot()["speculative"]["rounds"] > 0
-    assert all(engine.requests[r].status == Status.RUNNING for r in rids)
+    assert all(engine.request_state(r).status == Status.RUNNING for r in rids)
     for rid in rids:
         event = engine.abort(rid)
         assert event is not None and event.finish_reason == "abort"
@@ -622,9 +625,9 @@ def test_preemption_with_speculation_frees_draft_pages(pair):
 
     def watch(e):
         for r in e.last_step["preempted"]:
-            req = e.requests[r]
-            preempted_spec.append(req.spec.stats.rounds)
-            assert req.spec.block_table == [] and req.spec.computed == 0
+            req = e.request_state(r)
+            preempted_spec.append(req.speculation["rounds"])
+            assert req.draft_block_table == [] and req.draft_computed == 0
 
     run_to_end(engine, on_step=watch)
     assert engine.counters["preemptions"] > 0, "the KV budget should have forced preemption"
@@ -732,7 +735,7 @@ def test_random_program_keeps_invariants(pair, variant):
     steps = 0
     while steps < 150:
         r = rng.random()
-        live = [rid for rid, req in engine.requests.items() if req.status != Status.FINISHED]
+        live = [rid for rid in engine.request_ids() if engine.request_state(rid).status != Status.FINISHED]
         if r < 0.25 and len(live) < 12:
             ids = list(rng.choice(bases)) if rng.random() < 0.7 else []
             ids += [rng.randrange(0, 509) for _ in range(rng.randint(1, 12))]
@@ -815,9 +818,9 @@ def test_snapshot_and_request_metrics(pair):
         for row in full["queues"]["running"]:
             sp = row["speculation"]
             assert set(sp) == ROW_KEYS, set(sp) ^ ROW_KEYS
-            req = engine.requests[row["id"]]
-            assert sp["draft_pages"] == len(req.spec.block_table)
-            assert sp["draft_computed_tokens"] == req.spec.computed
+            req = engine.request_state(row["id"])
+            assert sp["draft_pages"] == len(req.draft_block_table)
+            assert sp["draft_computed_tokens"] == req.draft_computed
             assert set(sp["gate"]) == {"state", "plain_tokens_per_s", "speculative_tokens_per_s", "pauses",
                                        "next_pause_tokens"}
             assert sp["gate"]["state"] in ("baseline", "speculating", "paused")

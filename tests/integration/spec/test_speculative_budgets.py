@@ -41,7 +41,7 @@ def test_three_tv_budgets_give_three_acceptance_rates(smollm2_path):
                                                                   tv_budget=budget),
                            draft_model=draft, draft_tokenizer=llm.tokenizer)
         rid = engine.add_request(prompt, SamplingParams(temperature=0.7, seed=1, max_tokens=48, ignore_eos=True))
-        while engine.requests[rid].finish_reason is None:
+        while engine.request_state(rid).finish_reason is None:
             engine.step()
         spec = engine.pop_output(rid).metrics.speculation
         assert spec["proposed"] >= 24, spec

@@ -14,7 +14,7 @@ import torch
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cuda
 

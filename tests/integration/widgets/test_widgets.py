@@ -19,7 +19,7 @@ W = pytest.importorskip("ipywidgets")
 
 from conftest import REPO_ROOT
 from minivllm.engine.llm import LLM
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm_widgets import Publisher, Workbench
 from minivllm_widgets.page_grid import COLOURS, counts_from_codes, grid_layout, grid_shape, page_codes, render_page_grid
 from minivllm_widgets.panel_state import ThroughputTracker, kv_view, queues_view, router_view
@@ -97,7 +97,7 @@ def test_views_follow_a_real_engine_snapshot(llm):
     engine.step()
     snap = fake_cluster_snapshot(llm, 2.0)
     (row,) = queues_view(snap)["cpu"]["requests"]
-    req = engine.requests[rid]
+    req = engine.request_state(rid)
     assert row["queue"] == "running" and row["phase"] == "decode"
     assert row["output_tokens"] == len(req.output_ids) and row["progress"] == round(len(req.output_ids) / 8, 2)
     kv = kv_view(snap)["cpu"]
@@ -107,8 +107,7 @@ def test_views_follow_a_real_engine_snapshot(llm):
     assert kv["counts"]["cached-in-use"] == len(req.prompt_ids) // engine.pool.page_size
     assert kv["counts"]["shared"] == 0
     assert sum(kv["counts"].values()) == kv["total"] == engine.pool.num_pages
-    engine.abort(rid)
-    engine.requests.pop(rid)
+    engine.release(rid)
 
 
 def test_router_view_keeps_terms_and_choice():
@@ -339,8 +338,7 @@ def test_two_requests_on_one_prefix_share_its_pages(llm):
         assert sum(kv["counts"].values()) == engine.pool.num_pages
     finally:
         for rid in (a, b):
-            engine.abort(rid)
-            engine.requests.pop(rid, None)
+            engine.release(rid)
 
 
 def test_kv_map_costs_one_message_of_at_most_12_kb_at_10k_pages(llm, monkeypatch):

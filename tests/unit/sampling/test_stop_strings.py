@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from minivllm.engine.stop_strings import StopStringMatcher
+from minivllm.sampling.stop_strings import StopStringMatcher
 
 L = 60 * 1024
 

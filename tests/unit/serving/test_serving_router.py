@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.serving.inference_devices import InferenceDevice, parse_inference_devices
 from minivllm.serving.request_stream import RequestStream

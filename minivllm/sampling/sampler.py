@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], p: SamplingParams) -> torch.Tensor:
