@@ -239,7 +239,7 @@ def _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos) -> None:
     if k_pages.dtype == torch.bfloat16 and k_pages.is_cuda and torch.cuda.get_device_capability(k_pages.device) < (8, 0):
         major, minor = torch.cuda.get_device_capability(k_pages.device)
         raise DeviceError(f"paged_attention: a bfloat16 KV cache needs an sm_80+ GPU, but {k_pages.device} is "
-                          f"sm_{major}{minor} (e.g. a T4); use --activation-dtype f16 or f32 (dtype="float16" / "float32") on this GPU")
+                          f"sm_{major}{minor} (e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU")
 
 
 def require_triton_device(tensors: dict[str, torch.Tensor], kernel: str) -> None:

@@ -51,7 +51,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         if t.dtype == torch.bfloat16 and t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 0):
             major, minor = torch.cuda.get_device_capability(t.device)
             raise DeviceError(f"rms_norm_rows: bfloat16 {name} needs an sm_80+ GPU, but {t.device} is sm_{major}{minor} "
-                              f"(e.g. a T4); use --activation-dtype f16 or f32 (dtype="float16" / "float32") on this GPU")
+                              f"(e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU")
     require_triton_device({"x": x, "weight": weight}, "rms_norm_rows")
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
