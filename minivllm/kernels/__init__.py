@@ -2,4 +2,35 @@
 
 Everything here is the plain-torch reference; later fast paths (Triton on CUDA,
 packed-int CPU matmuls) are tested against these functions.
+
+How the package works (the design notes that ARCHITECTURE.md used to carry):
+
+`QuantizedWeight` keeps a projection as its GGUF blocks on the device (memory ≈ file
+size). `QuantLinear` picks a path per call from the model's shared `KernelOptions`: rows
+≤ `gemv_max_rows` take the fused dequantize-GEMV (Triton on CUDA for
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/F32/F16/BF16; on CPU the float32 kernel of
+`cpu_gemv.cpp` for Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K, the low-precision packs of
+`cpu_packed.py` only when asked for (`dtype=bfloat16` or `cpu_gemv="lowp"`); a row-wise
+dense GEMV otherwise), more rows dequantize (or use the optional dequant cache) and GEMM
+through cuBLAS / MKL; `batch_invariant` sends every row through one per-row
+configuration. The path taken is counted per step (snapshot `last_step.kernel_paths`)
+and named in the trace (`qmatmul` scope, `path` arg). On CUDA,
+Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K projections keep their blocks only in a repacked GPU
+layout built at load (`repacked_gemv.py`: int32 quant planes with 4 rows interleaved,
+the file's scales in arrays of their own, decoded with magic-number float tricks instead
+of int→float conversions; about the file size; `raw` rebuilt on demand for the GEMM
+path); the bias is added inside that kernel; several rows share one decode of each
+weight field (up to 8 per program); `q8_gemv.py` is an opt-in variant
+(`MINIVLLM_Q8_GEMV=1`, not yet measured) with int8 activations and `dp4a`; a type whose
+kernel fails to compile falls back to dequantize + cuBLAS with a warning naming it. With
+the dequant cache on, CUDA GEMV serves 1 row and cuBLAS 2 or more. `paged_attention` is
+flash-decoding (splits of a fixed 64 tokens, then an in-order merge kernel) for any mix
+of rows (decode rows, prefill chunks after cached pages): one program per (row, KV head,
+split) reads that split's keys in place with an online softmax, GQA heads grouped so K/V
+are never repeated. `rms_norm_rows` reduces each row the same way whatever the batch. On
+CUDA the decoder runs each layer with three fused kernels (`fused.py`: residual add +
+RMSNorm, RoPE on q and k, SwiGLU). Every Triton kernel avoids `tl.dot` and bf16
+arithmetic so sm_75 (T4) can run it, and runs under `TRITON_INTERPRET=1` on CPU tensors
+for the tests. The plain-torch references stay: f32 RMSNorm, RoPE in both GGUF layouts,
+SDPA attention (with a two-bmm fast path for one query)
 """

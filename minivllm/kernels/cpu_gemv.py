@@ -10,6 +10,32 @@ library in torch's extensions directory (TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions) keyed by the source text, so only the first process on a
 machine compiles (about half a minute on two cores). The instruction set is chosen here
 from the CPU's flags: AVX-512 (F + BW) when present, else AVX2 + FMA + F16C.
+
+Measurements behind the choice (moved here from ARCHITECTURE.md):
+
+What was tried for the GEMV, and what each gave (SmolLM2's Q4_1 `ffn_up`, 1536 x 576, one
+thread, process CPU time on the shared 2-core machine): the C++ extension 41-63 µs;
+`torch.compile` of the same dequantize-and-multiply in torch ops 435 µs (and 30 s of
+compilation per shape); numba (`prange` over rows, float32 sums without fastmath, scales
+pre-converted since numba has no float16) 1233 µs; torch's int4 pack (bf16, the old
+default) about 1.5x the extension's time over a whole token (14.0 vs 9.2 ms for all 211
+projections). So the extension it is, with the torch code as the fallback.
+Batch-1 decode on SmolLM2 at one thread went from 28 to 14.5 ms of CPU time per step
+(profiled: what remains is mostly Python and small torch ops between the kernels).
+
+Not measured cleanly yet: every wall-clock run on the shared 2-core machine during this
+work had a load average of 7-15, where a two-thread OpenMP region costs milliseconds (a
+66 µs one-thread GEMV took 16 ms with two threads, torch's own int4 kernel the same), so
+`bench peers` decode CVs exceeded 100% (benchmarks/results/peers-smollm2-135m-20261202T000440Z:
+llama.cpp / minivllm 1.10 on means, meaningless; with issue 20's 512/128 settings at load
+3-4, peers-smollm2-135m-20261202T003526Z: minivllm's runs spanned 3.8-69.9 tok/s, 24.7 ±
+31 against llama.cpp's 6.6 ± 3.4, and Qwen2.5-Coder-0.5B 7.4 ± 4.8 against 8.7 ± 6.6,
+peers-qwen2.5-coder-0.5b-20261202T002017Z). A clean 2-core run is still owed. What those runs do show: minivllm's
+float32 greedy tokens equal transformers' f32 for all 64, llama.cpp's (q8 activations) for
+17; `bench activation-dtype` gives bf16 the same 64 greedy tokens as f32. The fast
+low-precision mode is still the old packs (`dtype="bfloat16"` → `cpu_gemv="lowp"`),
+which at one thread cost more CPU time per step than the float32 kernel (23 vs 16 ms):
+an int8-activation (q8, VNNI) kernel is the missing piece.
 """
 
 from __future__ import annotations

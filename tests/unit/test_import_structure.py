@@ -137,3 +137,8 @@ def test_no_module_is_over_500_lines():
     mods = _modules()
     long = {str(p.relative_to(REPO_ROOT)): n for p in mods.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
+
+
+def test_architecture_page_cites_only_files_in_the_repository():
+    text = (REPO_ROOT / "ARCHITECTURE.md").read_text()
+    assert "../" not in text, "ARCHITECTURE.md points outside the repository"
