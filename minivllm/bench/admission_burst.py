@@ -1,6 +1,6 @@
 """A burst of long prompts against short ones, with and without the queued-prompt-token limit.
 
-    .venv/bin/python benchmarks/admission_burst.py [--rounds 2] [--limit 1024]
+    minivllm bench admission [--rounds 2] [--limit 1024]
 
 One SmolLM2-135M CPU worker (one thread) behind the real HTTP server, a fresh cluster per
 setting. At t = 0, LONG prompts of ~400 tokens (max_tokens 1) arrive at once; from
@@ -14,7 +14,6 @@ provenance) go to benchmarks/results/admission-burst-*.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -73,27 +72,21 @@ def run_once(model_path, limit, round_no):
             "long_ttft_p50_s": statistics.median(long_ok) if long_ok else None}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--limit", type=int, default=1024)
-    args = p.parse_args()
-    model_path = resolve_model("smollm2-135m", progress=False)
+def run(rounds: int = 2, limit: int = 1024, model: str = "smollm2-135m") -> tuple:
+    """Alternate the two settings for `rounds` rounds; write and return the result files."""
+    model_path = resolve_model(model, progress=False)
     rows = []
-    for r in range(args.rounds):
-        for limit in (None, args.limit):  # alternate, so drift on a shared machine hits both
-            row = run_once(model_path, limit, r)
+    for r in range(rounds):
+        for setting in (None, limit):  # alternate, so drift on a shared machine hits both
+            row = run_once(model_path, setting, r)
             print(row, flush=True)
             rows.append(row)
-    settings = {"model": "smollm2-135m", "worker": "cpu:1", "long": LONG, "long_prompt_tokens": "~400, max_tokens 1",
+    settings = {"model": model, "worker": "cpu:1", "long": LONG, "long_prompt_tokens": "~400, max_tokens 1",
                 "short": SHORT, "short_prompt_tokens": "~12, max_tokens 8", "short_arrivals": "0.5 s + 0.25 s steps",
-                "limits": ["none", args.limit]}
+                "limits": ["none", limit]}
     columns = ["limit", "round", "short_ok", "short_ttft_p50_s", "short_ttft_p99_s", "short_ttft_max_s", "long_ok",
                "long_429", "long_ttft_p50_s"]
     paths = write_results("admission-burst", provenance("cpu", sha256_file(model_path), settings), rows, columns,
                           notes=__doc__.split("\n\n")[2])
     print(*paths)
-
-
-if __name__ == "__main__":
-    main()
+    return paths
