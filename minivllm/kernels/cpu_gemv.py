@@ -55,6 +55,11 @@ _T = GGMLQuantizationType
 F32_GEMV_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
 
 _SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+_Q8_SOURCE = Path(__file__).with_name("cpu_gemv_q8.cpp")  # the int8-activation GEMV, same module
+
+# The types cpu_gemv_q8.cpp takes (keep in sync with its `pick`); the others run the
+# float32 kernel when the q8 mode is asked for.
+Q8_GEMV_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0})
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "module", "reason", "isa": filled on the first call
 
@@ -79,8 +84,10 @@ def _isa() -> tuple[str | None, list[str]]:
         return None, []
     base = ["-mavx2", "-mfma", "-mf16c"]
     if {"avx512f", "avx512bw"} <= flags and os.environ.get("MINIVLLM_CPU_GEMV_ISA", "") != "avx2":
-        return "avx512", base + ["-mavx512f", "-mavx512bw"]
-    return "avx2", base
+        # VNNI: the q8 GEMV's byte dot products in one instruction (else AVX2's two).
+        vnni = ["-mavx512vl", "-mavx512vnni"] if {"avx512vl", "avx512_vnni"} <= flags else []
+        return "avx512", base + ["-mavx512f", "-mavx512bw", *vnni]
+    return "avx2", base + (["-mavxvnni"] if "avx_vnni" in flags else [])
 
 
 def extension():
@@ -120,8 +127,9 @@ def _build():
         _remove_stale_lock(ext_name)
         module = load_inline(
             name=ext_name,
-            cpp_sources=[_SOURCE.read_text()],
-            functions=["gemv", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "vector_width"],
+            cpp_sources=[_SOURCE.read_text(), _Q8_SOURCE.read_text()],
+            functions=["gemv", "gemv_q8", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "supports_q8",
+                       "gemv_q8_packed", "has_packed_q8", "vector_width"],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -138,7 +146,7 @@ def _extension_name(isa_name: str, flags: list[str]) -> str:
     shared cache directory on every first load, and could race on its lock."""
     import hashlib
 
-    key = "\0".join([_SOURCE.read_text(), *flags, torch.__version__, os.path.dirname(torch.__file__)])
+    key = "\0".join([_SOURCE.read_text(), _Q8_SOURCE.read_text(), *flags, torch.__version__, os.path.dirname(torch.__file__)])
     return f"minivllm_cpu_gemv_{isa_name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
@@ -186,6 +194,52 @@ def run(x: torch.Tensor, args: tuple) -> list[torch.Tensor]:
     """`gemv` with arguments from `prepare`."""
     ext = _STATE.get("module") or extension()
     return ext.gemv(x if x.is_contiguous() else x.contiguous(), *args)
+
+
+def run_q8(x: torch.Tensor, args: tuple) -> list[torch.Tensor]:
+    """`run` through the int8-activation kernel (cpu_gemv_q8.cpp): every weight of a type
+    in Q8_GEMV_TYPES; low precision, so only where the user chose it by name."""
+    ext = _STATE.get("module") or extension()
+    return ext.gemv_q8(x if x.is_contiguous() else x.contiguous(), *args)
+
+
+# Types the AVX512-VNNI kernel takes repacked (cpu_gemv_q8.cpp `packed_rows`).
+Q8_PACKED_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0})
+_BLOCK_BYTES = {_T.Q4_0: 18, _T.Q4_1: 20, _T.Q5_0: 22}
+_NIBBLES_AT = {_T.Q4_0: 2, _T.Q4_1: 4, _T.Q5_0: 6}
+
+
+def pack_q8(weight) -> tuple:
+    """A Q4_0/Q4_1/Q5_0 weight's blocks separated for the packed q8 kernel: (qs, d, mins,
+    qh), the same bytes as the file's blocks plus one zero block per row when a row has an
+    odd number of them (see cpu_gemv_q8.cpp). Costs about the weight's size again."""
+    t = weight.ggml_type
+    n, k = weight.shape
+    nbk = k // 32
+    blocks = weight.raw.reshape(n, nbk, _BLOCK_BYTES[t])
+    if nbk % 2:
+        blocks = torch.cat([blocks, torch.zeros((n, 1, _BLOCK_BYTES[t]), dtype=torch.uint8)], dim=1)
+    nb = blocks.shape[1]
+    qs = blocks[:, :, _NIBBLES_AT[t]:_NIBBLES_AT[t] + 16].contiguous().reshape(n, nb * 16)
+    d = blocks[:, :, 0:2].contiguous().view(torch.int16).reshape(n, nb)
+    empty = torch.empty(0, dtype=torch.int16)
+    mins = blocks[:, :, 2:4].contiguous().view(torch.int16).reshape(n, nb) if t == _T.Q4_1 else empty
+    qh = empty
+    if t == _T.Q5_0:
+        # Fifth bits of a block pair in the kernel's byte order: b0 el 0-15, b1 el 0-15,
+        # b0 el 16-31, b1 el 16-31 (bit i of the 64 = byte i of the register).
+        bits = blocks[:, :, 2:6].contiguous().view(torch.int32).reshape(n, nb // 2, 2).to(torch.int64) & 0xFFFFFFFF
+        b0, b1 = bits[..., 0], bits[..., 1]
+        qh = (b0 & 0xFFFF) | ((b1 & 0xFFFF) << 16) | ((b0 >> 16) << 32) | ((b1 >> 16) << 48)
+        qh = qh.contiguous()
+    return qs, d, mins, qh
+
+
+def run_q8_packed(x: torch.Tensor, packs: list[tuple], types: list[int], ns: list[int]) -> list[torch.Tensor]:
+    """y_i = x @ w_i.T over weights packed by `pack_q8` (AVX512-VNNI builds: has_packed_q8())."""
+    ext = _STATE.get("module") or extension()
+    return ext.gemv_q8_packed(x if x.is_contiguous() else x.contiguous(), types, [p[0] for p in packs],
+                              [p[1] for p in packs], [p[2] for p in packs], [p[3] for p in packs], ns)
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from minivllm.errors import ConfigError
 from minivllm.option_field import check_choices, option
 
 
-CPU_GEMV_MODES = ("auto", "f32", "torch", "lowp")
+CPU_GEMV_MODES = ("auto", "f32", "q8", "torch", "lowp")
 
 
 @dataclass
@@ -30,9 +30,11 @@ class KernelSettings:
         False, "every row's arithmetic independent of the batch, chunking and gemv_max_rows (slower)", "kernels")
     cpu_gemv: str = option(
         "auto", "what a CPU GEMV runs: auto = the float32 kernel (float32 activations and accumulation) unless "
-        "the activation dtype is bfloat16, which selects lowp; f32 = that kernel whatever the dtype; torch = "
-        "the pure-torch dense GEMM in the activation dtype (what runs when the kernel cannot be built); lowp "
-        "= low-precision packs (bf16 activations and scales for 4-bit types, f16 otherwise)", "kernels",
+        "the activation dtype is bfloat16, which selects q8; f32 = that kernel whatever the dtype; q8 = "
+        "activations rounded to int8 per block of 32 (as llama.cpp does) and integer dot products, for "
+        "Q4_0/Q4_1/Q5_0 weights (the other types take the float32 kernel); torch = the pure-torch dense GEMM "
+        "in the activation dtype (what runs when the kernel cannot be built); lowp = the older low-precision "
+        "packs (bf16 activations and scales for 4-bit types, f16 otherwise)", "kernels",
         choices=CPU_GEMV_MODES)
 
     def __post_init__(self) -> None:

@@ -43,6 +43,7 @@ class QuantLinear:
         self._cpu_quant = False  # a quantized weight on the CPU: the GEMV follows options.cpu_gemv
         self._cpu_mode: tuple[str, str] | None = None  # (options.cpu_gemv, what it resolved to)
         self._gemv_args = None  # the f32 kernel's prepared arguments (cpu_gemv.prepare)
+        self._q8_pack = None  # the q8 kernel's repacked blocks (cpu_gemv.pack_q8), built on first use
         self._many_args = None  # project_many's prepared kernel arguments when this is the first linear
         self._triton_ok = False
         self._repacked = None  # CUDA: the GPU layout of the blocks (kernels/triton/repacked_gemv.py)
@@ -75,6 +76,8 @@ class QuantLinear:
             mode = self.cpu_gemv_mode()
             if mode == "f32":
                 return f"cpu-f32-{cpu_gemv.isa()}"  # the compiled kernel: float32 in, float32 sums
+            if mode == "q8":
+                return f"cpu-q8-{cpu_gemv.isa()}"  # int8 activations, integer dot products
             if mode == "lowp":
                 return f"cpu-lowp-{self._packed.kind if self._packed is not None else packed_kind(self.weight)}"
             return f"cpu-{str(self.compute_dtype).replace('torch.', '')}-torch"  # dense GEMV in the activation dtype
@@ -82,14 +85,23 @@ class QuantLinear:
 
     def cpu_gemv_mode(self) -> str:
         """What this CPU weight's GEMV runs under the current options: "f32" (the compiled
-        float32 kernel), "lowp" (the low-precision packs) or "torch" (the dense matrix in
-        the activation dtype: types the kernel lacks, or no kernel on this machine)."""
+        float32 kernel), "q8" (int8 activations, the packed VNNI kernel), "lowp" (the
+        low-precision packs) or "torch" (the dense matrix in the activation dtype: types the
+        kernel lacks, or no kernel on this machine)."""
         asked = self.options.cpu_gemv
         if self._cpu_mode is not None and self._cpu_mode[0] == asked:
             return self._cpu_mode[1]
         mode = asked
         if mode == "auto":
-            mode = "lowp" if self.compute_dtype == torch.bfloat16 else "f32"
+            mode = "q8" if self.compute_dtype == torch.bfloat16 else "f32"
+        if mode == "q8":
+            from minivllm.kernels import cpu_gemv
+
+            # Q8_0 already streams at the memory's speed through the float32 kernel, and
+            # the K-quants have no int8 kernel here: both keep float32 in the fast mode.
+            ext = cpu_gemv.extension()
+            if ext is None or self.weight.ggml_type not in cpu_gemv.Q8_PACKED_TYPES or not ext.has_packed_q8():
+                mode = "f32"
         if mode == "f32":
             from minivllm.kernels import cpu_gemv
 
@@ -157,6 +169,12 @@ class QuantLinear:
                     self._gemv_args = cpu_gemv.prepare([self.weight])
                 y = cpu_gemv.run(x if x.dtype == torch.float32 else x.float(), self._gemv_args)[0]
                 return y if out_dtype == torch.float32 else y.to(out_dtype)
+            if mode == "q8":
+                from minivllm.kernels import cpu_gemv
+
+                y = cpu_gemv.run_q8_packed(x if x.dtype == torch.float32 else x.float(), [self.q8_pack()],
+                                           [int(self.weight.ggml_type)], [self.out_features])[0]
+                return y if out_dtype == torch.float32 else y.to(out_dtype)
             if mode == "lowp":
                 packed = self._lowp()
                 xf = x.float()
@@ -217,6 +235,13 @@ class QuantLinear:
         _CUDA_KERNEL_OK.add(key)
         return y
 
+    def q8_pack(self) -> tuple:
+        if self._q8_pack is None:
+            from minivllm.kernels import cpu_gemv
+
+            self._q8_pack = cpu_gemv.pack_q8(self.weight)
+        return self._q8_pack
+
     def _lowp(self):
         if self._packed is None:
             from minivllm.kernels.cpu_packed import CpuPackedWeight
@@ -243,20 +268,26 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     first = linears[0]
     opts = first.options
     rows = x.shape[0]
-    fused = (not opts.batch_invariant and 0 < rows <= (opts.gemv_max_rows or 0)
-             and all(lin._cpu_quant and lin.cpu_gemv_mode() == "f32" and lin.options is opts for lin in linears))
+    mode = first.cpu_gemv_mode() if first._cpu_quant else None
+    fused = (mode in ("f32", "q8") and not opts.batch_invariant and 0 < rows <= (opts.gemv_max_rows or 0)
+             and all(lin._cpu_quant and lin.cpu_gemv_mode() == mode and lin.options is opts for lin in linears))
     if not fused:
         return [lin(x) for lin in linears]
     from minivllm.kernels import cpu_gemv
 
-    cached = first._many_args  # (linears, kernel arguments, trace name), made on the first call
-    if cached is None or cached[0] != tuple(linears):
+    cached = first._many_args  # (linears, mode, kernel arguments, trace name), made on the first call
+    if cached is None or cached[0] != tuple(linears) or cached[1] != mode:
         linears = tuple(linears)
-        cached = first._many_args = (linears, cpu_gemv.prepare([lin.weight for lin in linears]),
-                                     "+".join(lin.name for lin in linears))
+        if mode == "f32":
+            args = cpu_gemv.prepare([lin.weight for lin in linears])
+        else:
+            args = ([lin.q8_pack() for lin in linears], [int(lin.weight.ggml_type) for lin in linears],
+                    [lin.out_features for lin in linears])
+        cached = first._many_args = (linears, mode, args, "+".join(lin.name for lin in linears))
     opts.path_counts["gemv"] += len(linears)
-    with trace_scope("qmatmul", cached[2], path="gemv"):
-        ys = cpu_gemv.run(x if x.dtype == torch.float32 else x.float(), cached[1])
+    with trace_scope("qmatmul", cached[3], path="gemv"):
+        xf = x if x.dtype == torch.float32 else x.float()
+        ys = cpu_gemv.run(xf, cached[2]) if mode == "f32" else cpu_gemv.run_q8_packed(xf, *cached[2])
         out = []
         for lin, y in zip(linears, ys):  # no-op .to calls skipped: ~3 µs each, 150 a step
             if lin.bias is not None:
