@@ -137,7 +137,11 @@ class QuantLinear:
             path = "gemm"
         opts.path_counts[path] += 1
         with trace_scope("qmatmul", self.name, path=path):  # which path ran, in the trace
-            if path == "gemm":
+            if path == "gemm" and self.weight.device.type == "cpu":
+                from minivllm.kernels.cpu_gemm import matmul_nt
+
+                y = matmul_nt(x.to(self.compute_dtype).contiguous(), self.dense())
+            elif path == "gemm":
                 y = x.to(self.compute_dtype) @ self.dense().T
             elif self._repacked is not None and x.shape[0] > 0:
                 y = self._repacked_gemv(x, invariant=path == "gemv-invariant")
