@@ -157,12 +157,14 @@ def test_torch_fallback_when_the_kernel_is_disabled(smollm2_path):
 
 @needs_ext
 def test_avx2_build_where_avx512_is_the_default(tmp_path):
-    """The AVX2 variant (what an AVX2-only CI machine builds) gives the same bounded results."""
+    """The AVX2 variant (what an AVX2-only CI machine builds) gives the same bounded results, for
+    the float32 kernel and the portable q8 kernel."""
     if cpu_gemv.isa() != "avx512":
         pytest.skip("this machine already builds the AVX2 variant")
     code = (
-        "import sys, torch\nsys.path.insert(0, 'tests')\n"
+        "import sys, torch\nsys.path[:0] = ['tests', 'tests/integration/kernels']\n"
         "from test_cpu_packed import _random_weight\nfrom test_cpu_gemv import TYPES, _bound_check\n"
+        "from test_cpu_gemv_q8 import _q8_reference\n"
         "from minivllm.kernels import cpu_gemv\n"
         "assert cpu_gemv.isa() == 'avx2', cpu_gemv.unavailable_reason()\n"
         "for t in TYPES:\n"
@@ -170,6 +172,9 @@ def test_avx2_build_where_avx512_is_the_default(tmp_path):
         "    for m in (1, 5):\n"
         "        x = torch.randn(m, 512)\n"
         "        _bound_check(w, x, cpu_gemv.gemv(x, [w])[0])\n"
+        "        if t in cpu_gemv.Q8_GEMV_TYPES:  # the portable q8 kernel (AVX2 or AVX-VNNI)\n"
+        "            ref, bound = _q8_reference(x, w)\n"
+        "            assert ((cpu_gemv.run_q8(x, cpu_gemv.prepare([w]))[0].double() - ref).abs() <= bound).all(), t\n"
         "print('ok')\n"
     )
     env = {**os.environ, "MINIVLLM_CPU_GEMV_ISA": "avx2"}
