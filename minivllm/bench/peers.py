@@ -1,6 +1,7 @@
 """CPU prefill and decode speed of minivllm next to its peers on the same GGUF file.
 
-Engines: minivllm (`LLM`, f32 activations, default kernel options), transformers
+Engines: minivllm (`LLM`, f32 activations, default kernel options; with dtypes=("f32",
+"bf16") also its fast mode, a second row), transformers
 (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)` in float32 with its KV cache)
 and, when the `llama_cpp` module imports, llama-cpp-python ("not installed" otherwise;
 nothing is built). All run on the CPU with the same thread count, in the same process,
@@ -39,6 +40,7 @@ DECODE_COL = "decode tok/s (mean ± std)"
 PREFILL_RATIO_COL = "prefill ratio vs minivllm"
 DECODE_RATIO_COL = "decode ratio vs minivllm"
 AGREE_COL = "greedy tokens equal to minivllm's"
+VS_LLAMA_COL = "prefill / decode vs llama.cpp"
 
 
 def default_threads() -> int:
@@ -50,7 +52,7 @@ def default_threads() -> int:
 
 def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: int = 64, runs: int = 3,
         threads: int | None = None, llama_cpp_path: str | None = None, engine_options: dict | None = None,
-        max_runs: int = 8) -> dict:
+        max_runs: int = 8, dtypes: tuple[str, ...] = ("f32",)) -> dict:
     """Measure every available engine; write benchmarks/results/peers-<model>-<stamp>.{json,md}.
     Returns {"rows": [...], "table": markdown table, "files": [json, md]}."""
     if decode_tokens < 2:
@@ -65,8 +67,14 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
     load_start = loadavg()
     max_len = prompt_len + decode_tokens + 8
 
-    ours = MinivllmRunner(model_path, "cpu", "f32", max_len, prompt_len, engine_options)
-    runners: list = [ours]
+    for dt in dtypes:
+        if dt not in ("f32", "bf16"):
+            raise ConfigError("activation_dtype", dt, "on the CPU: f32 (exact) or bf16 (the fast mode)")
+    ours = [MinivllmRunner(model_path, "cpu", dt, max_len, prompt_len, engine_options) for dt in dtypes]
+    for r in ours[1:] if dtypes[0] == "f32" else ours:
+        if r.dtype != "f32":
+            r.engine = f"minivllm {r.dtype} (fast mode)"
+    runners: list = list(ours)
     rows_skipped: list[dict] = []
     versions: dict[str, str] = {}
     import transformers
@@ -81,7 +89,7 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
         runners.append(LlamaCppRunner(lib, model_path, threads, max_len, prompt_len))
         versions["llama_cpp_python"] = getattr(lib, "__version__", "?")
 
-    ids = long_prompt_ids(ours.llm.tokenizer, prompt_len)
+    ids = long_prompt_ids(ours[0].llm.tokenizer, prompt_len)
     for r in runners:  # warm-up: caches allocated, pages touched, kernels chosen
         r.measure(ids, min(4, decode_tokens))
     def one_round() -> list[tuple[float, float, list[int]]]:  # engines take turns inside every round
@@ -109,27 +117,34 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
         row["samples"] = {"prefill_tok_s": prefill[i], "decode_tok_s": decode[i]}
         rows.append(row)
     base = rows[0]
+    llama = next((row for row in rows if row["engine"] == "llama.cpp"), None)
     for row in rows:
         row["prefill_vs_minivllm"] = row["prefill_tok_s_mean"] / base["prefill_tok_s_mean"]
         row["decode_vs_minivllm"] = row["decode_tok_s_mean"] / base["decode_tok_s_mean"]
         row[PREFILL_RATIO_COL] = f"{row['prefill_vs_minivllm']:.2f}"
         row[DECODE_RATIO_COL] = f"{row['decode_vs_minivllm']:.2f}"
-    kernels = ours.kernels()
-    base["kernels"] = kernels
-    base["engine_options"] = dict(engine_options or {})
+        if llama is not None:  # the issue's view: each engine / llama.cpp
+            row["prefill_vs_llama_cpp"] = row["prefill_tok_s_mean"] / llama["prefill_tok_s_mean"]
+            row["decode_vs_llama_cpp"] = row["decode_tok_s_mean"] / llama["decode_tok_s_mean"]
+            row[VS_LLAMA_COL] = f"{row['prefill_vs_llama_cpp']:.2f} / {row['decode_vs_llama_cpp']:.2f}"
+    for r, row in zip(ours, rows):
+        row["kernels"] = r.kernels()
+        row["engine_options"] = dict(engine_options or {})
     rows += rows_skipped
 
     settings = {"model": model, "device": "cpu", "prompt_len": prompt_len, "decode_tokens": decode_tokens,
                 "runs": runs, "max_runs": max(max_runs, runs), "rounds": rounds.info(), "threads": threads, "torch_threads": torch.get_num_threads(),
                 "sampling": "greedy (argmax), EOS ignored", "prompt_source": PROMPTS_FILE.name,
                 "warmup": f"one {min(4, decode_tokens)}-token run per engine",
-                "minivllm": {"dtype": "f32", "engine_options": dict(engine_options or {}), "kernels": kernels},
+                "minivllm": {"dtypes": list(dtypes), "engine_options": dict(engine_options or {}),
+                             "kernels": {r.engine: r.kernels() for r in ours}},
                 "transformers": {"dtype": "float32", "load": "AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)"},
                 **{f"{k}_version": v for k, v in versions.items()}}
     meta = provenance("cpu", sha256_file(model_path), settings)
     meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
-    gemv = (f"minivllm kernels: gemv_max_rows={kernels.get('gemv_max_rows')}, GEMV kinds {kernels.get('gemv_kinds')} "
-            f"(decode rows take the GEMV path; the prompt's rows take GEMM). " if isinstance(kernels, dict) else "")
+    gemv = "".join(f"{r.engine} kernels: gemv_max_rows={k.get('gemv_max_rows')}, GEMV kinds {k.get('gemv_kinds')}. "
+                   for r in ours if isinstance(k := r.kernels(), dict))
+    gemv += "Decode rows take the GEMV path; the prompt's rows take GEMM. " if gemv else ""
     note = (f"CPU, {threads} threads for every engine, same GGUF file ({model_path.name}), same {prompt_len} prompt "
             f"token ids, then {decode_tokens} greedy tokens one at a time with the KV cache. prefill tok/s = prompt "
             f"tokens / (prompt -> first token); decode tok/s = ({decode_tokens} - 1) / (first -> last token). Mean ± "
@@ -137,7 +152,7 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
             f"{CV_TARGET:.0%}; stopped: {rounds.stopped}); engines take turns within each run; ratios are of means "
             f"(engine / minivllm; > 1: faster than minivllm). {gemv}Load average (1/5/15 min) at start {load_start}, "
             f"end {meta['load_average_1_5_15']['end']}.")
-    cols = ["engine", "status", PREFILL_COL, DECODE_COL, PREFILL_RATIO_COL, DECODE_RATIO_COL, AGREE_COL]
+    cols = ["engine", "status", PREFILL_COL, DECODE_COL, PREFILL_RATIO_COL, DECODE_RATIO_COL, VS_LLAMA_COL, AGREE_COL]
     paths = write_results(f"peers-{model_label(model)}", meta, rows, cols, note)
     md = paths[1].read_text()
     print(md, flush=True)

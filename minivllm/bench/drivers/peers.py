@@ -20,7 +20,7 @@ class Settings:
     llama_cpp_path: str | None
     option: list[str]
     inference_device: str
-    activation_dtype: str
+    activation_dtype: list[str] | None
     batch_sizes: str
 
 
@@ -36,7 +36,10 @@ def add_arguments(p) -> None:
     common.add_option(p, "engine option for minivllm (repeatable; default: the engine's kernel defaults)")
     common.add_inference_device(p, help="cpu (prefill/decode vs transformers and llama-cpp-python), or cuda:N / gpu: "
                                         "batched generation vs transformers' own generate")
-    common.add_activation_dtype(p, "f16", help="GPU only: f16 (default; T4 has no bf16), bf16, f32")
+    common.add_activation_dtype(p, default=None, repeatable=True,
+                                help="repeatable. CPU: minivllm rows in these dtypes, f32 (default) and/or bf16 (the fast "
+                                     "mode: int8-activation GEMV, bf16 GEMM); GPU: the one dtype, f16 (default; T4 "
+                                     "has no bf16), bf16, f32")
     p.add_argument("--batch-sizes", default="1,8,32", help="GPU only: comma-separated batch sizes")
 
 
@@ -45,14 +48,15 @@ def run(s: Settings) -> int:
         from minivllm.bench.peers_gpu import run as run_gpu
 
         sizes = tuple(int(x) for x in s.batch_sizes.split(",") if x.strip())
-        run_gpu(s.model, s.inference_device, s.activation_dtype, batch_sizes=sizes, prompt_len=s.prompt_tokens,
+        run_gpu(s.model, s.inference_device, (s.activation_dtype or ["f16"])[-1], batch_sizes=sizes, prompt_len=s.prompt_tokens,
                 decode_tokens=s.max_tokens, runs=s.runs, max_runs=s.max_runs,
                 engine_options=common.engine_options(s.option))
         return 0
     from minivllm.bench.peers import run
 
     run(s.model, prompt_len=s.prompt_tokens, decode_tokens=s.max_tokens, runs=s.runs, threads=s.threads,
-        llama_cpp_path=s.llama_cpp_path, engine_options=common.engine_options(s.option), max_runs=s.max_runs)
+        llama_cpp_path=s.llama_cpp_path, engine_options=common.engine_options(s.option), max_runs=s.max_runs,
+        dtypes=tuple(s.activation_dtype or ["f32"]))
     return 0
 
 

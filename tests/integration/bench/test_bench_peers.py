@@ -49,3 +49,22 @@ def test_peers_driver_tiny(results_dir, smollm2_path):
     lines = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
     assert "minivllm" in lines and "transformers" in lines
     assert " ± " in lines["transformers"] and md_path.read_text().count(table) == 1
+
+
+def test_peers_fast_mode_row(results_dir, smollm2_path):
+    """dtypes=("f32", "bf16"): a second minivllm row for the fast mode, measured in the same
+    rounds, with its own kernels (the q8 GEMV where this CPU has AVX512-VNNI)."""
+    pytest.importorskip("transformers")
+    from minivllm.bench.peers import run
+    from minivllm.kernels import cpu_gemv
+
+    out = run(str(smollm2_path), prompt_len=16, decode_tokens=4, runs=1, threads=2, dtypes=("f32", "bf16"))
+    rows = {r["engine"]: r for r in out["rows"]}
+    exact, fast = rows["minivllm"], rows["minivllm bf16 (fast mode)"]
+    assert fast["status"] == "ok" and fast["decode_tok_s_mean"] > 0 and fast["dtype"] == "bf16"
+    assert fast["decode_vs_minivllm"] == pytest.approx(fast["decode_tok_s_mean"] / exact["decode_tok_s_mean"])
+    kinds = fast["kernels"]["gemv_kinds"]
+    ext = cpu_gemv.extension()
+    if ext is not None and ext.has_packed_q8():
+        assert any(k.startswith("cpu-q8") for k in kinds), kinds
+    assert not any(k.startswith("cpu-q8") for k in exact["kernels"]["gemv_kinds"])
