@@ -23,19 +23,19 @@ projections). So the extension it is, with the torch code as the fallback.
 Batch-1 decode on SmolLM2 at one thread went from 28 to 14.5 ms of CPU time per step
 (profiled: what remains is mostly Python and small torch ops between the kernels).
 
-Not measured cleanly yet: every wall-clock run on the shared 2-core machine during this
-work had a load average of 7-15, where a two-thread OpenMP region costs milliseconds (a
-66 µs one-thread GEMV took 16 ms with two threads, torch's own int4 kernel the same), so
-`bench peers` decode CVs exceeded 100% (benchmarks/results/peers-smollm2-135m-20261202T000440Z:
-llama.cpp / minivllm 1.10 on means, meaningless; with issue 20's 512/128 settings at load
-3-4, peers-smollm2-135m-20261202T003526Z: minivllm's runs spanned 3.8-69.9 tok/s, 24.7 ±
-31 against llama.cpp's 6.6 ± 3.4, and Qwen2.5-Coder-0.5B 7.4 ± 4.8 against 8.7 ± 6.6,
-peers-qwen2.5-coder-0.5b-20261202T002017Z). A clean 2-core run is still owed. What those runs do show: minivllm's
-float32 greedy tokens equal transformers' f32 for all 64, llama.cpp's (q8 activations) for
-17; `bench activation-dtype` gives bf16 the same 64 greedy tokens as f32. The fast
-low-precision mode is still the old packs (`dtype="bfloat16"` → `cpu_gemv="lowp"`),
-which at one thread cost more CPU time per step than the float32 kernel (23 vs 16 ms):
-an int8-activation (q8, VNNI) kernel is the missing piece.
+The fast mode (`cpu_gemv="q8"`, chosen by `dtype="bfloat16"` on a CPU) is the second
+source, cpu_gemv_q8.cpp, in the same module: activations rounded to int8 per block of 32
+(llama.cpp's q8 activations) and each block's products summed exactly in int32 by
+vpdpbusd. On AVX512-VNNI it reads Q4_0/Q4_1/Q5_0 weights repacked (`pack_q8`: nibbles,
+scales and fifth bits in separate planes, two blocks per 512-bit register, four
+accumulators per row); elsewhere a portable AVX2/AVX-VNNI kernel reads the file's blocks
+(measured with the AVX2 build on the same CPU, which has AVX-VNNI: Q5_0 1.5x the float32
+kernel, Q4_1 1.0x, Q8_0 0.83x).
+Measured per call at one thread on SmolLM2's decode shapes (AMD EPYC, AVX-512): fused
+Q/K/V 26 -> 15 us, o 16 -> 9, gate/up 78 -> 38, down 38 -> 16 (float32 kernel -> packed
+q8). Q8_0 weights keep the float32 kernel in the fast mode: it already streams them at
+the memory's speed (45 GB/s at two threads), and the portable q8 kernel was slower on
+them (0.6x). End-to-end numbers: benchmarks/README.md, "Peers measured side by side".
 """
 
 from __future__ import annotations
@@ -240,6 +240,26 @@ def run_q8_packed(x: torch.Tensor, packs: list[tuple], types: list[int], ns: lis
     ext = _STATE.get("module") or extension()
     return ext.gemv_q8_packed(x if x.is_contiguous() else x.contiguous(), types, [p[0] for p in packs],
                               [p[1] for p in packs], [p[2] for p in packs], [p[3] for p in packs], ns)
+
+
+def q8_weight_args(weight) -> tuple:
+    """What `run_q8_weights` passes for this weight: ("packed", planes) on AVX512-VNNI
+    builds, else ("blocks", the file's blocks) for the portable kernel."""
+    ext = _STATE.get("module") or extension()
+    if ext.has_packed_q8():
+        return ("packed", pack_q8(weight), int(weight.ggml_type), weight.shape[0])
+    return ("blocks", weight.raw, int(weight.ggml_type), weight.shape[0])
+
+
+def run_q8_weights(x: torch.Tensor, linears) -> list[torch.Tensor]:
+    """y_i = x @ w_i.T in the q8 mode for linears of one input (their `q8_args()`), one
+    kernel call."""
+    args = [lin.q8_args() for lin in linears]
+    types, ns = [a[2] for a in args], [a[3] for a in args]
+    if args[0][0] == "packed":
+        return run_q8_packed(x, [a[1] for a in args], types, ns)
+    ext = _STATE.get("module") or extension()
+    return ext.gemv_q8(x if x.is_contiguous() else x.contiguous(), [a[1] for a in args], types, ns)
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

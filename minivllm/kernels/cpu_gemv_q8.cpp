@@ -137,10 +137,12 @@ static void rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const QRo
     const int64_t mm = std::min<int64_t>(MAXM, m - r0);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * row_bytes;
-      __m256 acc[MAXM];
+      // Two accumulators per row (even and odd blocks), so consecutive blocks do not
+      // wait on each other's FMA; every row takes the same order whatever M.
+      __m256 acc[MAXM][2];
       float mins[MAXM];
       for (int r = 0; r < mm; ++r) {
-        acc[r] = _mm256_setzero_ps();
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         mins[r] = 0.0f;
       }
       for (int64_t i = 0; i < nblocks; ++i) {
@@ -150,11 +152,11 @@ static void rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const QRo
           const QRow& x = xs[r0 + r];
           const __m256i a = _mm256_loadu_si256((const __m256i*)(x.q + i * QK));
           const __m256 sum = _mm256_cvtepi32_ps(T::lanes(b, a));
-          acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d * x.scale[i]), acc[r]);
+          acc[r][i & 1] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d * x.scale[i]), acc[r][i & 1]);
           if (T::HAS_MIN) mins[r] += T::m(b) * x.scaled_sum[i];
         }
       }
-      for (int r = 0; r < mm; ++r) y[(r0 + r) * ldy + n] = hsum8(acc[r]) + mins[r];
+      for (int r = 0; r < mm; ++r) y[(r0 + r) * ldy + n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + mins[r];
     }
   }
 }

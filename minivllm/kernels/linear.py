@@ -97,10 +97,10 @@ class QuantLinear:
         if mode == "q8":
             from minivllm.kernels import cpu_gemv
 
-            # Q8_0 already streams at the memory's speed through the float32 kernel, and
-            # the K-quants have no int8 kernel here: both keep float32 in the fast mode.
-            ext = cpu_gemv.extension()
-            if ext is None or self.weight.ggml_type not in cpu_gemv.Q8_PACKED_TYPES or not ext.has_packed_q8():
+            # Q8_0 already streams at the memory's speed through the float32 kernel (the
+            # q8 kernels were 0.6-0.85x on it), and the K-quants have no int8 kernel here:
+            # both keep float32 in the fast mode.
+            if cpu_gemv.extension() is None or self.weight.ggml_type not in cpu_gemv.Q8_PACKED_TYPES:
                 mode = "f32"
         if mode == "f32":
             from minivllm.kernels import cpu_gemv
@@ -176,8 +176,7 @@ class QuantLinear:
             if mode == "q8":
                 from minivllm.kernels import cpu_gemv
 
-                y = cpu_gemv.run_q8_packed(x if x.dtype == torch.float32 else x.float(), [self.q8_pack()],
-                                           [int(self.weight.ggml_type)], [self.out_features])[0]
+                y = cpu_gemv.run_q8_weights(x if x.dtype == torch.float32 else x.float(), [self])[0]
                 return y if out_dtype == torch.float32 else y.to(out_dtype)
             if mode == "lowp":
                 packed = self._lowp()
@@ -239,11 +238,13 @@ class QuantLinear:
         _CUDA_KERNEL_OK.add(key)
         return y
 
-    def q8_pack(self) -> tuple:
+    def q8_args(self) -> tuple:
+        """This weight's arguments for the q8 kernel: its repacked planes where the build
+        has the AVX512-VNNI kernel, else the file's blocks (made once)."""
         if self._q8_pack is None:
             from minivllm.kernels import cpu_gemv
 
-            self._q8_pack = cpu_gemv.pack_q8(self.weight)
+            self._q8_pack = cpu_gemv.q8_weight_args(self.weight)
         return self._q8_pack
 
     def _lowp(self):
@@ -282,16 +283,12 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     cached = first._many_args  # (linears, mode, kernel arguments, trace name), made on the first call
     if cached is None or cached[0] != tuple(linears) or cached[1] != mode:
         linears = tuple(linears)
-        if mode == "f32":
-            args = cpu_gemv.prepare([lin.weight for lin in linears])
-        else:
-            args = ([lin.q8_pack() for lin in linears], [int(lin.weight.ggml_type) for lin in linears],
-                    [lin.out_features for lin in linears])
+        args = cpu_gemv.prepare([lin.weight for lin in linears]) if mode == "f32" else linears
         cached = first._many_args = (linears, mode, args, "+".join(lin.name for lin in linears))
     opts.path_counts["gemv"] += len(linears)
     with trace_scope("qmatmul", cached[3], path="gemv"):
         xf = x if x.dtype == torch.float32 else x.float()
-        ys = cpu_gemv.run(xf, cached[2]) if mode == "f32" else cpu_gemv.run_q8_packed(xf, *cached[2])
+        ys = cpu_gemv.run(xf, cached[2]) if mode == "f32" else cpu_gemv.run_q8_weights(xf, cached[2])
         out = []
         for lin, y in zip(linears, ys):  # no-op .to calls skipped: ~3 µs each, 150 a step
             if lin.bias is not None:
