@@ -5,7 +5,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
 
     {
       "schema": "minivllm.engine.snapshot/1",
-      "engine": {model, architecture, device, activation_dtype, kv_mode, page_size,
+      "engine": {model, architecture, device, activation_dtype, kv_dtype, kv_mode, page_size,
                  max_model_len, max_batched_tokens, max_active_requests, policy},
       "queues": {
         "policy": str,
@@ -71,7 +71,8 @@ def build_snapshot(engine, scheduler, kv, requests: dict) -> dict:
             "model": model.config.name,
             "architecture": model.config.architecture,
             "device": str(model.device),
-            "activation_dtype": str(model.dtype).replace("torch.", ""),
+            "activation_dtype": str(getattr(model, "matmul_dtype", model.dtype)).replace("torch.", ""),
+            "kv_dtype": str(model.dtype).replace("torch.", ""),  # float32 in the CPU fast mode (bf16 matmuls only)
             "kv_mode": cfg.kv_mode,
             "page_size": engine.pool.page_size,
             "max_model_len": engine.max_model_len,

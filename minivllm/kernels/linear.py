@@ -32,11 +32,14 @@ from minivllm.obs.trace import trace_scope
 
 class QuantLinear:
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, *, options: KernelOptions,
-                 compute_dtype: torch.dtype, name: str = "linear"):
+                 compute_dtype: torch.dtype, name: str = "linear", out_dtype: torch.dtype | None = None):
         self.weight = weight
         self.bias = bias  # float32 or None
         self.options = options  # shared by every layer of a model; read at call time
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype  # the matmul's input dtype (GEMM, dense GEMV)
+        # What the layer returns: the compute dtype, except in the CPU fast mode, whose
+        # bf16 GEMM / int8 GEMV hand float32 back to a float32 model (model/loader.py).
+        self.out_dtype = out_dtype or compute_dtype
         self.name = name  # the projection, shown in traces ("attn_q", "ffn_down", ...)
         self._dense: torch.Tensor | None = None  # the dequant cache, when enabled
         self._packed = None  # the low-precision CPU pack (cpu_packed.CpuPackedWeight), built on first use
@@ -140,7 +143,7 @@ class QuantLinear:
             if path == "gemm" and self.weight.device.type == "cpu":
                 from minivllm.kernels.cpu_gemm import matmul_nt
 
-                y = matmul_nt(x.to(self.compute_dtype).contiguous(), self.dense())
+                y = matmul_nt(x.to(self.compute_dtype).contiguous(), self.dense()).to(self.out_dtype)
             elif path == "gemm":
                 y = x.to(self.compute_dtype) @ self.dense().T
             elif self._repacked is not None and x.shape[0] > 0:
@@ -155,7 +158,7 @@ class QuantLinear:
             return y
 
     def _gemv(self, x: torch.Tensor, *, invariant: bool) -> torch.Tensor:
-        out_dtype = self.compute_dtype
+        out_dtype = self.out_dtype
         if x.shape[0] == 0:  # a step whose rows need no logits still calls the LM head
             return x.new_empty((0, self.out_features), dtype=out_dtype)
         if self._triton_ok:
@@ -293,7 +296,7 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
         for lin, y in zip(linears, ys):  # no-op .to calls skipped: ~3 µs each, 150 a step
             if lin.bias is not None:
                 y = y.add_(lin.bias)
-            out.append(y if lin.compute_dtype == torch.float32 else y.to(lin.compute_dtype))
+            out.append(y if lin.out_dtype == torch.float32 else y.to(lin.out_dtype))
         return out
 
 

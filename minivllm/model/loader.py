@@ -67,13 +67,20 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {gf.path.name}", disable=not progress)
     ld = _TensorLoader(gf, device, bar)
     f32 = torch.float32
+    # The CPU fast mode (dtype=bfloat16 on a CPU): bf16 or int8 only inside the matmuls
+    # (bf16 GEMM through oneDNN, the int8-activation GEMV), everything between them, K/V
+    # included, in float32. bf16 activations between the ops bought no speed on the CPU
+    # (no bf16 attention or norm kernels there) and cost conversions on every op.
+    model_dtype = f32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+    out_dtype = None if model_dtype == dtype else f32
     q_out = cfg.n_heads * cfg.head_dim
     kv_out = cfg.n_kv_heads * cfg.head_dim
 
     def linear(prefix: str, out_f: int, in_f: int, compute_dtype: torch.dtype = dtype) -> QuantLinear:
         w = ld.blocks(f"{prefix}.weight", (out_f, in_f))
         b = ld.maybe(f"{prefix}.bias", f32, (out_f,))
-        return QuantLinear(w, b, options=options, compute_dtype=compute_dtype, name=prefix.rsplit(".", 1)[-1])
+        return QuantLinear(w, b, options=options, compute_dtype=compute_dtype, name=prefix.rsplit(".", 1)[-1],
+                           out_dtype=out_dtype)
 
     layers = []
     for i in range(cfg.n_layers):
@@ -103,6 +110,7 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
     rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_base, cfg.rope_style, freq_factors=freq_factors,
                            linear_factor=cfg.rope_linear_factor, device=device)
     model = DecoderModel(cfg, embedding, layers, ld.get("output_norm.weight", f32, (cfg.d_model,)),
-                         output, rope, dtype, device, options)
+                         output, rope, model_dtype, device, options)
+    model.matmul_dtype = dtype  # what the user asked for: the matmuls' precision
     bar.close()
     return model

@@ -637,7 +637,7 @@ PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_
                "flights", "released", "flight_counters"}
 KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cpu_gemv", "cuda_graphs", "weight_bytes",
                "gemv_kinds"}
-ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_mode", "page_size", "max_model_len",
+ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_dtype", "kv_mode", "page_size", "max_model_len",
                "max_batched_tokens", "max_active_requests", "policy"}
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}
 KV_KEYS = {"page_size", "total_pages", "free_pages", "available_pages", "used_pages", "bytes", "page_states",
