@@ -120,24 +120,33 @@ def _build():
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None and shutil.which("g++") is None:
         return None, "no C++ compiler on PATH (install g++, as `make setup` does)"
-    try:
-        from torch.utils.cpp_extension import load_inline
+    # The VNNI flags only serve the q8 kernel: a compiler too old for them (-mavxvnni needs
+    # GCC 11) gets a second try without, rather than losing the float32 kernel too.
+    attempts = [flags] + ([[f for f in flags if "vnni" not in f]] if any("vnni" in f for f in flags) else [])
+    for i, attempt in enumerate(attempts):
+        try:
+            return _load(name, attempt), None
+        except Exception as err:  # a compiler error, a missing header, a read-only cache dir
+            if i + 1 == len(attempts):
+                return None, f"building the extension failed: {type(err).__name__}: {str(err).strip().splitlines()[-1:]}"
 
-        ext_name = _extension_name(name, flags)
-        _remove_stale_lock(ext_name)
-        module = load_inline(
-            name=ext_name,
-            cpp_sources=[_SOURCE.read_text(), _Q8_SOURCE.read_text()],
-            functions=["gemv", "gemv_q8", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "supports_q8",
-                       "gemv_q8_packed", "has_packed_q8", "vector_width"],
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as err:  # a compiler error, a missing header, a read-only cache dir
-        return None, f"building the extension failed: {type(err).__name__}: {str(err).strip().splitlines()[-1:]}"
+
+def _load(name: str, flags: list[str]):
+    from torch.utils.cpp_extension import load_inline
+
+    ext_name = _extension_name(name, flags)
+    _remove_stale_lock(ext_name)
+    module = load_inline(
+        name=ext_name,
+        cpp_sources=[_SOURCE.read_text(), _Q8_SOURCE.read_text()],
+        functions=["gemv", "gemv_q8", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "supports_q8",
+                   "gemv_q8_packed", "has_packed_q8", "vector_width"],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
     _STATE["isa"] = name
-    return module, None
+    return module
 
 
 def _extension_name(isa_name: str, flags: list[str]) -> str:
