@@ -121,15 +121,15 @@ def summary_sentence(report) -> str:
         if close is not None:
             out += (f" The closest call was token {close.position + 1} ({close.a.text!r}), "
                     + (_tie_words(close.a) if _is_tie(close.a) else f"a margin of {close.a.margin:.4g} logits") + ".")
+        left = getattr(report, "first_layer_difference", None)
+        if left is not None:
+            out += (f" Their hidden states still differ: b first leaves a at {left['layer']}, sequence position "
+                    f"{left['position']} ({'in the prompt' if left['in_prompt'] else 'a generated token'}).")
         return out
     rec = report.records[fd.position]
     out = (f"The runs agree for {fd.identical_tokens} tokens; at token {fd.position + 1} "
            f"{_choice_words('a', rec.a)}, while {_choice_words('b', rec.b)}.")
     first = next((d for d in report.layer_diffs if d.first_differing_position is not None), None)
-    left = getattr(report, "first_layer_difference", None)
-    if left is not None and fd is None:
-        return out + (f" Their hidden states still differ: b first leaves a at {left['layer']}, sequence position "
-                      f"{left['position']} ({'in the prompt' if left['in_prompt'] else 'a generated token'}).")
     if first is not None:
         split_row = fd.sequence_position - 1  # the row whose logits chose the diverging token
         where = (f"the hidden states already differed from {first.layer} at position {first.first_differing_position}"
