@@ -105,7 +105,7 @@ def compare(model, prompt: str | list[int], a: dict | str | None = None, b: dict
     different = (spec_a.engine, side_a.device, _side_dtype(side_a)) != (spec_b.engine, side_b.device, _side_dtype(side_b))
     layers = _LayerReport()
     if hidden_states and (split is not None or different):
-        layers = _layer_report(side_a, side_b, prompt_ids, ids_a, split, (top_a, top_b), max_tokens)
+        layers = _layer_report(side_a, side_b, prompt_ids, ids_a, split, (top_a, top_b))
 
     return DivergenceReport(
         model=_model_name(models.sha256(), models.given_name, models.path), model_path=str(models.path),
@@ -208,7 +208,7 @@ class _LayerReport:
         self.diffs, self.replay, self.note, self.first = diffs or [], replay, note, first
 
 
-def _layer_report(side_a, side_b, prompt_ids, ids_a, split, tops, max_tokens) -> _LayerReport:
+def _layer_report(side_a, side_b, prompt_ids, ids_a, split, tops) -> _LayerReport:
     """Replay the common tokens on both sides and diff their residual streams."""
     if split is not None:
         # Both sides reached the split from the same tokens, so the replay input is common;
