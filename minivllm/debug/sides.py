@@ -117,7 +117,9 @@ def _device(value, side: str) -> torch.device:
     try:
         return resolve_device(value)
     except DeviceError as exc:
-        raise ConfigError(f"{side}.device", value, f"{exc}; give side {side} device 'cpu' (or an existing cuda:N)") \
+        why = (f"torch sees no NVIDIA GPU here (torch {torch.__version__}, CUDA build: {torch.version.cuda})"
+               if not torch.cuda.is_available() else str(exc))
+        raise ConfigError(f"{side}.device", value, f"{why}; give side {side} device 'cpu' (or an existing cuda:N)") \
             from None
     except ConfigError:
         raise ConfigError(f"{side}.device", value, f"side {side}: expected cpu, gpu, cuda or cuda:N") from None
