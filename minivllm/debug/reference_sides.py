@@ -69,19 +69,31 @@ class TransformersSide:
 
         self.version = transformers.__version__
         self.n_layers = int(self.model.config.num_hidden_layers)
+        # The KV cache argument is `past_key_values` in older transformers and `cache` in newer
+        # ones (5.24 warns that the old name goes in 5.40).
+        import inspect
+
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._last_not_comparable: str | None = None
+
+    def _forward(self, ids: list[list[int]], cache, **kwargs):
+        """One forward through the cache; returns (output, the cache to pass next)."""
+        out = self.model(input_ids=torch.tensor(ids, device=self.device), use_cache=True,
+                         **{self._cache_kw: cache}, **kwargs)
+        new_cache = out.get("cache")
+        return out, new_cache if new_cache is not None else out.get("past_key_values")
 
     def settings(self) -> dict:
         return {"engine": "transformers", "device": describe_device(self.device), "dtype": "f32",
                 "weights": "own (transformers' GGUF dequantization, dense float32)", "transformers": self.version,
-                "kv_cache": "transformers DynamicCache (past_key_values)"}
+                "kv_cache": f"transformers' own, passed as {self._cache_kw}"}
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_tokens: int, k: int,
                ) -> tuple[list[int], list[tuple[list[int], list[float]]]]:
-        """The prompt in one forward, then one token per forward through `past_key_values`;
+        """The prompt in one forward, then one token per forward through its KV cache (`past_key_values`);
         stops at the engine's stop tokens (the same GGUF's end-of-generation ids)."""
-        out = self.model(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
+        out, cache = self._forward([list(prompt_ids)], None)
         tokens, tops = [], []
         while True:
             token, top = _top(out.logits[0, -1], k)
@@ -89,8 +101,7 @@ class TransformersSide:
             tops.append(top)
             if token in self.stop_ids or len(tokens) >= max_tokens:
                 return tokens, tops
-            out = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=out.past_key_values,
-                             use_cache=True)
+            out, cache = self._forward([[token]], cache)
 
     def not_comparable(self) -> dict[int, str]:
         """Entries of the hidden-state record that are not the engine's quantity (after a replay)."""
@@ -111,9 +122,7 @@ class TransformersSide:
             cache = None
             for start in range(0, len(token_ids), REPLAY_CHUNK):
                 captured.clear()
-                ids = torch.tensor([token_ids[start:start + REPLAY_CHUNK]], device=self.device)
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-                cache = out.past_key_values
+                out, cache = self._forward([token_ids[start:start + REPLAY_CHUNK]], cache, output_hidden_states=True)
                 hidden = list(out.hidden_states)
                 if len(hidden) != self.n_layers + 1:
                     raise MinivllmError(f"side {self.side}: transformers returned {len(hidden)} hidden states for a "
