@@ -115,3 +115,9 @@ class ConfigError(MinivllmError, ValueError):
 
 class DeviceError(MinivllmError):
     """A requested device does not exist or cannot do what was asked."""
+
+
+class EngineNotInstalledError(ConfigError):
+    """A comparison side names an outside engine (transformers, llama.cpp) whose Python
+    package cannot be imported here. A ConfigError, so callers that catch bad settings
+    catch this too; tests skip on it by name."""

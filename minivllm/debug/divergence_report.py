@@ -69,6 +69,9 @@ class LayerDiff:
     prefix_max_abs: float
     prefix_rel_l2: float
     first_differing_position: int | None  # earliest sequence position where this layer differs
+    # False where the two sides' entries are not the same quantity (the report's layer_note
+    # says why); its numbers are then NaN.
+    comparable: bool = True
 
 
 @dataclass
@@ -111,9 +114,16 @@ class DivergenceReport:
     first_divergence: FirstDivergence | None
     layer_diffs: list[LayerDiff] = field(default_factory=list)  # empty when there is no divergence
     replay: ReplayCheck | None = None
-    # Where it ran (obs.machine.cpu_fingerprint, plus the GPU on CUDA): the split position is
-    # a fact about these kernels on this processor, not about the code alone.
+    # Where it ran (obs.machine.cpu_fingerprint, plus the GPU on CUDA, and under "sides" each
+    # side's engine, device and dtype): the split position is a fact about these kernels on
+    # this processor, not about the code alone.
     machine: dict = field(default_factory=dict)
+    # What the layer table covers when that is not the usual (no split, but different engines,
+    # devices or dtypes), or why there is none (an engine without hidden states).
+    layer_note: str | None = None
+    # Where b's hidden states first differ from a's at all (exact comparison), over the
+    # comparable layers: {"layer", "layer_index", "position", "in_prompt"}; None: nowhere.
+    first_layer_difference: dict | None = None
 
     @property
     def diverged(self) -> bool:
@@ -153,6 +163,7 @@ class DivergenceReport:
             if smallest is not None:
                 lines.append(f"Closest call: position {smallest.position}, a's top-1/top-2 margin "
                              f"{smallest.a.margin:.6f}.")
+            lines += self._layer_lines(max_layers)
             lines += ["", "--- text ---", self.a_text]
             return "\n".join(lines)
 
@@ -180,6 +191,13 @@ class DivergenceReport:
             r = self.replay
             lines.append(f"  replay check: greedy a={r.a_token} b={r.b_token}; top-k logits vs engine "
                          f"max|Δ| a {_fmt(r.a_top_logits_max_abs_diff, '.3g')}, b {_fmt(r.b_top_logits_max_abs_diff, '.3g')}")
+        lines += self._layer_lines(max_layers)
+        return "\n".join(lines)
+
+    def _layer_lines(self, max_layers: int | None) -> list[str]:
+        lines = []
+        if self.layer_note:
+            lines += ["", f"note: {self.layer_note}"]
         if self.layer_diffs:
             lines += ["", "residual stream, b vs a (rel L2 = ||b-a||/||a||):",
                       f"  {'after':<12}{'split max|Δ|':>14}{'split relL2':>13}{'prefix max|Δ|':>15}"
@@ -188,10 +206,19 @@ class DivergenceReport:
             if max_layers is not None and len(diffs) > max_layers:
                 diffs = diffs[:max_layers // 2] + diffs[-(max_layers - max_layers // 2):]
             for d in diffs:
+                if not d.comparable:
+                    lines.append(f"  {d.layer:<12}{'not comparable (see the note)':>67}")
+                    continue
                 first = "-" if d.first_differing_position is None else str(d.first_differing_position)
                 lines.append(f"  {d.layer:<12}{d.at_split_max_abs:>14.4g}{d.at_split_rel_l2:>13.3g}"
                              f"{d.prefix_max_abs:>15.4g}{d.prefix_rel_l2:>14.3g}{first:>11}")
-        return "\n".join(lines)
+            f = self.first_layer_difference
+            if f is None:
+                lines.append("  the hidden states are identical in every comparable layer")
+            else:
+                where = "a prompt token" if f["in_prompt"] else "a generated token"
+                lines.append(f"  b first leaves a at {f['layer']}, sequence position {f['position']} ({where})")
+        return lines
 
     def __str__(self) -> str:
         return self.summary()
@@ -218,6 +245,13 @@ def _machine(m: dict) -> str:
     if not m:
         return "not recorded"
     parts = [m.get("gpu") or m.get("cpu", "?"), f"torch {m.get('torch', '?')}"]
-    if not m.get("gpu"):
+    sides = m.get("sides") or {}
+    on_cpu = any(str(side.get("device")) == "cpu" for side in sides.values())
+    if m.get("gpu") and on_cpu:
+        parts.insert(1, m.get("cpu", "?"))
+    if not m.get("gpu") or on_cpu:
         parts += [f"{m.get('torch_cpu_capability', '?')} kernels", m.get("blas", "?"), f"{m.get('torch_threads', '?')} threads"]
+    if sides:
+        parts.append("sides " + " / ".join(f"{name}: {side.get('engine')} on {side.get('device')}, {side.get('dtype')}"
+                                            for name, side in sides.items()))
     return ", ".join(parts)

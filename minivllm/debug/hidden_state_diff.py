@@ -8,7 +8,10 @@ engine computed it for a lone request: the prompt in chunks of `max_batched_toke
 token (decode). Same rows per call means the same kernel path as in the engine.
 
 The two replays advance in lockstep and are compared chunk by chunk, so memory stays
-at about one chunk of hidden states per side however long the prefix is.
+at about one chunk of hidden states per side however long the prefix is. A replay is
+any iterator of `ReplayChunk`s in sequence order (`engine_replay` here; transformers'
+in reference_sides.py), so `diff_replays` also compares minivllm against another
+engine, or two devices (rows are compared on the CPU when the sides' devices differ).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.debug.divergence_report import LayerDiff
+from minivllm.errors import MinivllmError
 
 
 def engine_forward_schedule(n_prompt: int, n_total: int, chunk: int) -> list[tuple[int, int]]:
@@ -36,13 +40,14 @@ def engine_forward_schedule(n_prompt: int, n_total: int, chunk: int) -> list[tup
 
 
 @dataclass
-class _Chunk:
-    start: int
-    hidden: torch.Tensor  # (n_layers + 1, rows, d_model) float32
+class ReplayChunk:
+    start: int  # sequence position of the chunk's first row
+    hidden: torch.Tensor  # (n_layers + 1, rows, d_model) float32: the embedding, then the residual after each layer
     logits: torch.Tensor  # (vocab,) float32, for the chunk's last row
 
 
-def _replay(llm, token_ids: list[int], n_prompt: int) -> Iterator[_Chunk]:
+def engine_replay(llm, token_ids: list[int], n_prompt: int) -> Iterator[ReplayChunk]:
+    """`llm`'s forward over `token_ids` on its engine's schedule for a lone request."""
     model = llm.model
     cfg = model.config
     options = llm.engine.kernel_options
@@ -54,7 +59,7 @@ def _replay(llm, token_ids: list[int], n_prompt: int) -> Iterator[_Chunk]:
         # between our calls and switches the shared model to its own options.
         with model.using(options):
             logits = model.forward(ids[start:start + n], start, cache, hidden_states=hidden)
-        yield _Chunk(start, torch.stack(hidden), logits)
+        yield ReplayChunk(start, torch.stack(hidden), logits)
 
 
 class _LayerDiffAccumulator:
@@ -92,14 +97,21 @@ def layer_names(n_layers: int) -> list[str]:
 
 def diff_hidden_states(llm_a, llm_b, token_ids: list[int], n_prompt: int,
                        ) -> tuple[list[LayerDiff], torch.Tensor, torch.Tensor]:
-    """Per-layer differences of b's residual stream from a's over `token_ids`.
+    """Per-layer differences of b's residual stream from a's over `token_ids`, both
+    minivllm `LLM`s replayed on their engines' schedules.
 
     Returns the layer diffs and each side's float32 logits for the last row (the
     split), which the caller checks against what the engine saw.
     """
-    total = len(token_ids)
-    replays = {"a": _replay(llm_a, token_ids, n_prompt), "b": _replay(llm_b, token_ids, n_prompt)}
-    pending: dict[str, list[_Chunk]] = {"a": [], "b": []}
+    return diff_replays(engine_replay(llm_a, token_ids, n_prompt), engine_replay(llm_b, token_ids, n_prompt),
+                        len(token_ids))
+
+
+def diff_replays(replay_a: Iterator[ReplayChunk], replay_b: Iterator[ReplayChunk], total: int,
+                 ) -> tuple[list[LayerDiff], torch.Tensor, torch.Tensor]:
+    """`diff_hidden_states` over two replays of the same `total` tokens."""
+    replays = {"a": replay_a, "b": replay_b}
+    pending: dict[str, list[ReplayChunk]] = {"a": [], "b": []}
     covered = {"a": 0, "b": 0}
     last_logits: dict[str, torch.Tensor] = {}
     acc: _LayerDiffAccumulator | None = None
@@ -115,6 +127,11 @@ def diff_hidden_states(llm_a, llm_b, token_ids: list[int], n_prompt: int,
         if upto <= done:
             continue
         ha, hb = (_take_rows(pending[s], done, upto) for s in ("a", "b"))
+        if ha.shape[0] != hb.shape[0] or ha.shape[-1] != hb.shape[-1]:
+            raise MinivllmError(f"the sides' hidden states do not line up: a has {ha.shape[0]} entries of width "
+                                f"{ha.shape[-1]}, b {hb.shape[0]} of width {hb.shape[-1]}")
+        if ha.device != hb.device:
+            ha, hb = ha.cpu(), hb.cpu()
         if acc is None:
             acc = _LayerDiffAccumulator(ha.shape[0], ha.device)
         acc.add(done, ha, hb)
@@ -137,7 +154,7 @@ def diff_hidden_states(llm_a, llm_b, token_ids: list[int], n_prompt: int,
     return diffs, last_logits["a"], last_logits["b"]
 
 
-def _take_rows(chunks: list[_Chunk], lo: int, hi: int) -> torch.Tensor:
+def _take_rows(chunks: list[ReplayChunk], lo: int, hi: int) -> torch.Tensor:
     """Rows lo..hi-1 of the pending chunks (dropping chunks that end at or before hi)."""
     parts = []
     for c in chunks:

@@ -71,6 +71,11 @@ class LLM:
         other._engine_options = dict(options, max_model_len=max_model_len)
         return other
 
+    def engine_options(self) -> dict:
+        """The engine options this LLM was built (or forked) with, `max_model_len` included:
+        what `LLM(path, **options)` needs to build the same engine over another load."""
+        return dict(self._engine_options)
+
     def _make_engine(self, config: EngineConfig) -> LLMEngine:
         name = self.draft_model_path.name if self.draft_model_path is not None else "draft"
         return LLMEngine(self.model, self.tokenizer, config, draft_model=self.draft,

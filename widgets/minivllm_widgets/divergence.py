@@ -1,9 +1,11 @@
 """The divergence explorer: why two "identical" greedy runs part, on `minivllm.debug.compare`.
 
-Pick a prompt and two settings (default: GEMM for every row vs the row-wise GEMV path),
+Pick a prompt and two sides (default: GEMM for every row vs the row-wise GEMV path),
 press Run, and see both texts aligned token by token with the first split highlighted,
 the top-1 margin per position for both sides, the top-k logits at any position (slider),
-and how far apart each layer's residual stream already was at the split.
+and how far apart each layer's residual stream already was at the split. Each side is
+an engine (minivllm; transformers, the float32 reference; llama.cpp where it imports),
+and for minivllm its engine options, device and activation dtype (blank: the model's).
 
 Compare runs inside the button's callback, on the kernel's thread, so every widget
 update happens there too; it blocks the kernel for the few seconds it takes.
@@ -28,6 +30,52 @@ def parse_options(text: str, side: str = "options") -> dict:
     from minivllm.engine.options import parse_overrides
 
     return parse_overrides(text, side)
+
+
+SAME = ""  # a device/dtype choice that keeps the model's
+
+
+def engine_choices() -> list[str]:
+    """The engines a side can be: minivllm and transformers, and llama.cpp when it imports."""
+    import importlib.util
+
+    out = ["minivllm", "transformers"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        out.append("llama.cpp")
+    return out
+
+
+def device_choices() -> list[tuple[str, str]]:
+    import torch
+
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return [("the model's", SAME), ("cpu", "cpu")] + [(d, d) for d in cuda]
+
+
+DTYPE_CHOICES = [("the model's", SAME), ("f32", "f32"), ("f16", "f16"), ("bf16", "bf16")]
+
+
+def side_spec(engine: str, options_text: str = "", device: str = SAME, dtype: str = SAME, side: str = "options"):
+    """The form's fields for one side -> what `compare` takes for it."""
+    if engine == "llama.cpp":
+        return "llama.cpp"
+    if engine == "transformers":
+        return {"engine": "transformers", **({"device": device} if device else {})}
+    spec = parse_options(options_text, side)
+    if device:
+        spec["device"] = device
+    if dtype:
+        spec["dtype"] = dtype
+    return spec
+
+
+def split_side(spec) -> tuple[str, dict, str, str]:
+    """`compare`'s side (a dict or an engine name) -> (engine, engine options, device, dtype) for the form."""
+    if isinstance(spec, str):
+        return spec, {}, SAME, SAME
+    spec = dict(spec or {})
+    engine = spec.pop("engine", "minivllm")
+    return engine, spec, str(spec.pop("device", SAME)), str(spec.pop("dtype", SAME))
 
 
 TIE_RULE = "greedy argmax takes the lowest token id among equal logits (torch.argmax returns the first maximum)"
@@ -73,6 +121,10 @@ def summary_sentence(report) -> str:
         if close is not None:
             out += (f" The closest call was token {close.position + 1} ({close.a.text!r}), "
                     + (_tie_words(close.a) if _is_tie(close.a) else f"a margin of {close.a.margin:.4g} logits") + ".")
+        left = getattr(report, "first_layer_difference", None)
+        if left is not None:
+            out += (f" Their hidden states still differ: b first leaves a at {left['layer']}, sequence position "
+                    f"{left['position']} ({'in the prompt' if left['in_prompt'] else 'a generated token'}).")
         return out
     rec = report.records[fd.position]
     out = (f"The runs agree for {fd.identical_tokens} tokens; at token {fd.position + 1} "
@@ -91,8 +143,15 @@ def summary_sentence(report) -> str:
     return out
 
 
+def _side_words(settings: dict) -> str:
+    if "engine" not in settings:  # a report from before sides had engines
+        return "minivllm"
+    return f"{settings['engine']} on {settings.get('device')}, {settings.get('dtype')}"
+
+
 def summary_html(report) -> str:
-    ran = f"{report.model} on {report.device}, {report.activation_dtype} activations"
+    ran = (f"{report.model} on {report.device}, {report.activation_dtype} activations; "
+           f"a: {_side_words(report.a_settings)}; b: {_side_words(report.b_settings)}")
     return (f"<div class='minivllm-divergence-summary' style='font:13px sans-serif;margin:4px 0 8px;padding:6px;"
             f"background:#f1f3f4;border-left:3px solid #4285f4'>{html.escape(summary_sentence(report))}"
             f"<div style='color:#666;font-size:11px'>{html.escape(ran)}</div></div>")
@@ -199,16 +258,26 @@ def margins_html(report) -> str:
 
 
 def layers_html(report) -> str:
+    note = getattr(report, "layer_note", None)
+    note_html = f"<div style='font:12px sans-serif;color:#555'>{html.escape(note)}</div>" if note else ""
     if not report.layer_diffs:
-        return "<i>no divergence: no layer table</i>"
-    series = {"over the whole prefix (what the KV cache holds)": [d.prefix_rel_l2 for d in report.layer_diffs],
-              "at the split row": [d.at_split_rel_l2 for d in report.layer_diffs]}
+        return note_html or "<i>no divergence: no layer table</i>"
+    shown = [d for d in report.layer_diffs if getattr(d, "comparable", True)]
+    series = {"over the whole prefix (what the KV cache holds)": [d.prefix_rel_l2 for d in shown],
+              "at the split row": [d.at_split_rel_l2 for d in shown]}
     chart = _svg_lines(series, unit="relative L2 = ||b - a|| / ||a||, no unit", x_label="layer (embedding first)",
                        title="how far side b's residual stream is from side a's, per layer")
     rows = "".join(f"<tr><td>{html.escape(d.layer)}</td><td>{d.prefix_rel_l2:.2e}</td><td>{d.at_split_rel_l2:.2e}</td>"
                    f"<td>{'' if d.first_differing_position is None else d.first_differing_position}</td></tr>"
+                   if getattr(d, "comparable", True) else
+                   f"<tr><td>{html.escape(d.layer)}</td><td colspan=3>not comparable (see the note)</td></tr>"
                    for d in report.layer_diffs)
-    return (chart + "<table style='font:11px monospace'><tr><th>after</th><th>whole prefix, rel L2</th>"
+    left = getattr(report, "first_layer_difference", None)
+    if left is not None:
+        note_html += (f"<div class='minivllm-first-leave' style='font:12px sans-serif'><b>b first leaves a at "
+                      f"{html.escape(left['layer'])}, sequence position {left['position']}</b> "
+                      f"({'a prompt token' if left['in_prompt'] else 'a generated token'})</div>")
+    return (note_html + chart + "<table style='font:11px monospace'><tr><th>after</th><th>whole prefix, rel L2</th>"
             "<th>split row, rel L2</th><th>first differing sequence position</th></tr>" + rows + "</table>")
 
 
@@ -253,8 +322,9 @@ class DivergenceExplorer:
             self.model = W.Text(value=model, description="model", placeholder="name or .gguf path")
         self.prompt = W.Textarea(value=prompt, layout=W.Layout(width="100%"))
         self.chat = W.Checkbox(value=chat, description="chat (wrap in the model's template)", indent=False)
-        self.a = W.Text(value=", ".join(f"{k}={json.dumps(v)}" for k, v in (a or DEFAULT_A).items()), description="a")
-        self.b = W.Text(value=", ".join(f"{k}={json.dumps(v)}" for k, v in (b or DEFAULT_B).items()), description="b")
+        # Per side: the engine, its engine options (text, as `key=value, ...`), device and dtype.
+        self.a_engine, self.a, self.a_device, self.a_dtype = self._side_form("a", DEFAULT_A if a is None else a)
+        self.b_engine, self.b, self.b_device, self.b_dtype = self._side_form("b", DEFAULT_B if b is None else b)
         self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=2048, description="max tokens")
         self.run_button = W.Button(description="Run", button_style="primary")
         self.status = W.HTML()
@@ -264,9 +334,40 @@ class DivergenceExplorer:
         self.position = W.IntSlider(value=1, min=1, max=1, description="token", continuous_update=False)
         self.run_button.on_click(lambda _: self.run())
         self.position.observe(lambda change: self._show_position(change["new"] - 1), names="value")
-        self.widget = W.VBox([W.HBox([self.model, self.max_tokens]), self.prompt, self.chat, W.HBox([self.a, self.b]),
+        sides = [W.HBox([getattr(self, f"{x}_engine"), getattr(self, x), getattr(self, f"{x}_device"),
+                         getattr(self, f"{x}_dtype")]) for x in "ab"]
+        self.widget = W.VBox([W.HBox([self.model, self.max_tokens]), self.prompt, self.chat, *sides,
                               W.HBox([self.run_button, self.status]), self.summary, self.tokens, self.margins,
                               self.position, self.topk, self.layers])
+
+    @staticmethod
+    def _side_form(side: str, spec):
+        engine, options, device, dtype = split_side(spec)
+        engines = engine_choices()
+        if engine not in engines:
+            engines.append(engine)  # shown as asked; Run says why it cannot run here
+        engine_w = W.Dropdown(options=engines, value=engine, description=side, layout=W.Layout(width="220px"))
+        text = W.Text(value=", ".join(f"{k}={json.dumps(v)}" for k, v in options.items()),
+                      placeholder="engine options: key=value, ...", layout=W.Layout(width="40%"))
+        devices = device_choices()
+        if device not in [v for _, v in devices]:
+            devices.append((device, device))
+        device_w = W.Dropdown(options=devices, value=device, description="device", layout=W.Layout(width="200px"))
+        dtype_w = W.Dropdown(options=DTYPE_CHOICES, value=dtype if dtype in dict(DTYPE_CHOICES).values() else SAME,
+                             description="dtype", layout=W.Layout(width="200px"))
+
+        def follow(_=None):  # options and dtype are minivllm's; llama.cpp runs on the CPU only
+            text.disabled = dtype_w.disabled = engine_w.value != "minivllm"
+            device_w.disabled = engine_w.value == "llama.cpp"
+
+        engine_w.observe(follow, names="value")
+        follow()
+        return engine_w, text, device_w, dtype_w
+
+    def side(self, side: str):
+        """What `compare` gets for side "a" or "b" from the form."""
+        return side_spec(getattr(self, f"{side}_engine").value, getattr(self, side).value,
+                         getattr(self, f"{side}_device").value, getattr(self, f"{side}_dtype").value, side)
 
     def _ipython_display_(self):
         from IPython.display import display
@@ -279,7 +380,7 @@ class DivergenceExplorer:
 
         self.status.value = "running…"
         try:
-            a, b = parse_options(self.a.value), parse_options(self.b.value)
+            a, b = self.side("a"), self.side("b")
             target = self.llm if self.llm is not None else self.model.value.strip()
             report = compare(target, self.prompt.value, a=a, b=b, max_tokens=self.max_tokens.value,
                              chat=self.chat.value)

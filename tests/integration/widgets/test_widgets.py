@@ -272,6 +272,32 @@ def test_explorer_explains_a_divergence_in_plain_words():
     assert "exact tie" in topk_html(report, fd.position)
 
 
+def test_divergence_explorer_side_form_builds_compares_sides():
+    """Each side: engine, engine options, device, dtype; what Run passes to `compare` (parsed by
+    debug.sides, the same checker compare uses), and the static views of a cross-engine report."""
+    from minivllm.debug.sides import parse_side
+    from minivllm_widgets.divergence import DivergenceExplorer, engine_choices, layers_html, summary_sentence
+
+    ex = DivergenceExplorer(None, a={"gemv_max_rows": 0, "dtype": "bf16"}, b="transformers")
+    assert ex.side("a") == {"gemv_max_rows": 0, "dtype": "bf16"} and ex.a_dtype.value == "bf16"
+    assert ex.side("b") == {"engine": "transformers"} and ex.b.disabled and ex.b_dtype.disabled
+    ex.b_engine.value, ex.b.value, ex.b_device.value = "minivllm", "gemv_max_rows=4096", "cpu"
+    assert not ex.b.disabled and ex.side("b") == {"gemv_max_rows": 4096, "device": "cpu"}
+    assert parse_side(ex.side("b"), "b").device.type == "cpu"
+    assert {"minivllm", "transformers"} <= set(engine_choices())
+    # A report between different computations: the layer note and where b first leaves a.
+    report = _committed_report()
+    report.first_divergence = None
+    report.layer_note = "no split within 120 generated tokens: the table covers ..."
+    report.first_layer_difference = {"layer": "layer 0", "layer_index": 1, "position": 3, "in_prompt": True}
+    report.layer_diffs[-1].comparable = False
+    report.layer_diffs[-1].prefix_rel_l2 = float("nan")
+    view = layers_html(report)
+    assert "no split within 120" in view and "b first leaves a at layer 0, sequence position 3" in view
+    assert "not comparable" in view and "nan" not in view.lower()
+    assert "b first leaves a at layer 0" in summary_sentence(report)
+
+
 def test_throughput_tracker_records_step_latency():
     tr = ThroughputTracker()
     snap = lambda t, d, idx, dur: {"time": t, "workers": [{"name": "w", "snapshot": {
