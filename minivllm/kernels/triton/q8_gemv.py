@@ -1,7 +1,7 @@
 """GEMV with int8 activations and `dp4a` over the repacked layout (opt-in: MINIVLLM_Q8_GEMV=1).
 
 Why: the float32 repacked GEMV (`repacked_gemv.py`) is bound by instruction issue on the
-H200 (~5 instructions per weight; 20-30% of copy bandwidth, docs/issue19-gpu-notes.md).
+H200 (~5 instructions per weight; 20-30% of copy bandwidth, docs/gpu-decode-vs-llama-cpp.md).
 llama.cpp's mmvq quantizes the activations once per matmul to int8 groups of 32 and
 multiplies 4 weight bytes by 4 activation bytes per `dp4a` (sm_61+, so a T4 too).
 

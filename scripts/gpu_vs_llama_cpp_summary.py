@@ -1,12 +1,12 @@
-"""Issue 19: one table of minivllm vs llama.cpp on the H200 from the raw result files.
+"""One table of minivllm vs llama.cpp on a GPU (the H200 runs) from the raw result files.
 
-Reads the files the issue-19 GPU runs wrote (docs/issue19-gpu-notes.md) (copied into
+Reads the files the GPU decode runs wrote (docs/gpu-decode-vs-llama-cpp.md) (copied into
 benchmarks/results with an `h200-` prefix: `bench decode` / `bench kernels` JSON from
 minivllm, `llama-bench -o json` output and the command that produced it) and writes
 benchmarks/results/h200-issue19-vs-llama-cpp-<stamp>.{json,md}: every row with both raw
 figures, `ratio_vs_llama_cpp`, the llama.cpp commit and command, and the source files.
 
-    python scripts/issue19_summary.py
+    python scripts/gpu_vs_llama_cpp_summary.py
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ def main() -> None:
                         "(load average 16.6 at the start); llama-bench ran after the build",
                         "the result files' own 'commit' field reads 57d4dba-dirty (the GPU copy has no git "
                         "history); minivllm_commit here is the commit the run's working tree was at"]}
-    (RESULTS / f"h200-issue19-vs-llama-cpp-{stamp}.json").write_text(
-        json.dumps({"benchmark": "issue19-vs-llama-cpp", "provenance": meta, "rows": rows, "kernels": kernels,
+    (RESULTS / f"h200-gpu-vs-llama-cpp-{stamp}.json").write_text(
+        json.dumps({"benchmark": "gpu-vs-llama-cpp", "provenance": meta, "rows": rows, "kernels": kernels,
                     "batch_invariant_cost": inv},
                    indent=2))
     lines = ["# minivllm vs llama.cpp on one H200 (issue 19)", "",
@@ -167,7 +167,7 @@ def main() -> None:
                          f"| {k['repacked_m1_graph_frac_of_copy']:.0%} | {k['repacked_m1_invariant_graph_us']:.1f} | "
                          f"{k.get('f16_cublas_graph_us', float('nan')):.1f} |")
     lines += ["", "Provenance:", "", "```json", json.dumps(meta, indent=2), "```", ""]
-    (RESULTS / f"h200-issue19-vs-llama-cpp-{stamp}.md").write_text("\n".join(lines))
+    (RESULTS / f"h200-gpu-vs-llama-cpp-{stamp}.md").write_text("\n".join(lines))
     print("\n".join(lines[:40]))
 
 
