@@ -3,7 +3,7 @@
     minivllm bench stop-strings [--tokens 512]
 
 Stop 0 is "abab..." and the generated text keeps matching its prefix, so that prefix stays
-held; the 15 other stops never match. `QuadraticMatcher` is the matcher before issue 26
+held; the 15 other stops never match. `QuadraticMatcher` is the matcher before the KMP one
 (every prefix length of every stop re-tested on every token), kept here only to compare.
 The unit test (tests/unit/sampling/test_stop_strings.py) counts the new matcher's steps instead of\ntiming. Results (JSON + Markdown with provenance) go to benchmarks/results/stop-string-cost-*.
 """
