@@ -108,6 +108,7 @@ static inline vf exp_nonpos(vf x) {
 }
 
 constexpr int NACC = 4;
+constexpr int64_t PREFETCH_ROWS = 4;
 
 static inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -251,7 +252,15 @@ static void rows(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,
                  int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nblocks = k / T::BS;
   if (m == 1) {
-    for (int64_t n = n0; n < n1; ++n) y[n] = dot_fused<T>(w + n * row_bytes, x, nblocks);
+    // Decode streams every weight from memory once per token: request the row
+    // PREFETCH_ROWS ahead so its loads overlap this row's arithmetic (SmolLM2's layers,
+    // DRAM-resident: 3.5 -> 3.1 ms a token at two threads, cpu_gemv.py).
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + PREFETCH_ROWS < n1)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch((const char*)(w + (n + PREFETCH_ROWS) * row_bytes + off), _MM_HINT_T0);
+      y[n] = dot_fused<T>(w + n * row_bytes, x, nblocks);
+    }
     return;
   }
   thread_local std::vector<float> buf;

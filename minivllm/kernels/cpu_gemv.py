@@ -35,7 +35,12 @@ Measured per call at one thread on SmolLM2's decode shapes (AMD EPYC, AVX-512): 
 Q/K/V 26 -> 15 us, o 16 -> 9, gate/up 78 -> 38, down 38 -> 16 (float32 kernel -> packed
 q8). Q8_0 weights keep the float32 kernel in the fast mode: it already streams them at
 the memory's speed (45 GB/s at two threads), and the portable q8 kernel was slower on
-them (0.6x). End-to-end numbers: benchmarks/README.md, "Peers measured side by side".
+them (0.6x). Those per-call figures are with the weights in cache; in decode every weight
+streams from memory once per token, and there the packed kernel first lost (SmolLM2's 30
+layers, DRAM-resident: 6.4 ms vs 5.4-6.1 one thread, 4.1 vs 3.5 ms two threads) until
+both kernels prefetched the row four ahead: float32 3.5 -> 3.1-3.2 ms, q8 4.1 -> 2.4-2.55 ms
+at two threads (4.3 vs 5.2 ms at one). End-to-end numbers: benchmarks/README.md, "Peers
+measured side by side".
 """
 
 from __future__ import annotations

@@ -230,6 +230,8 @@ static rows_fn pick(int64_t type) {
 // block 0 and lanes 4-7 and 12-15 of block 1. The weights go in unsigned (q, no offset)
 // and the offset (Q4_0: -8, Q5_0: -16) or the min (Q4_1) is added per block as
 // offset_b * s_b * sum(a_b) from the activations' precomputed block sums.
+constexpr int64_t PREFETCH_ROWS_PACKED = 4;
+
 struct PackedRow {
   const int8_t* q;          // quantized activations in the pair order
   const float* scale;       // per block
@@ -263,6 +265,14 @@ static void packed_rows_r(const uint8_t* qs, const uint16_t* d, const uint16_t* 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wq = qs + n * nb * 16;
     const uint64_t* wh = TYPE == 6 ? qh + n * (nb / 2) : nullptr;
+    // The weights stream from memory once per token: ask for the row PREFETCH_ROWS ahead
+    // (its nibbles and scales) so its loads overlap this row's arithmetic.
+    if (n + PREFETCH_ROWS_PACKED < n1) {
+      const uint8_t* ahead = wq + PREFETCH_ROWS_PACKED * nb * 16;
+      for (int64_t off = 0; off < nb * 16; off += 64) _mm_prefetch((const char*)(ahead + off), _MM_HINT_T0);
+      _mm_prefetch((const char*)(d + (n + PREFETCH_ROWS_PACKED) * nb), _MM_HINT_T0);
+      if (TYPE == 3) _mm_prefetch((const char*)(mins + (n + PREFETCH_ROWS_PACKED) * nb), _MM_HINT_T0);
+    }
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
