@@ -55,6 +55,7 @@ class PagedBatchKV:
         ps = pool.page_size
         device = pool.k.device
         write, self._reads, self._rows = [], [], []
+        self._slots: dict[int, torch.Tensor] = {}  # CPU decode rows over several runs: their pool slots
         row_seq, row_pos = [], []
         row = 0
         for i, seg in enumerate(segments):
@@ -102,6 +103,7 @@ class PagedBatchKV:
         self = cls.__new__(cls)
         self.pool, self.invariant = pool, invariant
         self.segments = []
+        self._slots = {}
         self.n_rows = write_slots.shape[0]
         self.write_slots, self.block_tables, self.row_seq, self.row_pos = write_slots, block_tables, row_seq, row_pos
         self._paged_attention = attention
@@ -156,6 +158,18 @@ class PagedBatchKV:
         runs = self._reads[i]
         if len(runs) == 1:
             return causal_attention(q, kf[runs[0]], vf[runs[0]], self.segments[i].start)
+        if self.segments[i].n == 1 and kf.device.type == "cpu":
+            # A decode row over pages that are not consecutive: the compiled kernel reads
+            # them through their slots with the one-run kernel's arithmetic, so where the
+            # pages lie changes neither the speed nor the bits.
+            from minivllm.kernels.cpu_gemv import attend_decode_slots
+
+            slots = self._slots.get(i)
+            if slots is None:
+                slots = self._slots[i] = torch.cat([torch.arange(r.start, r.stop) for r in runs])
+            out = attend_decode_slots(q, kf, vf, slots)
+            if out is not None:
+                return out
         return causal_attention_runs(q, [(kf[r], vf[r]) for r in runs], self.segments[i].start)
 
 

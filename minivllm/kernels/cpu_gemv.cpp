@@ -335,25 +335,16 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> ws, 
   return ys;
 }
 
-// One decode row's attention, float32 throughout: q (H, D); k, v (S, KVH, D) with rows of
-// KVH * D contiguous floats every stride(0); query head h reads KV head h / (H / KVH).
-// Per head: scores = (q . k_s) * scale, exp(score - max) (exp_nonpos, about an ulp), then sum_s p_s v_s / sum_s p_s with the values' sum held in registers.
-// The query heads of one KV head are done together, so each key and value row is read once.
-torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous (H, D) float32");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-              "k, v: (S, KVH, D) float32");
-  const int64_t h = q.size(0), d = q.size(1), s = k.size(0), kvh = k.size(1);
-  TORCH_CHECK(k.size(2) == d && v.sizes() == k.sizes() && h % kvh == 0 && d % W == 0 && d <= 16 * W,
-              "shapes: q (H, D), k/v (S, KVH, D), D a multiple of the vector width");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d, "k/v rows must be contiguous");
-  const int64_t group = h / kvh, ks = k.stride(0), vs = v.stride(0), nv = d / W;
-  auto out = torch::empty({h, d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = (float)scale;
+// One decode row's attention, float32 throughout: q (H, D); key/value row j of KV head g
+// at krow(j) + g * D / vrow(j) + g * D; query head h reads KV head h / (H / KVH).
+// Per head: scores = (q . k_s) * scale, exp(score - max) (exp_nonpos, about an ulp), then
+// sum_s p_s v_s / sum_s p_s with the values' sum held in registers. The query heads of one
+// KV head are done together, so each key and value row is read once. Where the rows lie
+// (one contiguous run, or pool slots through a page table) does not change the arithmetic.
+template <class KRow, class VRow>
+static void attend_rows(const float* qp, KRow krow, VRow vrow, int64_t h, int64_t d, int64_t s, int64_t kvh,
+                        float sc, float* op) {
+  const int64_t group = h / kvh, nv = d / W;
   at::parallel_for(0, h, 1, [&](int64_t h0, int64_t h1) {
     thread_local std::vector<float> buf;
     if ((int64_t)buf.size() < s) buf.resize(s);
@@ -363,7 +354,7 @@ torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, d
       const int64_t off = (hh / group) * d;
       float mx = -INFINITY;
       for (int64_t j = 0; j < s; ++j) {
-        const float* kr = kp + j * ks + off;
+        const float* kr = krow(j) + off;
         vf acc = mul(load(qh), load(kr));
         for (int64_t c = W; c < d; c += W) acc = fma(load(qh + c), load(kr + c), acc);
         p[j] = hsum(acc) * sc;
@@ -386,7 +377,7 @@ torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, d
       for (int64_t c = 0; c < nv; ++c) acc[c] = zero();
       for (int64_t j = 0; j < s; ++j) {
         const vf pj = setf(p[j]);
-        const float* vr = vp + j * vs + off;
+        const float* vr = vrow(j) + off;
         for (int64_t c = 0; c < nv; ++c) acc[c] = fma(pj, load(vr + c * W), acc[c]);
       }
       const vf inv = setf(1.0f / total);
@@ -394,6 +385,45 @@ torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, d
       for (int64_t c = 0; c < nv; ++c) store(oh + c * W, mul(acc[c], inv));
     }
   });
+}
+
+// k, v: (S, KVH, D) float32 with rows of KVH * D contiguous floats every stride(0).
+torch::Tensor attend_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous (H, D) float32");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "k, v: (S, KVH, D) float32");
+  const int64_t h = q.size(0), d = q.size(1), s = k.size(0), kvh = k.size(1);
+  TORCH_CHECK(k.size(2) == d && v.sizes() == k.sizes() && h % kvh == 0 && d % W == 0 && d <= 16 * W,
+              "shapes: q (H, D), k/v (S, KVH, D), D a multiple of the vector width");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d, "k/v rows must be contiguous");
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  auto out = torch::empty({h, d}, q.options());
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  attend_rows(q.data_ptr<float>(), [&](int64_t j) { return kp + j * ks; }, [&](int64_t j) { return vp + j * vs; },
+              h, d, s, kvh, (float)scale, out.data_ptr<float>());
+  return out;
+}
+
+// The same over a page pool: k_pool, v_pool (slots, KVH, D) float32 contiguous, and
+// slots (S,) int64: the pool slot of each position 0..S-1 (a request's page table).
+torch::Tensor attend_decode_slots(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous (H, D) float32");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.scalar_type() == torch::kFloat32 && k_pool.is_contiguous() &&
+              v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == torch::kFloat32 && v_pool.is_contiguous(),
+              "k_pool, v_pool: contiguous (slots, KVH, D) float32");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots: (S,) int64");
+  const int64_t h = q.size(0), d = q.size(1), s = slots.size(0), kvh = k_pool.size(1), n = k_pool.size(0);
+  TORCH_CHECK(k_pool.size(2) == d && h % kvh == 0 && d % W == 0 && d <= 16 * W, "shapes: q (H, D), pools (slots, KVH, D)");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t j = 0; j < s; ++j) TORCH_CHECK(sp[j] >= 0 && sp[j] < n, "slot ", sp[j], " outside the pool");
+  const int64_t row = kvh * d;
+  auto out = torch::empty({h, d}, q.options());
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  attend_rows(q.data_ptr<float>(), [&](int64_t j) { return kp + sp[j] * row; },
+              [&](int64_t j) { return vp + sp[j] * row; }, h, d, s, kvh, (float)scale, out.data_ptr<float>());
   return out;
 }
 

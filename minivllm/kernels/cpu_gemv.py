@@ -144,7 +144,7 @@ def _load(name: str, flags: list[str]):
     module = load_inline(
         name=ext_name,
         cpp_sources=[_SOURCE.read_text(), _Q8_SOURCE.read_text()],
-        functions=["gemv", "gemv_q8", "attend_decode", "rms_norm_f32", "rope_f32", "supports", "supports_q8",
+        functions=["gemv", "gemv_q8", "attend_decode", "attend_decode_slots", "rms_norm_f32", "rope_f32", "supports", "supports_q8",
                    "gemv_q8_packed", "has_packed_q8", "vector_width"],
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
         extra_ldflags=["-fopenmp"],
@@ -289,6 +289,24 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     if q2.dtype != torch.float32 or not q2.is_contiguous():
         q2 = q2.float().contiguous()
     out = ext.attend_decode(q2, k, v, d ** -0.5).view(1, h, d)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def attend_decode_slots(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor | None:
+    """`attend_decode` reading keys/values through pool slots (a request's page table),
+    wherever its pages lie: q (1, H, D), pools (slots, KVH, D) float32, slots (S,) int64.
+    The arithmetic is attend_decode's, so page placement never changes the result. None
+    where the kernel does not apply."""
+    ext = extension()
+    _, h, d = q.shape
+    if (ext is None or d % ext.vector_width() or d > 16 * ext.vector_width() or k_pool.dtype != torch.float32
+            or not k_pool.is_contiguous() or not v_pool.is_contiguous()):
+        return None
+    q2 = q.reshape(h, d)
+    if q2.dtype != torch.float32 or not q2.is_contiguous():
+        q2 = q2.float().contiguous()
+    out = ext.attend_decode_slots(q2, k_pool, v_pool, slots, d ** -0.5).view(1, h, d)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -184,6 +184,28 @@ def test_avx2_build_where_avx512_is_the_default(tmp_path):
 
 
 @needs_ext
+@pytest.mark.parametrize("s, kvh, group, d", [(1, 3, 3, 64), (37, 3, 3, 64), (520, 2, 7, 64)])
+def test_decode_attention_over_scattered_pages_is_the_contiguous_result(s, kvh, group, d):
+    """attend_decode_slots reads the same keys through pool slots in any order of pages:
+    the result equals attend_decode's on the keys laid out in one run, bit for bit (so a
+    request's page placement cannot change its tokens), and the float64 softmax within
+    float32 rounding."""
+    g = torch.Generator().manual_seed(s)
+    h = kvh * group
+    q = torch.randn(1, h, d, generator=g)
+    k, v = torch.randn(s, kvh, d, generator=g), torch.randn(s, kvh, d, generator=g)
+    pool_k, pool_v = torch.randn(3 * s + 8, kvh, d, generator=g), torch.randn(3 * s + 8, kvh, d, generator=g)
+    slots = torch.randperm(3 * s + 8, generator=g)[:s]  # every position somewhere else in the pool
+    pool_k[slots], pool_v[slots] = k, v
+    got = cpu_gemv.attend_decode_slots(q, pool_k, pool_v, slots)
+    assert torch.equal(got, cpu_gemv.attend_decode(q, k, v))
+    qd = q[0].double().view(kvh, group, d)
+    probs = torch.softmax(torch.einsum("kgd,skd->kgs", qd, k.double()) * d ** -0.5, dim=-1)
+    ref = torch.einsum("kgs,skd->kgd", probs, v.double()).reshape(1, h, d)
+    assert (got.double() - ref).abs().max() < 1e-5
+
+
+@needs_ext
 @pytest.mark.parametrize("s, kvh, group, d", [(1, 3, 3, 64), (37, 3, 3, 64), (520, 2, 7, 64), (9, 1, 4, 128)])
 def test_decode_attention_matches_float64_softmax(s, kvh, group, d):
     """The compiled one-query attention (taken by attention._one_query on CPU) against a
