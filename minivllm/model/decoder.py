@@ -24,6 +24,7 @@ from minivllm.kernels.linear import QuantEmbedding, QuantLinear, project_many
 from minivllm.kernels.rmsnorm import rms_norm
 from minivllm.kernels.rope import RotaryEmbedding
 from minivllm.model.config import ModelConfig
+from minivllm.model.cpu_decode import run_layers
 from minivllm.obs.trace import trace_scope
 
 
@@ -114,6 +115,12 @@ class DecoderModel:
             out = self._forward_fused(h, cos, sin, kv, logits_rows)
             if out is not None:  # None: the kernels failed to compile here (warned); the torch steps below
                 return out
+        elif not h.is_cuda and os.environ.get("MINIVLLM_CPU_LAYER_PLAN") != "0":
+            done = run_layers(self, h, cos, sin, kv)  # the same kernels without the Python between them
+            if done is not None:
+                if logits_rows is not None:
+                    done = done[logits_rows]
+                return self.output(self._norm(done, self.output_norm))
         for i, layer in enumerate(self.layers):
             with trace_scope("layer", i):
                 with trace_scope("attn"):
