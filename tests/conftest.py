@@ -103,3 +103,23 @@ def results_dir(tmp_path, monkeypatch):
 
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
     return tmp_path
+
+
+def transformers_greedy(ref, ids: list[int], n_new: int) -> tuple[list[int], list[float], list[float]]:
+    """An independent reference: transformers' own greedy `generate` of `n_new` tokens after
+    `ids`, with the top-1/top-2 margin and max |logit| of the scores it chose each from
+    (min_new_tokens keeps EOS out, as ignore_eos does)."""
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        res = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n_new, min_new_tokens=n_new,
+                           do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = res.sequences[0, len(ids):].tolist()
+    margins, scales = [], []
+    for row in res.scores:
+        row = row[0].float()
+        finite = row[torch.isfinite(row)]
+        top = torch.topk(finite, 2).values
+        margins.append(float(top[0] - top[1]))
+        scales.append(float(finite.abs().max()))
+    assert len(tokens) == len(margins) == n_new
+    return tokens, margins, scales

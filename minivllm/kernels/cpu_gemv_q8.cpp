@@ -119,6 +119,7 @@ struct Q8_0 {
   static inline float m(const uint8_t*) { return 0.0f; }
 };
 
+// The 8-lane sum; cpu_gemv.cpp's hsum takes the build's widest vector (16 lanes with AVX-512).
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

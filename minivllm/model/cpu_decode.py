@@ -37,6 +37,8 @@ class CpuLayerPlan:
                 layer.ffn_norm, _projection_call((layer.gate, layer.up)), (layer.gate.bias, layer.up.bias),
                 _projection_call((layer.down,)), layer.down.bias,
             ))
+        # Every projection has a compiled GEMV at these options, or the plan never applies.
+        self.ok = all(calls is not None for entry in self.layers for calls in (entry[1], entry[3], entry[6], entry[8]))
 
 
 def _options_key(options) -> tuple:
@@ -66,8 +68,7 @@ def _plan(model) -> CpuLayerPlan | None:
     plan = getattr(model, "_cpu_layer_plan", None)
     if plan is None or plan.key != _options_key(model.kernel_options):
         plan = model._cpu_layer_plan = CpuLayerPlan(model)
-    ok = all(calls is not None for entry in plan.layers for calls in (entry[1], entry[3], entry[6], entry[8]))
-    return plan if ok else None
+    return plan if plan.ok else None
 
 
 def run_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor | None:

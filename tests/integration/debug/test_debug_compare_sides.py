@@ -23,6 +23,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.debug import compare
+from conftest import transformers_greedy
 from minivllm.errors import ConfigError, EngineNotInstalledError
 
 PROMPT = "The lighthouse keeper had not seen a ship in eleven years. On the night of the storm,"
@@ -46,22 +47,6 @@ def ref(smollm2_path):
 @pytest.fixture(scope="module")
 def vs_transformers(llm):
     return compare(llm, PROMPT, a={}, b="transformers", max_tokens=N, top_k=5)
-
-
-def _generate(ref, ids: list[int], n: int) -> tuple[list[int], list[float], list[float]]:
-    """transformers' greedy `generate`, with its top-1/top-2 margin and max |logit| per step."""
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        res = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    margins, scales = [], []
-    for row in res.scores:
-        row = row[0].float()
-        finite = row[torch.isfinite(row)]
-        top = torch.topk(finite, 2).values
-        margins.append(float(top[0] - top[1]))
-        scales.append(float(finite.abs().max()))
-    return res.sequences[0, len(ids):].tolist(), margins, scales
 
 
 def _sure(margins: list[float], scales: list[float]) -> int:
@@ -99,7 +84,7 @@ def test_cli_bad_side_is_one_clear_line():
 
 def test_transformers_side_and_engine_follow_transformers_own_generate(vs_transformers, ref):
     report = vs_transformers
-    theirs, margins, scales = _generate(ref, report.prompt_token_ids, N)
+    theirs, margins, scales = transformers_greedy(ref, report.prompt_token_ids, N)
     n_sure = _sure(margins, scales)
     assert n_sure >= 4, f"transformers has a near-tie at step {n_sure}: pick another prompt"
     for side, ids in (("b (transformers)", report.b_token_ids), ("a (minivllm)", report.a_token_ids)):

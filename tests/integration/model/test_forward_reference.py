@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from conftest import DATA_DIR
+from conftest import DATA_DIR, transformers_greedy
 from minivllm import LLM, SamplingParams
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
@@ -38,25 +38,6 @@ def _max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 # which side of a near-tie each lands on is a fact about the CPU's kernels, not the code.
 LOGITS_RTOL = 1e-4
 DECODE_RTOL = 2 * LOGITS_RTOL
-
-
-def _transformers_greedy(ref, ids: list[int], n_new: int) -> tuple[list[int], list[float], list[float]]:
-    """transformers' greedy continuation, with its top-1/top-2 margin and max |logit| at
-    each step (the scores it chose from: min_new_tokens keeps EOS out, as ignore_eos does)."""
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        res = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n_new, min_new_tokens=n_new,
-                           do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    tokens = res.sequences[0, len(ids):].tolist()
-    margins, scales = [], []
-    for row in res.scores:
-        row = row[0].float()
-        finite = row[torch.isfinite(row)]
-        top = torch.topk(finite, 2).values
-        margins.append(float(top[0] - top[1]))
-        scales.append(float(finite.abs().max()))
-    assert len(tokens) == len(margins) == n_new
-    return tokens, margins, scales
 
 
 def _check_greedy_up_to_near_tie(ours: list[int], theirs: list[int], margins: list[float], scales: list[float],
@@ -104,7 +85,7 @@ def test_greedy_continuations_match_transformers(pair):
     compared = 0
     for prompt in PROMPTS[:4]:
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))[0]
-        theirs, margins, scales = _transformers_greedy(ref, out.prompt_token_ids, n_new)
+        theirs, margins, scales = transformers_greedy(ref, out.prompt_token_ids, n_new)
         compared += _check_greedy_up_to_near_tie(out.token_ids, theirs, margins, scales, f"{name} {prompt!r}")
     # Not vacuous: near-ties that close are rare, so most tokens were compared.
     assert compared >= 4 * n_new // 2, f"{name}: only {compared} of {4 * n_new} tokens before a near-tie"
@@ -149,5 +130,5 @@ def test_cuda_logits_and_greedy_match_transformers(model, smollm2_path, qwen05_p
             theirs = ref(torch.tensor([ids])).logits[0].float()
         assert _max_rel_error(ours, theirs) <= LOGITS_RTOL
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
-        greedy, margins, scales = _transformers_greedy(ref, ids, 16)
+        greedy, margins, scales = transformers_greedy(ref, ids, 16)
         _check_greedy_up_to_near_tie(out.token_ids, greedy, margins, scales, f"{model} on {dev} {prompt!r}")
