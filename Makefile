@@ -14,7 +14,7 @@ $(INSTALLED): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	bash scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -e '.[notebook,serve,dev]'
+	$(PY) -m pip install -e '.[notebook,serve,dev,ray]'
 	touch $(INSTALLED)
 
 model: $(INSTALLED)

@@ -78,3 +78,18 @@ def verified_path(name: str, source: PyPISource) -> Path | None:
         write_stamp(final, source.sha256)
         return final
     return None
+
+
+def quick_fingerprint(path: Path) -> str:
+    """Size plus the SHA-256 of the first and last MiB: cheap enough to check on every
+    worker start (a full hash of a GB file takes seconds), and enough to tell two
+    different model files apart, since GGUF headers carry the metadata and tensor table."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(HASH_CHUNK))
+        if size > 2 * HASH_CHUNK:
+            f.seek(size - HASH_CHUNK)
+            h.update(f.read(HASH_CHUNK))
+    return f"{size}:{h.hexdigest()[:32]}"

@@ -10,6 +10,10 @@
 `async for` when submitted from async code. The model file is resolved (downloaded if
 needed) once here, before any worker starts, so workers never race on a download.
 Routing decisions are serialised so each one sees the requests routed before it.
+
+`backend="ray"` starts the same workers as Ray actors on the nodes of a Ray cluster
+(ray_transport.py): each resolves the model by name on its own node, and a worker that
+cannot (a node without the file) fails alone while the others start.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class Cluster:
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, ready_timeout_s: float = 1800.0,
                  fault_injection: bool = False, on_progress=None, progress: bool = False,
                  prompt_special_tokens: bool = True,
-                 max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS, **engine_options):
+                 max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+                 backend: str = "local", ray_address: str | None = "auto", **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
         `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
         loop hang (drills, tests, teaching); workers refuse it otherwise. Chat messages are
@@ -73,14 +78,26 @@ class Cluster:
         servers whose raw prompts carry untrusted text). `max_queued_prompt_tokens` bounds
         each worker's queued prompt work (see `_admissible`; None: no bound). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
-        state, stage)` is called while workers load (the widgets show it)."""
+        state, stage)` is called while workers load (the widgets show it). `backend` is
+        "local" (one child process per worker, the default) or "ray" (one Ray actor per
+        worker on the cluster at `ray_address`: "auto", "ray://host:10001", or None for a
+        private local Ray instance; needs `pip install 'minivllm[ray]'`)."""
         from minivllm.gguf.tokenizer import Tokenizer
         from minivllm.models import resolve_model
 
         EngineConfig(**engine_options)  # a bad option fails here, naming the field, before any process starts
         if dtype != "auto":
             resolve_dtype(dtype)
-        self.devices = parse_inference_devices(devices)
+        if backend not in ("local", "ray"):
+            raise ConfigError("backend", backend, "one of: local, ray")
+        self.backend = backend
+        self.devices = parse_inference_devices(devices, backend=backend)
+        self._ray = None
+        if backend == "ray":
+            from minivllm.serving.ray_transport import RayBackend
+
+            self._ray = RayBackend(ray_address)
+            self._ray.check_devices(self.devices)
         self.router = Router(router)
         self.model_path = resolve_model(model, progress=progress)
         self.model_name = Path(model).stem if str(model).endswith(".gguf") else str(model)
@@ -90,6 +107,13 @@ class Cluster:
                               "draft_model": str(self.draft_model_path) if self.draft_model_path else None,
                               "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile,
                               "fault_injection": bool(fault_injection)}
+        if backend == "ray":  # each node resolves the names itself and checks it has the same files
+            from minivllm.models.cache import quick_fingerprint
+
+            self.worker_config.update({"model_spec": str(model), "model_fingerprint": quick_fingerprint(self.model_path)})
+            if draft_model:
+                self.worker_config.update({"draft_model_spec": str(draft_model),
+                                           "draft_model_fingerprint": quick_fingerprint(self.draft_model_path)})
         self.prompt_special_tokens = bool(prompt_special_tokens)
         if max_queued_prompt_tokens is not None and (not isinstance(max_queued_prompt_tokens, int)
                                                      or isinstance(max_queued_prompt_tokens, bool)
@@ -119,8 +143,9 @@ class Cluster:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _new_handle(self, device) -> WorkerHandle:
+        factory = {} if self._ray is None else {"transport_factory": self._ray.transport_factory(device)}
         handle = WorkerHandle(device, self.worker_config, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                              stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress)
+                              stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress, **factory)
         with self._lifecycle:
             if self._closing:
                 raise WorkerStartError(f"worker {device.name} was not started: the cluster is stopping")
@@ -128,9 +153,13 @@ class Cluster:
         return handle
 
     def start(self) -> "Cluster":
-        """Start every worker and wait until all are loaded, warmed up and calibrated."""
+        """Start every worker and wait until all are loaded, warmed up and calibrated. On the
+        Ray backend a worker that fails (its node lacks the model, say) stays in the snapshot
+        as failed, with its error, and the others serve; only if none starts does this raise."""
         if self.started:
             return self
+        if self._ray is not None:
+            self._ray.ensure_connected()
         self._closing = False
         self.workers = {d.name: self._new_handle(d) for d in self.devices}
         for handle in self.workers.values():
@@ -139,7 +168,7 @@ class Cluster:
         for handle in self.workers.values():
             handle.wait_ready(max(0.0, deadline - time.monotonic()))
         failed = [h for h in self.workers.values() if h.state != "ready"]
-        if failed:
+        if failed and (self.backend == "local" or len(failed) == len(self.workers)):
             message = "; ".join(f"{h.name}: {h.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}" for h in failed)
             self.stop()
             raise WorkerStartError(f"{len(failed)} of {len(self.workers)} workers did not start: {message}")
@@ -156,6 +185,8 @@ class Cluster:
             self._spawned.clear()
         with ThreadPoolExecutor(max_workers=max(1, len(handles))) as pool:
             list(pool.map(lambda h: h.stop(), handles))
+        if self._ray is not None:
+            self._ray.close()
         self.started = False
 
     def restart_worker(self, name: str) -> None:
@@ -228,6 +259,8 @@ class Cluster:
         if kind == "crash":
             handle.kill()
         elif kind == "freeze":
+            if self.backend != "local":
+                raise ConfigError("kind", kind, "freeze stops a local process; on the Ray backend use crash (ray.kill)")
             if handle.transport is None or handle.transport.pid is None:
                 raise ConfigError("worker", name, "has no process to freeze")
             os.kill(handle.transport.pid, signal.SIGSTOP)
@@ -376,7 +409,8 @@ class Cluster:
 
     def health(self) -> dict:
         workers = [{"name": h.name, "device": h.device.torch_device, "state": h.state, "error": h.error,
-                    "pid": h.transport.pid if h.transport else None} for h in self.workers.values()]
+                    "pid": h.transport.pid if h.transport else None,
+                    "node": (h.transport.location if h.transport else {}).get("node_ip")} for h in self.workers.values()]
         up = sum(w["state"] == "ready" for w in workers)
         status = "ok" if up == len(workers) and up else "degraded" if up else "down"
         return {"status": status, "workers": workers}
@@ -392,6 +426,7 @@ class Cluster:
                     with h.lock:
                         h.snapshot = snap
         return {"schema": SCHEMA, "time": time.time(), "model": self.model_name, "model_path": str(self.model_path),
+                "backend": self.backend,
                 "router": self.router.snapshot(), "health": self.health()["status"],
                 "requests": self.accounting.as_dict(), "restarts": dict(self.restart_counters),
                 "admission": {"max_queued_prompt_tokens": self.max_queued_prompt_tokens, **self.admission_counters},

@@ -12,6 +12,15 @@
 Explicit `cuda:N` entries are claimed first, so `gpu cuda:0` gives cuda:1 then cuda:0.
 Parsing happens in the controller, before any process starts, so a bad list fails fast
 with an error naming the entry.
+
+On the Ray backend (`backend="ray"`) the entries ask Ray for resources instead:
+
+    cpu, cpu:N        a worker with 1 (or N) CPUs of some node, and that many torch threads
+    gpu, cuda         a worker with one GPU (and one CPU) of some node; Ray picks the GPU
+    node=ADDR:ENTRY   the same, on the node whose IP is ADDR, or whose id starts with ADDR
+                      (8+ hex digits; several nodes on one host share an IP)
+
+`cuda:N` is refused there: GPU indices are per node, and Ray assigns them.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ class InferenceDevice:
     index: int | None = None  # CUDA index
     threads: int | None = None  # torch threads (CPU workers; GPU workers use 1)
     name: str = ""  # the worker's unique name: "cpu", "cpu#2", "cuda:0"
+    node: str | None = None  # Ray backend: the node asked for (IP or node-id prefix); None: Ray picks
 
     @property
     def torch_device(self) -> str:
@@ -37,7 +47,7 @@ class InferenceDevice:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "index": self.index, "threads": self.threads, "name": self.name,
-                "torch_device": self.torch_device}
+                "torch_device": self.torch_device, "node": self.node}
 
 
 def _parse_one(text: str) -> tuple[str, int | None, int | None]:
@@ -78,14 +88,48 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _split_node(text: str) -> tuple[str | None, str]:
+    spec = str(text).strip()
+    if not spec.lower().startswith("node="):
+        return None, spec
+    node, sep, entry = spec[5:].partition(":")
+    if not node or not sep or not entry:
+        raise ConfigError("inference_device", text, "expected node=ADDR:ENTRY, e.g. node=10.0.0.2:cpu:4 or node=10.0.0.2:gpu")
+    return node, entry
+
+
+def parse_ray_devices(specs: list[str]) -> list[InferenceDevice]:
+    """The Ray backend's entries: resources to ask Ray for, on a named node or anywhere."""
+    devices: list[InferenceDevice] = []
+    seen: dict[str, int] = {}
+    for text in specs:
+        node, entry = _split_node(text)
+        kind, index, threads = _parse_one(entry)
+        if kind == "cuda" and index is not None:
+            raise ConfigError("inference_device", text, "on the Ray backend give gpu (or node=ADDR:gpu): GPU indices "
+                              "are per node and Ray assigns them")
+        base = "cpu" if kind == "cpu" else "gpu"
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        # Inside its actor a GPU worker sees only the GPU Ray gave it, as cuda:0.
+        devices.append(InferenceDevice(kind, 0 if kind == "cuda" else None, threads or 1, name, node))
+    return devices
+
+
 def parse_inference_devices(specs: list[str] | tuple[str, ...] | str, *, cuda_count: int | None = None,
-                            cpu_cores: int | None = None) -> list[InferenceDevice]:
+                            cpu_cores: int | None = None, backend: str = "local") -> list[InferenceDevice]:
     """Resolve the whole list at once (claiming needs to see every entry)."""
     if isinstance(specs, str):
         specs = [specs]
     specs = list(specs)
     if not specs:
         raise ConfigError("inference_device", specs, "give at least one device, e.g. --inference-device cpu")
+    if backend == "ray":
+        return parse_ray_devices(specs)
+    for s in specs:
+        if _split_node(s)[0] is not None:
+            raise ConfigError("inference_device", s, "node=... places a worker on a Ray node: start the cluster with "
+                              "backend='ray' (serve --backend ray)")
     parsed = [_parse_one(s) for s in specs]
     wants_cuda = any(kind == "cuda" for kind, _, _ in parsed)
     count = cuda_count if cuda_count is not None else (cuda_device_count() if wants_cuda else 0)

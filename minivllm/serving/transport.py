@@ -1,20 +1,23 @@
 """The controller <-> worker link, kept behind one small interface.
 
-The controller only ever calls `send`, `recv`, `alive`, `kill` and `close` on a
-`WorkerTransport`; the worker only `send` and `recv` on its `Endpoint`. Messages are
-plain JSON-serialisable dicts (see protocol.py), so a transport over sockets or Ray
-actors only has to move bytes. `ProcessTransport` is the local one: a child Python process
-and a socket pair carrying length-prefixed UTF-8 JSON.
+The controller only ever calls `send`, `recv`, `alive`, `kill`, `describe_exit` and
+`close` on a `WorkerTransport`; the worker only `send` and `recv` on its endpoint.
+Messages are plain JSON-serialisable dicts (see protocol.py), so a transport only has to
+move them. `ProcessTransport` is the local one: a child Python process and a socket pair
+carrying length-prefixed UTF-8 JSON. `ray_transport.RayTransport` puts the same worker in
+a Ray actor on any node of a Ray cluster.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from multiprocessing.connection import Connection
 
@@ -41,6 +44,15 @@ class WorkerTransport(ABC):
 
     @abstractmethod
     def kill(self) -> None: ...
+
+    @abstractmethod
+    def describe_exit(self) -> str:
+        """How the worker ended, in words, for the error its requests get."""
+
+    @property
+    def location(self) -> dict:
+        """Where the worker runs (host, node), for snapshots; empty while unknown."""
+        return {}
 
     @abstractmethod
     def close(self, timeout: float = 10.0) -> None:
@@ -115,6 +127,27 @@ class ProcessTransport(WorkerTransport):
     def kill(self) -> None:
         if self._process.poll() is None:
             self._process.kill()
+
+    def describe_exit(self) -> str:
+        """The exit code or signal. The pipe closes a moment before the OS reports the exit,
+        so wait briefly for the code instead of printing None."""
+        deadline = time.monotonic() + 2.0
+        code = self._process.poll()
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            code = self._process.poll()
+        if code is None:
+            return "exit status not known yet"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    @property
+    def location(self) -> dict:
+        return {"host": socket.gethostname(), "pid": self._process.pid}
 
     def close(self, timeout: float = 10.0) -> None:
         try:

@@ -1,7 +1,8 @@
 """The worker process: one device, one engine, driven by messages from the controller.
 
 `python -m minivllm.serving.worker FD` is the process entry point (transport.py starts
-it); `worker_main(conn, config)` is importable, so any transport can host a worker.
+it); `serve_worker(endpoint, config)` runs a worker on any endpoint with `send(dict)` and
+`recv(timeout) -> dict | None` (the Ray actor of ray_actor.py hosts one that way).
 
 Threads inside the worker:
 - the step loop (main thread) owns the engine. It is the engine's own loop,
@@ -43,10 +44,19 @@ def worker_main(conn, config: dict | None = None) -> None:
             config = endpoint.recv(None)
         except TransportClosed:
             return
+    serve_worker(endpoint, config)
+
+
+def serve_worker(endpoint, config: dict) -> None:
+    """Load the engine, then run the step loop until shutdown; a load failure is reported
+    as one `failed` message (naming the node when the transport placed us on one)."""
     try:
         worker = Worker(config, endpoint)
     except BaseException as exc:  # noqa: BLE001 - everything must reach the controller
         message = str(exc) if isinstance(exc, MinivllmError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        where = (config.get("placement") or {}).get("where")
+        if where:
+            message = f"on {where}: {message}"
         try:
             endpoint.send({"op": "failed", "error": message})
         except TransportClosed:
@@ -91,6 +101,7 @@ class Worker:
         self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
         self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
         info = {**self.llm.info(), "name": self.name, "pid": os.getpid(), "device_spec": device,
+                "placement": config.get("placement") or {},
                 "vocab_size": self.llm.model.config.vocab_size, "max_active_requests": self.engine.config.max_active_requests}
         endpoint.send({"op": "ready", "info": info, "rates": self.rates.as_dict()})
 

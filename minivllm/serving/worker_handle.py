@@ -17,7 +17,6 @@ the cache estimate it was routed with, its budget and how many tokens it has pro
 from __future__ import annotations
 
 import itertools
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -185,25 +184,10 @@ class WorkerHandle:
         return {"name": self.name, "device": self.device.torch_device, "threads": self.device.threads,
                 "state": self.state, "stage": self.stage, "error": self.error,
                 "pid": self.transport.pid if self.transport is not None else None,
+                "location": self.transport.location if self.transport is not None else {},
                 "last_message_age_s": time.monotonic() - self.last_message, "loop_age_s": self.loop_age_s,
                 "rates": self.rates_wire, "counters": dict(self.counters), "in_flight": in_flight,
                 "info": self.info, "snapshot": self.snapshot}
-
-    def _exit_status(self, code: int | None) -> str:
-        """How the process ended, in words. Its pipe closes a moment before the OS reports
-        the exit, so wait briefly for the code instead of printing None."""
-        deadline = time.monotonic() + 2.0
-        while code is None and self.transport is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
-            code = self.transport.exit_code()
-        if code is None:
-            return "exit status not known yet"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
 
     # -- the reader thread ----------------------------------------------------------------------------
 
@@ -212,17 +196,16 @@ class WorkerHandle:
             try:
                 msg = self.transport.recv(0.5)
             except TransportClosed:
-                code = self.transport.exit_code() if self.transport is not None else None
                 if not self._stopping:
                     self._mark_down("dead" if self.state != "starting" else "failed",
-                                    self.error or f"worker {self.name} exited ({self._exit_status(code)})")
+                                    self.error or f"worker {self.name} exited ({self.transport.describe_exit()})")
                 return
             now = time.monotonic()
             if msg is None:
                 if self._stopping:
                     return
                 if not self.transport.alive():
-                    self._mark_down("dead", f"worker {self.name} exited ({self._exit_status(self.transport.exit_code())})")
+                    self._mark_down("dead", f"worker {self.name} exited ({self.transport.describe_exit()})")
                     return
                 if self.state == "ready" and now - self.last_message > self.heartbeat_timeout_s:
                     self._mark_down("dead", f"worker {self.name} sent nothing for {now - self.last_message:.1f} s "
