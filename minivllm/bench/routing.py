@@ -248,11 +248,29 @@ def fastest_worker(workers: list[dict], prompt_tokens: int, prefix_tokens: int, 
     return min(scores, key=lambda n: scores[n]["one_request_s"]), scores
 
 
-def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "f32", *,
+def run(*args, backend: str = "local", ray_address: str | None = None, **kwargs) -> list[dict]:
+    """`run_cases` with the workers on `backend`: "local" processes, or "ray" actors on the
+    cluster at `ray_address` (None: a private Ray instance, joined once here so that the
+    fresh cluster of every run does not start Ray again)."""
+    own_ray = False
+    if backend == "ray":
+        from minivllm.serving.ray_transport import connect
+
+        own_ray = connect(ray_address)
+    try:
+        return run_cases(*args, backend=backend, ray_address=ray_address, **kwargs)
+    finally:
+        if own_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def run_cases(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "f32", *,
         bursts: list[int] | None = None, policies: list[str] | None = None, runs: int | None = None,
         max_runs: int | None = None, max_tokens: int | None = None, prompt_tokens: int | None = None, prefix_tokens: int | None = None,
         arrival_ms: float = 50.0, max_active: int = 4, fresh_per_run: bool = True, quick: bool = False,
-        engine_options: dict | None = None) -> list[dict]:
+        engine_options: dict | None = None, backend: str = "local", ray_address: str | None = None) -> list[dict]:
     """Run every (burst, policy) case; write benchmarks/results/routing-<model>-<stamp>.{json,md};
     return the aggregate rows (each with its per-run records under "runs"). Per (policy, burst) at
     least `runs` runs, more while the completion time's CV exceeds 5%, at most `max_runs` (default
@@ -295,7 +313,8 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
         router = policy
         if policy == FORCED_FASTEST:
             router = f"forced:{state['fastest']}" if state["fastest"] else "round-robin"
-        cluster = Cluster(model, devices, router=router, dtype=dtype, **engine_options).start()
+        cluster = Cluster(model, devices, router=router, dtype=dtype, backend=backend, ray_address=ray_address,
+                          **engine_options).start()
         snap = cluster.snapshot()
         if state["workers"] is None:
             state["workers"] = [{"name": w["name"], "device": w["device"], "threads": w["threads"],
@@ -367,7 +386,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
         row["completion_vs_forced_fastest"] = row["completion_s_mean"] / ff["completion_s_mean"] if ff else None
 
     workload = state["workload"]
-    settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "bursts": bursts,
+    settings = {"model": model, "inference_devices": devices, "backend": backend, "activation_dtype": dtype, "bursts": bursts,
                 "policies": policies, "runs": runs, "max_runs": max_runs, "cv_target": CV_TARGET,
                 "rounds": [{"burst": r["burst"], "policy": r["policy"], **rounds.info(), "watched": ["completion_s"]}
                            for r, rounds in zip(rows, all_rounds, strict=True)],
@@ -390,7 +409,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     columns = ["burst", "policy", "router", "completion_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s",
                "e2e_p95_s", "throughput_vs_forced_fastest", "completion_vs_forced_fastest", "runs_n", "cv"]
     flat = [{**r, **{k: f"{r[k + '_mean']:.4g} ± {r[k + '_std']:.2g}" for k in MEASURES}} for r in rows]
-    json_path, md_path = write_results(f"routing-{model_label(model)}", meta, flat, columns, notes)
+    json_path, md_path = write_results(f"routing-{model_label(model)}" + ("-ray" if backend == "ray" else ""), meta, flat, columns, notes)
     print(notes, flush=True)
     print(f"wrote {json_path} and {md_path}", flush=True)
     return rows
@@ -411,7 +430,7 @@ def render(rows: list[dict], state: dict, settings: dict, runs_note: str | None 
     """The tables in Markdown; `runs_note` (over how many runs, how they stopped) replaces the plain
     "over N run(s)" when given."""
     over = runs_note or f"mean ± sample std over {settings['runs']} run(s)"
-    out = [f"Model {settings['model']}, workers " + ", ".join(f"{w['name']} = {w['backend']}" for w in state["workers"])
+    out = [f"Model {settings['model']}, {settings.get('backend', 'local')} backend, workers " + ", ".join(f"{w['name']} = {w['backend']}" for w in state["workers"])
            + f"; prompts {settings['prompt_tokens']} tokens ({settings['prefix_tokens']} shared, seeded), "
            f"{settings['max_tokens']} output tokens, arrivals every {settings['arrival_ms']:g} ms, "
            f"max {settings['max_active_requests']} active per worker; {over.replace('column runs', 'column Runs')}, "

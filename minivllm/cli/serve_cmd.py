@@ -19,7 +19,14 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name or .gguf path (default {DEFAULT_MODEL})")
     p.add_argument("--inference-device", action="append", default=None,
                    help="repeatable: cpu, cpu:THREADS, gpu (next unclaimed CUDA index) or cuda:N; one worker "
-                        "process per entry (default: one cpu worker)")
+                        "process per entry (default: one cpu worker). With --backend ray: cpu[:N] or gpu, "
+                        "optionally node=ADDR:... to pin it to a Ray node (its IP or node-id prefix)")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local (default): worker processes on this machine; ray: Ray actors on the nodes of a "
+                        "Ray cluster (pip install 'minivllm[ray]')")
+    p.add_argument("--ray-address", default="auto",
+                   help="with --backend ray: the cluster to join (default auto: the one this machine belongs to, or "
+                        "RAY_ADDRESS; ray://HOST:10001 through Ray Client; 'local' starts a private one here)")
     p.add_argument("--activation-dtype", default="auto", choices=("auto",) + DTYPE_CHOICES,
                    help="auto (default): f32 on CPU workers, f16 on GPU workers")
     p.add_argument("--rates-profile", default=None,
@@ -66,6 +73,7 @@ def add_serve_parser(subparsers) -> None:
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
     return {"devices": args.inference_device or ["cpu"], "dtype": args.activation_dtype,
+            "backend": args.backend, "ray_address": None if args.ray_address == "local" else args.ray_address,
             "draft_model": args.draft_model, "rates_profile": args.rates_profile,
             "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout,
             "max_queued_prompt_tokens": args.max_queued_prompt_tokens or None, **engine_options_from_args(args)}

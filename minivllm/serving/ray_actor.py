@@ -81,6 +81,20 @@ class QueueEndpoint:
             self._cond.notify_all()
 
 
+def _normal_priority() -> int:
+    """Undo Ray's worker niceness (15, so that raylets stay responsive) for this thread, the
+    step loop's; the local backend's workers run at normal priority, and at nice 15 every
+    other process on the machine preempts the engine. Linux keeps niceness per thread, so
+    Ray's own RPC threads in this process stay nice. Lowering niceness needs CAP_SYS_NICE
+    (root) unless the cluster was started with worker_niceness 0; without it the value stays
+    as Ray set it. Returns the niceness in effect."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 class WorkerActor:
     """Wrapped with `ray.remote` by ray_transport (resources and placement per worker)."""
 
@@ -104,6 +118,7 @@ class WorkerActor:
     def _serve(self, config: dict) -> None:
         from minivllm.serving.worker import serve_worker
 
+        self.placement["niceness"] = _normal_priority()
         try:
             config = {**config, "placement": self.placement}
             problem = self._resolve_models(config)

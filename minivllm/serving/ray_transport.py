@@ -54,9 +54,11 @@ def connect(address: str | None) -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
-    extra = {"include_dashboard": False} if address is None else {}
+    # "local" always starts a new instance; plain None would join whatever a stale
+    # /tmp/ray/ray_current_cluster names.
+    extra = {"include_dashboard": False, "_system_config": {"worker_niceness": 0}} if address is None else {}
     try:
-        ray.init(address=address, namespace="minivllm", logging_level="WARNING", **extra)
+        ray.init(address=address or "local", namespace="minivllm", logging_level="WARNING", **extra)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise RayUnavailable(f"cannot join the Ray cluster at {address!r}: {exc}. Start one with `ray start --head` "
                              "(and `ray start --address HEAD:6379` on each other node), or pass ray_address=None "

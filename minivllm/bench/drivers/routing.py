@@ -26,6 +26,8 @@ class Settings:
     fresh_per_run: bool
     quick: bool
     option: list[str]
+    backend: str
+    ray_address: str | None
 
 
 def add_arguments(p) -> None:
@@ -52,6 +54,10 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for tests: bursts 4, 1 run, 8 output tokens, 64-token prompts, 48 shared")
     common.add_option(p, "engine option for every worker (repeatable), e.g. page_size=16, enforce_eager=true")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="workers as local processes (default) or as Ray actors (Cluster(backend='ray'))")
+    p.add_argument("--ray-address", default=None,
+                   help="with --backend ray: the Ray cluster (auto, ray://HOST:10001; default: a private one here)")
 
 
 def run(s: Settings) -> int:
@@ -60,7 +66,7 @@ def run(s: Settings) -> int:
     run(s.model, s.inference_device, s.activation_dtype, bursts=s.bursts, policies=s.policies, runs=s.runs,
         max_runs=s.max_runs, max_tokens=s.max_tokens, prompt_tokens=s.prompt_tokens, prefix_tokens=s.prefix_tokens,
         arrival_ms=s.arrival_ms, max_active=s.max_active, fresh_per_run=s.fresh_per_run, quick=s.quick,
-        engine_options=common.engine_options(s.option))
+        engine_options=common.engine_options(s.option), backend=s.backend, ray_address=s.ray_address)
     return 0
 
 

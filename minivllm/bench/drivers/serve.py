@@ -38,6 +38,7 @@ class Settings:
     request_timeout: float
     start_server: bool
     inference_device: list[str] | None
+    backend: list[str] | None
     serve_arg: list[str]
     start_peer: str | None
     peer_threads: int | None
@@ -86,6 +87,10 @@ def add_arguments(p) -> None:
                    help="start `python -m minivllm serve --model MODEL` here, load it, stop it")
     common.add_inference_device(p, default=None, repeatable=True,
                                 help="with --start-server: serve's --inference-device (repeatable)")
+    p.add_argument("--backend", action="append", choices=("local", "ray"), default=None,
+                   help="with --start-server: serve's --backend; repeat it (--backend local --backend ray) to start "
+                        "one server per backend, one after another, with the same requests (ray: a private Ray "
+                        "instance on this machine)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="with --start-server: extra `minivllm serve` argument (repeatable; --serve-arg=--flag)")
     p.add_argument("--start-peer", choices=["llama-cpp-python"], default=None,
@@ -119,7 +124,7 @@ def run(s: Settings) -> int:
                      inference_devices=s.inference_device, serve_args=s.serve_arg, tokenizer=s.tokenizer,
                      warmup=s.warmup, out_dir=s.out, tag=s.tag, ready_timeout_s=s.ready_timeout,
                      start_peer=s.start_peer, peer_threads=s.peer_threads, peer_gpu_layers=s.peer_gpu_layers,
-                     llama_cpp_path=s.llama_cpp_path)
+                     llama_cpp_path=s.llama_cpp_path, backends=s.backend)
     except (ValueError, RuntimeError) as exc:  # bad settings; a server that fails its warm-up or start-up
         msg = str(exc)
         raise SystemExit(msg if msg.startswith("bench serve") else f"bench serve: {msg}") from None

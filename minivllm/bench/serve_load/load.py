@@ -53,11 +53,13 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
         tokenizer: str | None = None, warmup: int = 1, out_dir: str | Path | None = None, tag: str | None = None,
         ready_timeout_s: float = 900.0, progress: bool = True, write: bool = True,
         start_peer: str | None = None, peer_threads: int | None = None, peer_gpu_layers: int = 0,
-        llama_cpp_path: str | None = None) -> dict:
+        llama_cpp_path: str | None = None, backends: list[str] | None = None) -> dict:
     """Load each target in turn with the same seeded requests; returns {"targets": [...], "table": str,
     "files": [...]}. `start_server`: a model to serve with `python -m minivllm serve` (the first target).
     `start_peer="llama-cpp-python"`: then start llama-cpp-python's server on the same GGUF file
-    (the second target; `peer_threads` CPU threads, default the machine's cores; `peer_gpu_layers`)."""
+    (the second target; `peer_threads` CPU threads, default the machine's cores; `peer_gpu_layers`).
+    `backends` (with `start_server`): one started server per entry, one after another, "local"
+    or "ray" (`serve --backend ray` on a private Ray instance), labelled minivllm-<backend>."""
     from minivllm.bench import results as _results
 
     settings = settings or LoadSettings()
@@ -70,7 +72,11 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
         if not start_server:
             raise ValueError("bench serve: --start-peer serves the --start-server model; give --start-server too")
         check_installed(llama_cpp_path)
-    n_targets = len(urls) + (1 if start_server else 0) + (1 if start_peer else 0)
+    backends = list(backends or ["local"])
+    if any(b not in ("local", "ray") for b in backends):
+        raise ValueError(f"bench serve: --backend {backends}: each is local or ray")
+    n_starts = len(backends) if start_server else 0
+    n_targets = len(urls) + n_starts + (1 if start_peer else 0)
     if n_targets == 0:
         raise ValueError("bench serve: give --url (repeatable) or --start-server")
     if labels and len(labels) != n_targets:
@@ -95,12 +101,13 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
     try:
         plan = []
         if start_server:
-            plan.append(("start", None, None))
+            plan += [("start", None, None, b) for b in backends]
         if start_peer:
-            plan.append(("peer", None, None))
+            plan.append(("peer", None, None, None))
         for i, u in enumerate(urls):
-            plan.append(("url", u, url_models[0] if len(url_models) == 1 else (url_models[i] if url_models else None)))
-        for k, (kind, url, model) in enumerate(plan):
+            plan.append(("url", u, url_models[0] if len(url_models) == 1 else (url_models[i] if url_models else None),
+                         None))
+        for k, (kind, url, model, backend) in enumerate(plan):
             model_sha = None
             serve_cmd = None
             if kind == "start":
@@ -117,6 +124,8 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
                     serve_cmd += ["--inference-device", d]
                 if api_key:
                     serve_cmd += ["--api-key", api_key]
+                if backend == "ray":
+                    serve_cmd += ["--backend", "ray", "--ray-address", "local"]
                 serve_cmd += list(serve_args or [])
                 if progress:
                     print("bench serve: starting python -m minivllm serve " + " ".join(serve_cmd), flush=True)
@@ -142,7 +151,8 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
                     print("bench serve: starting python " + " ".join(serve_cmd), flush=True)
                 server.start(ready_timeout_s)
                 url = server.url
-            label = labels[k] if labels else ({"start": "minivllm", "peer": "llama-cpp-python"}.get(kind)
+            started = "minivllm" if len(backends) == 1 and backend == "local" else f"minivllm-{backend}"
+            label = labels[k] if labels else ({"start": started, "peer": "llama-cpp-python"}.get(kind)
                                               or default_label(url))
             info = probe(url, api_key)
             served = [m.get("id") for m in (info["v1_models"].get("data") or []) if isinstance(m, dict)]
