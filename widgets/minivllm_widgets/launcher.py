@@ -65,6 +65,10 @@ class Launcher:
         self.draft_policy = W.Text(value=d["draft_policy"] or "fixed", description="policy")
         self.tv_budget = W.BoundedFloatText(value=d["tv_budget"], min=0.0, max=1.0, step=0.05, description="TV budget")
         self.router = W.Dropdown(options=["cost", "round-robin", "least-loaded"], value="cost", description="router")
+        # Ray: the same workers as actors on the nodes of a Ray cluster (Cluster(backend="ray")).
+        self.backend = W.Dropdown(options=["local", "ray"], value=defaults.get("backend", "local"), description="backend")
+        self.ray_address = W.Text(value=defaults.get("ray_address") or "auto", description="Ray address",
+                                  placeholder="auto, ray://HOST:10001, or local")
         self.batch_invariant = W.Checkbox(value=d["batch_invariant"], description="batch-invariant", indent=False)
         self.launch = W.Button(description="Launch", button_style="success")
         self.stop = W.Button(description="Stop", button_style="warning")
@@ -76,17 +80,25 @@ class Launcher:
             W.HBox([self.prefix_cache, self.publication, self.single_flight]),
             W.HBox([self.draft_model, self.draft_policy, self.tv_budget]),
             W.HBox([self.router, self.batch_invariant]),
+            W.HBox([self.backend, self.ray_address]),
             W.HBox([self.launch, self.stop]), self.status])
 
     def options(self) -> dict:
-        devices = cpu_workers(self.cpu_count.value, self.cpu_threads.value) + [
-            d for d, box in self.devices.items() if box.value]
+        ray = self.backend.value == "ray"
+        gpus = [d for d, box in self.devices.items() if box.value]
+        # On Ray a GPU worker asks for "a GPU" (Ray picks which, on which node), and a CPU
+        # worker for its threads' worth of CPUs (1 when the count is left to the cluster).
+        devices = cpu_workers(self.cpu_count.value, self.cpu_threads.value or (1 if ray else 0)) + (
+            ["gpu"] * len(gpus) if ray else gpus)
         paged = self.kv_mode.value == "paged"
         opts = {"model": self.model.value.strip(), "devices": devices, "dtype": self.dtype.value,
                 "router": self.router.value, "kv_mode": self.kv_mode.value, "page_size": self.page_size.value,
                 "max_model_len": self.max_model_len.value or None, "batch_invariant": self.batch_invariant.value,
                 "prefix_cache": self.prefix_cache.value and paged, "publication": self.publication.value,
                 "single_flight": self.single_flight.value if self.prefix_cache.value and paged else "off"}
+        if ray:
+            address = self.ray_address.value.strip() or "auto"
+            opts.update(backend="ray", ray_address=None if address == "local" else address)
         if self.draft_model.value.strip():
             opts.update(draft_model=self.draft_model.value.strip(), draft_policy=self.draft_policy.value.strip(),
                         tv_budget=self.tv_budget.value)

@@ -34,7 +34,8 @@ def queues_view(snapshot: dict) -> dict:
                                  "progress": 1.0 if finished else round(progress, 2),
                                  "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
                                  "restored_tokens": r["restored_tokens"], "flight": r.get("flight")})
-        out[w["name"]] = {"state": w["state"], "device": w["device"], "requests": rows}
+        node = (w.get("location") or {}).get("node_ip")  # Ray workers: the node they run on
+        out[w["name"]] = {"state": w["state"], "device": w["device"] + (f" on {node}" if node else ""), "requests": rows}
     return out
 
 
