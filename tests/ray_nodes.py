@@ -5,7 +5,10 @@ with `ray start --address`), each with the CPUs of one worker. Killing a node's 
 group with SIGKILL is what a host crash does to its raylet; the workers Ray started there
 (own sessions) notice their raylet is gone and exit. Every process carries a tag in its
 environment, so teardown finds and kills what is left, and nothing of another Ray on
-this machine is touched.
+this machine is touched. Token authentication is off for this loopback-only cluster
+(RAY_AUTH_MODE=disabled for its nodes, their workers and this process): left to itself,
+`ray start` adopts whatever ~/.ray/auth_token an earlier private instance wrote, and a
+driver that imported Ray before that file existed is refused.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ class RayNodes:
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[subprocess.Popen] = []
         self.node_ids: list[str] = []
+        self.auth = {"RAY_AUTH_MODE": "disabled"}
+        self._saved_env = {k: os.environ.get(k) for k in self.auth}
 
     def _start(self, args: list[str], env: dict | None) -> subprocess.Popen:
-        full_env = {**os.environ, TAG: self.tag, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+        full_env = {**os.environ, TAG: self.tag, "RAY_USAGE_STATS_ENABLED": "0", **self.auth, **(env or {})}
         proc = subprocess.Popen([ray_cli(), "start", *args, f"--num-cpus={self.cpus}", "--num-gpus=0", "--block",
                                  "--disable-usage-stats"], env=full_env, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -49,6 +54,7 @@ class RayNodes:
         return proc
 
     def start_head(self) -> "RayNodes":
+        os.environ.update(self.auth)  # this process joins the same way
         self._start(["--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", "--include-dashboard=false"], None)
         self._wait_nodes(1)
         return self
@@ -106,6 +112,11 @@ class RayNodes:
 
         if ray.is_initialized():
             ray.shutdown()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         for proc in reversed(self.nodes):
             if proc.poll() is None:
                 try:
