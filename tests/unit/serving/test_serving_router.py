@@ -40,7 +40,7 @@ def test_cpu_entries_threads_and_names():
     three = parse_inference_devices(["cpu:1", "cpu", "CPU:2"], cpu_cores=9)
     assert [(x.name, x.threads) for x in three] == [("cpu", 1), ("cpu#2", 5), ("cpu#3", 2)]  # 9 - 1 reserved - 3 pinned
     assert len({x.name for x in three}) == 3
-    assert three[1].as_dict() == {"kind": "cpu", "index": None, "threads": 5, "name": "cpu#2", "torch_device": "cpu"}
+    assert three[1].as_dict() == {"kind": "cpu", "index": None, "threads": 5, "name": "cpu#2", "torch_device": "cpu", "node": None}
 
 
 def test_gpu_claims_next_unclaimed_index():
