@@ -1,13 +1,14 @@
 """The worker side of the Ray transport: one Ray actor hosts one ordinary worker.
 
-The actor runs `worker.serve_worker` on a thread of its own, over a `QueueEndpoint`
-instead of a socket: the controller's messages arrive through `deliver` (numbered, since
-a threaded actor may run two calls out of order) and the worker's messages leave through
-`poll`, a long poll that returns everything queued since the last one. The controller keeps
-one poll in flight, so a step's token events travel in the batch the step produced, and
-no token pays a round trip of its own. Messages travel as the same JSON text as over the
-local socket, encoded when sent, so a dict the worker reuses later cannot change what
-was sent.
+The actor runs `worker.serve_worker` on a thread of its own. Its messages travel over a
+direct TCP link to the controller (direct_link.py) when the controller gave one and this
+node can reach it: the same length-prefixed JSON as a local worker's socket, at a local
+worker's cost per token. Otherwise they travel through Ray itself, over a `QueueEndpoint`:
+the controller's messages arrive through `deliver` (numbered, since a threaded actor may
+run two calls out of order) and the worker's leave through `poll`, a long poll that
+returns everything queued since the last one, so a step's token events travel in one
+batch and no token pays a round trip of its own. Either way `poll` stays in flight from
+the controller, which is how it learns from Ray that this actor or its node died.
 
 Before the worker starts, the model is resolved by name on this node (the registry, the
 PyPI mirrors, the HF cache or a path) and checked against the controller's file; a node
@@ -98,12 +99,15 @@ def _normal_priority() -> int:
 class WorkerActor:
     """Wrapped with `ray.remote` by ray_transport (resources and placement per worker)."""
 
-    def __init__(self, config: dict, name: str):
+    def __init__(self, config: dict, name: str, direct: dict | None = None):
+        """`direct`: the controller's listener ({"address": [host, port], "key": bytes}),
+        or None to speak through Ray only."""
         os.environ["MINIVLLM_WORKER_NAME"] = name
         self.name = name
         self.endpoint = QueueEndpoint()
         self.placement = self._where()
-        self._thread = threading.Thread(target=self._serve, args=(config,), name="minivllm-ray-worker", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(config, direct), name="minivllm-ray-worker",
+                                        daemon=True)
         self._thread.start()
 
     def _where(self) -> dict:
@@ -115,21 +119,41 @@ class WorkerActor:
         return {"backend": "ray", "node_id": node_id, "node_ip": ip, "host": socket.gethostname(), "pid": os.getpid(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "where": f"Ray node {ip} ({node_id[:8]})"}
 
-    def _serve(self, config: dict) -> None:
+    def _serve(self, config: dict, direct: dict | None) -> None:
         from minivllm.serving.worker import serve_worker
 
         self.placement["niceness"] = _normal_priority()
+        endpoint = self._link(direct)
         try:
             config = {**config, "placement": self.placement}
             problem = self._resolve_models(config)
             if problem is not None:
-                self.endpoint.send({"op": "failed", "error": problem})
+                endpoint.send({"op": "failed", "error": problem})
                 return
-            serve_worker(self.endpoint, config)
+            serve_worker(endpoint, config)
         except TransportClosed:
             pass
         finally:
+            if endpoint is not self.endpoint:
+                endpoint.close()
             self.endpoint.ended()
+
+    def _link(self, direct: dict | None):
+        """The direct link to the controller when it offered one and it answers from this
+        node, else the queue endpoint (messages through Ray); `placement["link"]` says which."""
+        if direct is None:
+            self.placement["link"] = "ray"
+            return self.endpoint
+        from minivllm.serving import direct_link
+
+        address = tuple(direct["address"])
+        try:
+            endpoint = direct_link.connect(address, direct["key"])
+        except OSError as exc:
+            self.placement["link"] = f"ray (the controller's {address[0]}:{address[1]} is unreachable from here: {exc})"
+            return self.endpoint
+        self.placement["link"] = "direct"
+        return endpoint
 
     def _resolve_models(self, config: dict) -> str | None:
         """Swap the model names for this node's files; the reason, if that fails."""

@@ -11,11 +11,17 @@ metrics and widgets) is the same as for local processes. Per worker:
   hex digits of its node id, for several nodes on one host); without it Ray spreads the
   workers over the nodes. A restart goes back to the named node while it is alive, and
   anywhere with the resources once it is not;
-- messages: `send` is a fire-and-forget actor call carrying a sequence number; `recv`
-  keeps one long poll in flight and hands out the batch it brings back (ray_actor.py);
-- death: a poll that fails (the actor was killed, its process died, its node went away)
-  closes the link at once, and the handle fails every request the worker held. An
-  unreachable actor is also killed, so it cannot come back and answer for failed requests.
+- messages: over a direct TCP link from the actor to a listener of this transport
+  (direct_link.py), as a local worker's socket carries them. Where the actor cannot reach
+  the controller (a driver behind NAT through Ray Client), or the link is turned off
+  (MINIVLLM_RAY_DIRECT=0), through Ray: `send` is then a fire-and-forget actor call
+  carrying a sequence number, and `recv` hands out the batches of a long poll
+  (ray_actor.py). The worker always speaks first, so its first message tells which link
+  it took; anything sent before that waits here;
+- death: one poll stays in flight on either link. When it fails (the actor was killed,
+  its process died, its node went away), or the direct link closes, the transport closes
+  at once and the handle fails every request the worker held. An unreachable actor is
+  also killed, so it cannot come back and answer for failed requests.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import os
 import threading
+import time
 from dataclasses import dataclass
 
 from minivllm.errors import ConfigError, MinivllmError
@@ -33,6 +41,11 @@ from minivllm.serving.transport import TransportClosed, WorkerTransport
 # How long one poll waits on the actor for something to send. The worker's heartbeat comes
 # every 0.5 s, so a poll rarely waits this long; the value only bounds idle calls.
 POLL_WAIT_S = 2.0
+# On the direct link, how often recv looks at that poll for news of a death from Ray (a
+# killed process closes the link by itself; a vanished node only shows up in Ray).
+WATCH_EVERY_S = 0.5
+# How long a closed direct link waits for Ray to say why (the error the requests get).
+DEATH_REASON_WAIT_S = 1.0
 
 
 class RayUnavailable(MinivllmError):
@@ -55,8 +68,12 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     # "local" always starts a new instance; plain None would join whatever a stale
-    # /tmp/ray/ray_current_cluster names.
-    extra = {"include_dashboard": False, "_system_config": {"worker_niceness": 0}} if address is None else {}
+    # /tmp/ray/ray_current_cluster names. Its workers run at normal priority, so that the
+    # step loop's thread can leave Ray's nice 15 (ray_actor._normal_priority); and it
+    # starts no idle workers ahead of time: our actors never run plain tasks, and each idle
+    # worker costs a hundredth of a core, taken from the step loop on a small machine.
+    private = {"worker_niceness": 0, "enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    extra = {"include_dashboard": False, "_system_config": private} if address is None else {}
     try:
         ray.init(address=address or "local", namespace="minivllm", logging_level="WARNING", **extra)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -109,8 +126,11 @@ def resources_of(device: InferenceDevice) -> Resources:
 class RayBackend:
     """What a Cluster needs to start workers as actors: a transport factory per device."""
 
-    def __init__(self, address: str | None):
+    def __init__(self, address: str | None, direct: bool | None = None):
+        """`direct`: offer each actor a direct TCP link for its messages (default: yes,
+        unless MINIVLLM_RAY_DIRECT=0); without it, or where it fails, messages go through Ray."""
         self.address = address
+        self.direct = os.environ.get("MINIVLLM_RAY_DIRECT", "1") != "0" if direct is None else direct
         self._joined = False
         self.ensure_connected()
         self._actor_class = import_ray().remote(max_concurrency=4, max_restarts=0)(_actor_class())
@@ -142,7 +162,7 @@ class RayBackend:
 
     def transport_factory(self, device: InferenceDevice):
         def make(module: str, config: dict, *, name: str) -> RayTransport:
-            return RayTransport(self._actor_class, config, name=name, device=device)
+            return RayTransport(self._actor_class, config, name=name, device=device, direct=self.direct)
         return make
 
 
@@ -153,25 +173,36 @@ def _actor_class():
 
 
 class RayTransport(WorkerTransport):
-    def __init__(self, actor_class, config: dict, *, name: str, device: InferenceDevice):
+    def __init__(self, actor_class, config: dict, *, name: str, device: InferenceDevice, direct: bool = True):
         ray = import_ray()
         self._ray = ray
         self.name = name
         self._send_lock = threading.Lock()
         self._seq = itertools.count()
         self._buffer: collections.deque[str] = collections.deque()
+        self._early: list[dict] = []  # sent before the worker's first message chose the link
         self._pending = None
         self._closed_reason: str | None = None
         self._ended = False
         self._actor_class, self._config, self._device = actor_class, config, device
-        self._heard = False  # any message from the worker yet
+        self._offer_direct = direct
+        self._listener = None
+        self._link: str | None = None  # "direct" or "ray", once the worker has spoken
+        self._direct = None  # its Endpoint
+        self._watched_at = 0.0
         self._replacements_left = 1
         self._spawn(self._strategy(device))
 
     def _spawn(self, strategy) -> None:
+        from minivllm.serving.direct_link import DirectListener
+
         need = resources_of(self._device)
         options = {"num_cpus": need.cpus, "num_gpus": need.gpus, "scheduling_strategy": strategy}
-        self._actor = self._actor_class.options(**options).remote(self._config, self.name)
+        offer = None
+        if self._offer_direct:
+            self._listener = DirectListener(self._ray.util.get_node_ip_address())
+            offer = {"address": list(self._listener.address), "key": self._listener.key}
+        self._actor = self._actor_class.options(**options).remote(self._config, self.name, offer)
         self._location_ref = self._actor.location.remote()  # answers once Ray has placed the actor
         self._location: dict = {}
         self._pending = None
@@ -194,37 +225,87 @@ class RayTransport(WorkerTransport):
     def send(self, msg: dict) -> None:
         if self._closed_reason is not None:
             raise TransportClosed(self._closed_reason)
+        if self._link == "direct":
+            self._direct.send(msg)
+            return
         with self._send_lock:  # sequence numbers in submission order
-            self._actor.deliver.remote(next(self._seq), msg)
+            if self._link is None:
+                self._early.append(msg)
+            else:
+                self._actor.deliver.remote(next(self._seq), msg)
+
+    def _choose(self, link: str) -> None:
+        """The worker has spoken on `link`: from now on everything goes that way."""
+        with self._send_lock:
+            self._link = link
+            if link == "direct":
+                self._direct = self._listener.endpoint
+            elif self._listener is not None:
+                self._listener.close()
+            early, self._early = self._early, []
+        for msg in early:
+            self.send(msg)
 
     def recv(self, timeout: float | None) -> dict | None:
         if self._buffer:
             return json.loads(self._buffer.popleft())
         if self._closed_reason is not None:
             raise TransportClosed(self._closed_reason)
-        if self._ended:
+        if self._ended and self._link != "direct":  # (a direct link ends at its own EOF)
             self._closed_reason = "the worker ended"
             raise TransportClosed(self._closed_reason)
+        if self._link is None and self._listener is not None and self._listener.accepted.is_set():
+            self._choose("direct")
+        if self._link == "direct":
+            return self._recv_direct(timeout)
+        # Until the worker speaks, look at the listener between short waits on the poll.
+        wait = timeout if self._link == "ray" or self._listener is None else min(timeout or 0.05, 0.05)
+        return self._poll(wait)
+
+    def _recv_direct(self, timeout: float | None) -> dict | None:
+        now = time.monotonic()
+        if now - self._watched_at >= WATCH_EVERY_S:
+            self._watched_at = now
+            self._poll(0)  # Ray's word on the actor; raises TransportClosed when it died
+        try:
+            return self._direct.recv(timeout)
+        except TransportClosed as exc:
+            why = f"its direct link closed ({exc})"
+        # The worker ended, or its process is gone: Ray usually knows which within a moment.
+        deadline = time.monotonic() + DEATH_REASON_WAIT_S
+        while not self._ended and time.monotonic() < deadline:
+            self._poll(deadline - time.monotonic())  # raises TransportClosed with Ray's reason
+        if self._ended:
+            self._closed_reason = "the worker ended"
+        else:
+            self._closed_reason = why
+            self.kill()
+        raise TransportClosed(self._closed_reason)
+
+    def _poll(self, wait: float | None) -> dict | None:
+        """Keep one poll in flight; on the Ray link it brings the worker's messages, on the
+        direct link only its end (or Ray's report of its death)."""
         if self._pending is None:
             self._pending = self._actor.poll.remote(POLL_WAIT_S)
-        ready, _ = self._ray.wait([self._pending], timeout=timeout)
+        ready, _ = self._ray.wait([self._pending], timeout=wait)
         if not ready:
             return None
         ref, self._pending = self._pending, None
         try:
             batch, ended = self._ray.get(ref)
         except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorUnavailableError) as exc:
-            if not self._heard and self._replacements_left and "node" in str(exc).lower():
+            if self._link is None and self._replacements_left and "node" in str(exc).lower():
                 self._replacements_left -= 1  # placed on a node that died before the worker started
                 self.kill()
                 self._spawn("SPREAD")
                 return None
             self._lost(exc)
             raise TransportClosed(self._closed_reason) from None
-        self._heard = self._heard or bool(batch)
+        if batch and self._link is None:
+            self._choose("ray")
         self._ended = ended
         self._buffer.extend(batch)
-        return json.loads(self._buffer.popleft()) if self._buffer else None
+        return json.loads(self._buffer.popleft()) if self._buffer and self._link == "ray" else None
 
     def _lost(self, exc: Exception) -> None:
         text = " ".join(str(exc).split())
@@ -245,6 +326,13 @@ class RayTransport(WorkerTransport):
             self._ray.kill(self._actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        self._release_link()
+
+    def _release_link(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._direct is not None:
+            self._direct.close()
 
     def close(self, timeout: float = 10.0) -> None:
         if self._closed_reason is None:
@@ -267,7 +355,7 @@ class RayTransport(WorkerTransport):
                 except Exception:  # noqa: BLE001 - the actor died before it answered
                     pass
                 self._location_ref = None
-        return self._location
+        return {**self._location, "link": self._link} if self._location else {}
 
     @property
     def pid(self) -> int | None:

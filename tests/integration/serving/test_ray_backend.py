@@ -76,7 +76,51 @@ async def stream(client, url, body):
     return rid, texts, ending, time.monotonic()
 
 
-def test_two_nodes_stream_route_by_prefix_and_survive_a_node_crash(nodes, smollm2_path, tmp_path):
+@pytest.fixture(scope="module")
+def greedy_reference(smollm2_path):
+    """(prompt, n, text): transformers' own greedy continuation of the same GGUF, cut
+    before its first near-tie, so that any correct engine must produce exactly it."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.gguf.tokenizer import Tokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                               torch_dtype="float32")
+    tokenizer = Tokenizer.from_gguf(smollm2_path)
+    prompt = "The three primary colours are"
+    theirs, margins, _ = transformers_greedy(ref, tokenizer.encode(prompt), 10)
+    clear = next((i for i, m in enumerate(margins) if m < 1e-3), len(margins))
+    assert clear >= 5, f"the reference has a near-tie at token {clear}: pick another prompt"
+    return prompt, clear, tokenizer.decode(theirs[:clear])
+
+
+def test_messages_through_ray_when_the_direct_link_is_off(nodes, smollm2_path, greedy_reference, monkeypatch):
+    """The fallback link (actor calls and long polls, for a controller the nodes cannot
+    reach) streams the same tokens, and a killed actor still fails its stream within 5 s."""
+    monkeypatch.setenv("MINIVLLM_RAY_DIRECT", "0")
+    head_id, _ = nodes.node_ids
+    prompt, clear, want = greedy_reference
+    cluster = Cluster(str(smollm2_path), [f"node={head_id[:12]}:cpu:1"], backend="ray", ray_address=nodes.address,
+                      max_model_len=256).start()
+    try:
+        assert cluster.snapshot()["workers"][0]["location"]["link"] == "ray"
+        streamed = [e.text for e in cluster.submit(prompt, _params(clear))]
+        assert "".join(streamed) == want, streamed
+
+        request = cluster.submit("Once upon a time", _params(200))
+        wait_for(lambda: any(f.output_tokens > 2 for f in cluster.workers["cpu"].in_flight.values()), 60,
+                 "the stream to start")
+        killed_at = time.monotonic()
+        ray.kill(cluster.workers["cpu"].transport._actor, no_restart=True)
+        request.result(timeout=30)
+        assert time.monotonic() - killed_at <= DEATH_NOTICE_S
+        assert request.finish_reason == "error" and "cpu" in request.error, (request.finish_reason, request.error)
+        assert cluster.snapshot()["requests"]["open"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_two_nodes_stream_route_by_prefix_and_survive_a_node_crash(nodes, smollm2_path, greedy_reference, tmp_path):
     head_id, second_id = nodes.node_ids
     cluster = Cluster(str(smollm2_path), [f"node={head_id[:12]}:cpu:1", f"node={second_id[:12]}:cpu:1"],
                       backend="ray", ray_address=nodes.address, router="cost", max_model_len=512,
@@ -86,18 +130,11 @@ def test_two_nodes_stream_route_by_prefix_and_survive_a_node_crash(nodes, smollm
         placed = {w["name"]: w["location"].get("node_id") for w in cluster.snapshot()["workers"]}
         assert placed == {"cpu": head_id, "cpu#2": second_id}, placed
 
-        # 1. Streaming from each node: the tokens are transformers' greedy tokens.
-        from transformers import AutoModelForCausalLM
+        links = {w["name"]: w["location"].get("link") for w in cluster.snapshot()["workers"]}
+        assert links == {"cpu": "direct", "cpu#2": "direct"}, links
 
-        ref = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                   torch_dtype="float32")
-        prompt = "The three primary colours are"
-        ids = cluster.tokenizer.encode(prompt)
-        theirs, margins, _ = transformers_greedy(ref, ids, 10)
-        del ref
-        clear = next((i for i, m in enumerate(margins) if m < 1e-3), len(margins))
-        assert clear >= 5, f"the reference has a near-tie at token {clear}: pick another prompt"
-        want = cluster.tokenizer.decode(theirs[:clear])
+        # 1. Streaming from each node: the tokens are transformers' greedy tokens.
+        prompt, clear, want = greedy_reference
         for name in ("cpu", "cpu#2"):
             async def one(name=name):
                 async with httpx.AsyncClient(timeout=120) as client:
