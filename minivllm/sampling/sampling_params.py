@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from minivllm.errors import ConfigError
+from minivllm.sampling.structured import StructuredOutput
 
 
 @dataclass
@@ -30,6 +31,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-n log-probabilities per generated token (0..20)
+    # The output must match a JSON schema, regex, grammar or choice (structured.py).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +63,7 @@ class SamplingParams:
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings")
         self._check("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                     "must be non-negative token ids")
+        self.structured = StructuredOutput.coerce(self.structured)
 
     def _check(self, name: str, ok: bool, allowed: str) -> None:
         if not ok:
