@@ -214,6 +214,7 @@ def write_tiny_model(
     omit: Iterable[str] = (),
     type_overrides: Mapping[str, GGMLQuantizationType] | None = None,
     architecture_override: str | None = None,
+    token_type_overrides: Mapping[int, int] | None = None,
 ) -> Path:
     """Write a small, complete `arch` model to `path` and return the path.
 
@@ -223,7 +224,9 @@ def write_tiny_model(
     `tied=False` adds a separate `output.weight`.
     For error tests: `omit` drops tensors by name, `type_overrides` stores named matmul
     weights in another type (unsupported ones get random bytes of the right size), and
-    `architecture_override` writes another `general.architecture` (and key prefix).
+    `architecture_override` writes another `general.architecture` (and key prefix);
+    `token_type_overrides` gives token ids another llama.cpp token type (5 = UNUSED: a
+    vocabulary that cannot spell some bytes).
     Row lengths must be multiples of the block size: 256 for k-quants.
     """
     if arch not in SUPPORTED_ARCHS:
@@ -258,6 +261,8 @@ def write_tiny_model(
     w.add_file_type(int(weight_type))  # informative only (llama_ftype values differ slightly)
 
     tokens, types, merges = tiny_vocab(vocab_size)
+    for token_id, kind in (token_type_overrides or {}).items():
+        types[token_id] = kind
     eos = tokens.index("<|endoftext|>")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")

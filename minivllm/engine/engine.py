@@ -37,6 +37,7 @@ from minivllm.engine.snapshot import build_snapshot
 from minivllm.errors import ConfigError
 from minivllm.model.decoder import DecoderModel
 from minivllm.obs.trace import trace_scope
+from minivllm.sampling.constraint import Constraints, Unsatisfiable
 from minivllm.sampling.outputs import RequestOutput, TokenEvent
 from minivllm.sampling.sampler import sample, top_logprobs
 from minivllm.sampling.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class LLMEngine:
             on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
         self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
+        self._constraints = Constraints(tokenizer, cfg.vocab_size)  # masks for params.structured
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
         self.kernel_options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())
@@ -106,12 +108,14 @@ class LLMEngine:
         params = params or SamplingParams()
         try:
             self._validate(prompt_ids, params, request_id)
+            constraint = self._constraints.make(params.structured)
         except ConfigError:
             self.counters["rejected"] += 1
             raise
         index = next(self._arrivals)
         rid = request_id or f"req-{index}"
         req = Request(rid, prompt, prompt_ids, params, self.tokenizer, self.model.device, index)
+        req.constraint = constraint
         self._requests[rid] = req
         if self.flights is not None:
             self.flights.join(rid, req.prompt_ids)
@@ -230,6 +234,10 @@ class LLMEngine:
         model = self.model
         model.set_kernel_options(self.kernel_options)
         model.kernel_options.path_counts.clear()
+        # Constrained plain rows' masks are computed on a thread while the forward runs.
+        masks = self._constraints.start_step({
+            row.request.id: row.request.constraint for row in plan.rows
+            if row.needs_logits and not row.draft_tokens and row.request.constraint is not None})
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
@@ -280,7 +288,7 @@ class LLMEngine:
                 # stats then move into the engine's totals.
                 self.speculator.record_plain(req)
                 timed.append((req, None))
-            event = self._sample_token(req, row_logits)
+            event = self._sample_token(req, row_logits, masks)
             events.append(event)
             if (first and not event.finished and req.id in self._flight_logits
                     and self.flights.release == "after_prefill"):
@@ -317,7 +325,11 @@ class LLMEngine:
         n0 = req.num_computed  # the last committed token's position: its K/V was just written
         try:
             with trace_scope("verify", req.id):
+                if req.constraint is not None:
+                    logits = self._constraints.mask_along(req.constraint, logits, proposal.tokens)
                 result = spec.verify(req, logits, proposal)
+        except Unsatisfiable as exc:
+            return None, [self._constraint_failed(req, exc)]
         except Exception as exc:  # noqa: BLE001
             return None, [self._finish(req, "error", token=-1, text="", error=f"verification failed: {exc}")]
         spec.record_round(req, result, self.counters["steps"])
@@ -349,16 +361,25 @@ class LLMEngine:
             tokens = 1 if result is None else len(result.tokens)
             self.speculator.record_time(req, tokens, seconds, speculative=result is not None, measured=measured)
 
-    def _sample_token(self, req: Request, row_logits: torch.Tensor) -> TokenEvent:
+    def _sample_token(self, req: Request, row_logits: torch.Tensor, masks=None) -> TokenEvent:
         try:
+            if req.constraint is not None:
+                row_logits = (masks.apply(req.id, row_logits) if masks is not None and req.id in masks
+                              else self._constraints.mask_now(req.constraint, row_logits))
             if self.logits_hook is not None:
                 self.logits_hook(req.id, row_logits)
             with trace_scope("sample", req.id):
                 token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
             logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
+        except Unsatisfiable as exc:
+            return self._constraint_failed(req, exc)
         except Exception as exc:  # noqa: BLE001
             return self._finish(req, "error", token=-1, text="", error=f"sampling failed: {exc}")
         return self._append_token(req, token, logprobs)
+
+    def _constraint_failed(self, req: Request, exc: Exception) -> TokenEvent:
+        return self._finish(req, "error", token=-1, text=req.stops.flush(),
+                            error=f"the structured output ({req.params.structured.kind}) cannot be completed: {exc}")
 
     def _release_followers(self, leader_id: str, followers: list[str]) -> None:
         """Followers of a flight whose prompt is computed and published sample their first
@@ -378,6 +399,11 @@ class LLMEngine:
         req.metrics.output_tokens = len(req.output_ids)
         req.metrics.e2e_s = req.since_arrival()
         params = req.params
+        if req.constraint is not None:
+            try:
+                req.constraint.advance(token)
+            except Unsatisfiable as exc:
+                return self._constraint_failed(req, exc)
         eos = (not params.ignore_eos) and token in self.tokenizer.eos_ids
         if eos or token in params.stop_token_ids:
             # The stop token's own text is not part of the output.
@@ -386,9 +412,11 @@ class LLMEngine:
         text, hit = req.stops.feed(req.detok.push(token))
         if hit:
             return self._finish(req, "stop", token, text, logprobs=logprobs)
-        if len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        complete = req.constraint is not None and req.constraint.stopped  # the grammar admits nothing more
+        if complete or len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             more, _ = req.stops.feed(req.detok.flush())
-            return self._finish(req, "length", token, text + more + req.stops.flush(), logprobs=logprobs)
+            return self._finish(req, "stop" if complete else "length", token, text + more + req.stops.flush(),
+                                logprobs=logprobs)
         req.text += text
         return TokenEvent(req.id, token, text, logprobs=logprobs)
 

@@ -47,6 +47,7 @@ class Request:
         self.restored_tokens = 0
         self.published_pages = 0
         self.spec = None  # spec.drafter.SpecState when the engine speculates
+        self.constraint = None  # sampling.constraint.TokenConstraint for params.structured
         self.generator = make_generator(params, device)
         self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop)

@@ -119,12 +119,15 @@ class Speculator:
         tvs: list[float] = []
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
         m = len(proposal.tokens)
+        # A mentored budget may accept a draft token the target gives no mass to, which a
+        # constrained request's masked logits say the constraint forbids: verify it exactly.
+        budget = 0.0 if getattr(req, "constraint", None) is not None else self.tv_budget
         for i, x in enumerate(proposal.tokens):
             row = processed_logits(logits[i], committed + tokens, outputs + tokens, params, vocab)
             if params.greedy:
                 verdict = verify_greedy(int(torch.argmax(row)), x)
             else:
-                verdict = verify_sampled(filtered_probs(row, params), proposal.q[i], x, self.tv_budget, gen)
+                verdict = verify_sampled(filtered_probs(row, params), proposal.q[i], x, budget, gen)
                 tvs.append(verdict.tv)
             tokens.append(verdict.token)
             if not verdict.accepted:

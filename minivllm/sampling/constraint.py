@@ -1,0 +1,204 @@
+"""Token masks for constrained requests: one llguidance matcher per request, one mask per
+sampled position.
+
+A matcher follows the request's output token by token. Before each sampling it says which
+tokens may come next, as a bitmask over the vocabulary (bit t of word t // 32); the
+engine sets every other logit to -inf, so greedy picks, top-k/top-p filters and the
+speculative verifier all see only tokens the constraint allows.
+
+Masks for a step's plain decode rows are computed on a background thread while the model
+runs its forward (llguidance releases the GIL), then applied to the logits in one go; a row
+whose mask is empty can no longer satisfy its constraint and ends with an error.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from minivllm.errors import ConfigError
+from minivllm.sampling.structured import StructuredOutput, _llguidance, _short
+
+BITS = 32
+
+
+class Unsatisfiable(Exception):
+    """No token can extend the output within the constraint."""
+
+
+def llguidance_tokenizer(tokenizer, n_vocab: int):
+    """llguidance's view of our vocabulary: every id's bytes, control tokens marked with a
+    leading 0xFF (llguidance's convention for "special, never text"), ids past the
+    tokenizer's vocabulary (padding rows of the output matrix) as empty tokens it never
+    allows. Built once per tokenizer and vocabulary width (~0.1 s for 49k tokens)."""
+    cache = tokenizer.__dict__.setdefault("_llguidance_tokenizers", {})
+    if n_vocab in cache:
+        return cache[n_vocab]
+    llg = _llguidance()
+    pieces = []
+    for i in range(tokenizer.vocab_size):
+        piece = tokenizer.token_bytes(i)
+        pieces.append(b"\xff" + piece if tokenizer.is_special(i) else piece)
+    pieces += [b""] * max(0, n_vocab - len(pieces))
+
+    class _Vocabulary:  # the duck type llguidance.TokenizerWrapper reads
+        eos_token_id = tokenizer.eos_id
+        bos_token_id = tokenizer.bos_id
+        tokens = pieces
+        special_token_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+
+        def __call__(self, text):
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            return tokenizer.encode(text, add_bos=False, parse_special=False)
+
+    eos = sorted(tokenizer.eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else None)
+    built = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary()), n_vocab=n_vocab, eos_token=eos)
+    cache[n_vocab] = built
+    return built
+
+
+class TokenConstraint:
+    """One request's matcher. `fill` writes the next-token mask; `advance` takes the token
+    that was chosen; `stopped` is true once the output is complete."""
+
+    def __init__(self, structured: StructuredOutput, ll_tokenizer):
+        llg = _llguidance()
+        self.structured = structured
+        self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
+        if self._matcher.is_error():
+            raise ConfigError(f"structured.{structured.kind}", _short(getattr(structured, structured.kind)),
+                              f"does not compile for this model's vocabulary: {self._matcher.get_error()}")
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        row = bitmask[index]
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def check(self) -> None:
+        """Raise Unsatisfiable if the last `fill` found no way on. (llguidance then goes
+        into an error state and allows only end-of-sequence, which would end the request
+        as if its output were complete.)"""
+        if self._matcher.is_error():
+            reason = self._matcher.get_error().strip().splitlines()[0]
+            if reason == "NoExtensionBias":
+                reason = "no token of this model's vocabulary can continue it"
+            raise Unsatisfiable(reason)
+
+    def advance(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise Unsatisfiable(f"token {token} does not fit the {self.structured.kind} constraint: "
+                                f"{self._matcher.get_error() or 'rejected'}")
+
+    def try_advance(self, token: int) -> bool:
+        """Take `token` if it fits (for a look-ahead along a draft), leaving the matcher as
+        it was otherwise."""
+        return self._matcher.try_consume_tokens([token]) == 1
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._matcher.rollback(n)
+
+    @property
+    def stopped(self) -> bool:
+        """Complete: nothing but end-of-sequence can follow."""
+        return self._matcher.is_stopped()
+
+
+def new_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    return torch.zeros((rows, (vocab + BITS - 1) // BITS), dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """Bool [rows, vocab]: which tokens each row's mask allows, unpacked on `device`."""
+    words = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(BITS, dtype=torch.int32, device=device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(words.shape[0], -1)[:, :vocab]
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+class StepMasks:
+    """The masks of one step's plain rows, computed while the forward runs."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, rows: dict[str, TokenConstraint], vocab: int):
+        self._ids = list(rows)
+        self._vocab = vocab
+        self._bitmask = new_bitmask(len(rows), vocab)
+        self._constraints = constraints = list(rows.values())
+        work = lambda: [c.fill(self._bitmask, i) for i, c in enumerate(constraints)]  # noqa: E731
+        self._future: Future | None = pool.submit(work) if pool is not None and rows else None
+        if self._future is None and rows:
+            work()
+        self._allowed: torch.Tensor | None = None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+    def apply(self, request_id: str, row_logits: torch.Tensor) -> torch.Tensor:
+        """The row's logits with forbidden tokens at -inf; Unsatisfiable if none is left."""
+        if self._allowed is None:
+            if self._future is not None:
+                self._future.result()
+            self._empty = ~(self._bitmask != 0).any(dim=1)
+            self._allowed = allowed_tokens(self._bitmask, self._vocab, row_logits.device)
+        j = self._ids.index(request_id)
+        self._constraints[j].check()
+        if bool(self._empty[j]):
+            raise Unsatisfiable("no token can continue the output within the constraint")
+        return mask_logits(row_logits, self._allowed[j])
+
+
+class Constraints:
+    """The engine's side: builds each constrained request's matcher against the model's
+    vocabulary, and masks its logits rows."""
+
+    def __init__(self, tokenizer, vocab: int):
+        self._tokenizer = tokenizer
+        self.vocab = vocab
+        self._pool: ThreadPoolExecutor | None = None
+
+    def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
+        if structured is None:
+            return None
+        return TokenConstraint(structured, llguidance_tokenizer(self._tokenizer, self.vocab))
+
+    def start_step(self, rows: dict[str, TokenConstraint]) -> StepMasks:
+        if rows and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-masks")
+        return StepMasks(self._pool, rows, self.vocab)
+
+    def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
+        """One row, computed here (a follower's first token, a row outside a step's batch)."""
+        bitmask = new_bitmask(1, self.vocab)
+        constraint.fill(bitmask, 0)
+        constraint.check()
+        if not bool((bitmask != 0).any()):
+            raise Unsatisfiable("no token can continue the output within the constraint")
+        return mask_logits(row_logits, allowed_tokens(bitmask, self.vocab, row_logits.device)[0])
+
+    def mask_along(self, constraint: TokenConstraint, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """Rows 0..len(draft) of a verification: row r masked for the output extended by
+        the first r draft tokens. Past a draft token the constraint forbids, the verifier
+        rejects at that row and never reads the later ones (their mask repeats)."""
+        n = logits.shape[0]
+        bitmask = new_bitmask(n, self.vocab)
+        taken = 0
+        for r in range(n):
+            constraint.fill(bitmask, r)
+            if r == 0:
+                constraint.check()
+            if r == n - 1 or not constraint.try_advance(draft[r]):
+                bitmask[r + 1:] = bitmask[r]
+                break
+            taken += 1
+        constraint.rollback(taken)
+        if not bool((bitmask[0] != 0).any()):
+            raise Unsatisfiable("no token can continue the output within the constraint")
+        return mask_logits(logits, allowed_tokens(bitmask, self.vocab, logits.device))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
