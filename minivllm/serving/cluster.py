@@ -284,13 +284,15 @@ class Cluster:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+               chat_context: dict | None = None) -> tuple[str | None, list[int]]:
         """(prompt text, ids). Message content never becomes control tokens; a raw string
-        prompt's control-token text does unless the cluster has prompt_special_tokens=False."""
+        prompt's control-token text does unless the cluster has prompt_special_tokens=False.
+        `chat_context` is extra chat-template context (`tools=`)."""
         if messages is not None:
             if prompt is not None:
                 raise ConfigError("messages", "<messages>", "give a prompt or messages, not both")
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **(chat_context or {}))
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, parse_special=self.prompt_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -299,16 +301,17 @@ class Cluster:
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None, worker: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+               loop: asyncio.AbstractEventLoop | None = None, chat_context: dict | None = None) -> RequestStream:
         """Route one request and send it to its worker. `worker` bypasses the router
-        (the decision is still recorded, as forced). Raises ConfigError for a bad request
-        and NoWorkerAvailable when every worker is down."""
+        (the decision is still recorded, as forced); `chat_context` reaches the chat template
+        with `messages` (e.g. `tools=[...]`). Raises ConfigError for a bad request and
+        NoWorkerAvailable when every worker is down."""
         if not self.started:
             raise ConfigError("cluster", "stopped", "call start() (or use `with Cluster(...)`) before submit()")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
-        text, prompt_ids = self.encode(prompt, messages)
+        text, prompt_ids = self.encode(prompt, messages, chat_context)
         self._validate(prompt_ids, params)
         if loop is None:
             try:

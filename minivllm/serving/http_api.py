@@ -17,7 +17,10 @@ a cap on open connections.
 
 Streams follow OpenAI's SSE format: one `data: {chunk}` per token event, a last chunk
 with finish_reason, an optional usage chunk (stream_options.include_usage), then
-`data: [DONE]`. Every response carries a `minivllm` extension object with the request's
+`data: [DONE]`. Chat requests with tools get `message.tool_calls` (finish_reason
+"tool_calls") when the output holds calls (tool_calls.py, tool_call_parser.py); streamed,
+content goes out until a call may start and each call comes whole in one `delta.tool_calls`
+chunk at the end. Every response carries a `minivllm` extension object with the request's
 timing (TTFT, prefill and decode tok/s, the worker, tokens restored from the prefix
 cache). A client that disconnects, streaming or not, cancels its request, which frees
 its KV pages.
@@ -41,6 +44,8 @@ from minivllm.serving.metrics import ServingMetrics
 from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import NoWorkerAvailable
+from minivllm.serving.tool_call_parser import ToolCallStream, parse_tool_calls
+from minivllm.serving.tool_calls import ToolRequest
 
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -142,16 +147,22 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         body = await asyncio.to_thread(metrics.render)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def start(request: Request, body, *, prompt=None, messages=None, default_max_tokens: int):
+    async def start(request: Request, body, *, prompt=None, messages=None, tools: ToolRequest | None = None,
+                    default_max_tokens: int):
         """Validate and route; returns a stream or an error response."""
         if body.model not in (None, model_name):
             metrics.rejected.labels("model").inc()
             return error_response(404, f"model {body.model!r} is not served here; this server serves {model_name!r} "
                                        "(see /v1/models)", "invalid_request_error", "model")
         try:
-            params = body.sampling_params(default_max_tokens)
             loop = asyncio.get_running_loop()
-            stream = await asyncio.to_thread(cluster.submit, prompt, params, messages=messages, loop=loop)
+            context = tools.template_context() if tools is not None else None
+
+            def submit() -> RequestStream:  # off the loop: a schema or grammar compiles in here
+                params = body.sampling_params(default_max_tokens, tools)
+                return cluster.submit(prompt, params, messages=messages, chat_context=context, loop=loop)
+
+            stream = await asyncio.to_thread(submit)
         except ConfigError as exc:
             metrics.rejected.labels("invalid").inc()
             return error_response(400, str(exc), "invalid_request_error", exc.field)
@@ -174,7 +185,8 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         metrics.prompt_tokens.labels(worker).inc(len(stream.prompt_token_ids))
         metrics.generation_tokens.labels(worker).inc(len(stream.token_ids))
 
-    async def complete(stream: RequestStream, events, event, arrival: float, first_time: float, chat: bool):
+    async def complete(stream: RequestStream, events, event, arrival: float, first_time: float, chat: bool,
+                       tools: ToolRequest | None):
         last, gaps = first_time, []
         while not event.finished:
             event = await events.__anext__()
@@ -185,16 +197,20 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         if stream.finish_reason == "error":
             return error_response(503 if "worker" in (stream.error or "") else 500, stream.error or "generation failed",
                                   "server_error")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": stream.text},
-                   "finish_reason": stream.finish_reason, "logprobs": None} if chat else
-                  {"index": 0, "text": stream.text, "finish_reason": stream.finish_reason, "logprobs": None})
+        message, finish = {"role": "assistant", "content": stream.text}, stream.finish_reason
+        if tools is not None and tools.parses_output:
+            content, calls = parse_tool_calls(stream.text, tools.names)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        choice = ({"index": 0, "message": message, "finish_reason": finish, "logprobs": None} if chat else
+                  {"index": 0, "text": stream.text, "finish_reason": finish, "logprobs": None})
         return {"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name, "choices": [choice],
                 "usage": usage(stream), "minivllm": timing_extension(stream)}
 
-    async def run(request: Request, body, *, chat: bool, prompt=None, messages=None):
+    async def run(request: Request, body, *, chat: bool, prompt=None, messages=None, tools: ToolRequest | None = None):
         arrival = time.monotonic()
-        started = await start(request, body, prompt=prompt, messages=messages,
+        started = await start(request, body, prompt=prompt, messages=messages, tools=tools,
                               default_max_tokens=CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         if isinstance(started, Response):
             return started
@@ -212,7 +228,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                 metrics.rejected.labels("worker").inc()
                 return error_response(400, stream.rejected["error"], "invalid_request_error", stream.rejected["field"])
             if not body.stream:
-                return await complete(stream, events, first_event, arrival, first_time, chat)
+                return await complete(stream, events, first_event, arrival, first_time, chat, tools)
         finally:
             watcher.cancel()
         rid = stream.request_id
@@ -220,9 +236,15 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             created_at = int(time.time())
 
-            def chunk(text: str | None, finish: str | None, first_chunk: bool = False) -> str:
+            # Tool calls: content streams until a call may start, each call goes out whole at the end.
+            splitter = ToolCallStream(tools.names) if tools is not None and tools.parses_output else None
+
+            def chunk(text: str | None, finish: str | None, first_chunk: bool = False,
+                      tool_calls: list[dict] | None = None) -> str:
                 if chat:
                     delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
+                    if tool_calls:
+                        delta["tool_calls"] = tool_calls
                     choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -242,11 +264,21 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                             err = {"error": {"message": event.error or "generation failed", "type": "server_error",
                                              "param": None, "code": None}}
                             yield f"data: {json.dumps(err)}\n\n"
-                        else:
+                        elif splitter is None:
                             yield chunk(event.text, event.finish_reason, first_chunk)
+                        else:
+                            text = splitter.feed(event.text)
+                            rest, calls = splitter.finish()
+                            if calls:
+                                yield chunk(text + rest, None, first_chunk,
+                                            [{"index": k, **call} for k, call in enumerate(calls)])
+                                yield chunk(None, "tool_calls")
+                            else:
+                                yield chunk(text + rest, event.finish_reason, first_chunk)
                         break
-                    if event.text or first_chunk:
-                        yield chunk(event.text, None, first_chunk)
+                    text = event.text if splitter is None else splitter.feed(event.text)
+                    if text or first_chunk:
+                        yield chunk(text, None, first_chunk)
                         first_chunk = False
                     event = await events.__anext__()
                     now = time.monotonic()
@@ -284,10 +316,11 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         try:
             messages = body.chat_messages()
+            tools = body.tool_request(cluster.tokenizer.chat_template)
         except ConfigError as exc:
             metrics.rejected.labels("invalid").inc()
             return error_response(400, str(exc), "invalid_request_error", exc.field)
-        return await run(request, body, chat=True, messages=messages)
+        return await run(request, body, chat=True, messages=messages, tools=tools)
 
     return app
 

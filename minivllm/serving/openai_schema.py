@@ -1,19 +1,29 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models (they also make the
 server's OpenAPI schema), and their translation into `SamplingParams`.
 
-Fields the engine cannot honour (n > 1, best_of, echo, logprobs, response_format, tools) are refused with
+Fields the engine cannot honour (n > 1, best_of, echo, logprobs, suffix) are refused with
 a 400 naming the field rather than silently ignored. minivllm extensions (top_k, min_p,
 repetition_penalty, ignore_eos) are accepted like vLLM's.
+
+Structured output: `response_format` (json_object, json_schema) on both endpoints, and
+vLLM's `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice` and
+`structured_outputs` (structured_request.py; one source per request). Tool calls: `tools`
+and `tool_choice` on chat completions (tool_calls.py); messages may carry the assistant's
+`tool_calls` and the `tool` role's answers (`tool_call_id`), which the chat template renders.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.structured import StructuredOutput
 from minivllm.errors import ConfigError
+from minivllm.serving.structured_request import structured_from_request
+from minivllm.serving.tool_calls import ToolRequest, tool_request
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_SEQUENCES = 16
@@ -60,21 +70,25 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Structured output and tool calls are not implemented: refused with a 400, never ignored.
+    # Structured output (structured_request.py): OpenAI's field and vLLM's.
     response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def structured(self, tools: ToolRequest | None = None) -> StructuredOutput | None:
+        forced = tools.constraint() if tools is not None else None
+        return structured_from_request(
+            response_format=self.response_format, structured_outputs=self.structured_outputs,
+            guided_json=self.guided_json, guided_regex=self.guided_regex, guided_grammar=self.guided_grammar,
+            guided_choice=self.guided_choice, extra={"tool_choice": forced} if forced is not None else None)
+
+    def sampling_params(self, default_max_tokens: int, tools: ToolRequest | None = None) -> SamplingParams:
         if self.n != 1:
             raise ConfigError("n", self.n, "only n=1 is supported; send several requests instead")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ConfigError("response_format", self.response_format, "structured output (json_object, json_schema) "
-                              "is not supported yet; leave response_format out (or {\"type\": \"text\"})")
-        if self.tools:
-            raise ConfigError("tools", f"<{len(self.tools)} tools>", "tool calling is not supported yet; leave tools out")
-        if self.tool_choice not in (None, "none"):
-            raise ConfigError("tool_choice", self.tool_choice, "tool calling is not supported yet; leave tool_choice out")
+        structured = self.structured(tools)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_SEQUENCES:
             raise ConfigError("stop", f"<{len(stop)} sequences>", f"give at most {MAX_STOP_SEQUENCES} stop sequences")
@@ -83,6 +97,7 @@ class _SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
                               stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                              structured=structured,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens)
 
     @property
@@ -96,8 +111,13 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+    tools: list | None = None  # chat completions only
+    tool_choice: str | dict | None = None
 
     def prompt_input(self) -> str | list[int]:
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise ConfigError(name, f"<{name}>", "tool calls are for /v1/chat/completions, not text completions")
         if self.echo:
             raise ConfigError("echo", self.echo, "echo is not supported")
         if self.best_of not in (None, 1):
@@ -126,6 +146,46 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+
+    def template_message(self, i: int) -> dict:
+        """The message as chat templates read it (Hugging Face's convention): a call's
+        arguments as an object, not JSON text, since templates write them with tojson."""
+        if self.role not in ROLES:
+            raise ConfigError(f"messages[{i}].role", self.role, f"allowed: {', '.join(ROLES)}")
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ConfigError(f"messages[{i}].content", part.get("type"), "only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        out = {"role": self.role, "content": checked_text(f"messages[{i}].content", content or "")}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = checked_text(f"messages[{i}].{key}", getattr(self, key))
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ConfigError(f"messages[{i}].tool_calls", f"<role {self.role}>", "only assistant messages carry "
+                                  "tool_calls")
+            out["tool_calls"] = [_template_call(f"messages[{i}].tool_calls[{j}]", call)
+                                 for j, call in enumerate(self.tool_calls)]
+        return out
+
+
+def _template_call(field: str, call: dict) -> dict:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ConfigError(f"{field}.function", fn, 'must be {"name": ..., "arguments": "<JSON text>"}')
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(checked_text(f"{field}.function.arguments", args) or "{}")
+        except ValueError as exc:
+            raise ConfigError(f"{field}.function.arguments", args[:80], f"is not valid JSON: {exc}") from None
+    return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -133,6 +193,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+
+    def tool_request(self, chat_template: str | None) -> ToolRequest | None:
+        return tool_request(self.tools, self.tool_choice, chat_template)
 
     def chat_messages(self) -> list[dict]:
         if self.logprobs:
@@ -142,27 +207,15 @@ class ChatCompletionRequest(_SamplingFields):
                               "over HTTP yet; leave it out or use the Python API")
         if not self.messages:
             raise ConfigError("messages", [], "give at least one message")
-        out = []
-        for i, m in enumerate(self.messages):
-            if m.role not in ROLES:
-                raise ConfigError(f"messages[{i}].role", m.role, f"allowed: {', '.join(ROLES)}")
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise ConfigError(f"messages[{i}].content", part.get("type"), "only text parts are supported")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            out.append({"role": m.role, "content": checked_text(f"messages[{i}].content", content or "")})
-        if not any(m["content"] for m in out):
+        out = [m.template_message(i) for i, m in enumerate(self.messages)]
+        if not any(m["content"] or m.get("tool_calls") for m in out):
             raise ConfigError("messages", "<all empty>", "at least one message needs content")
         return out
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, tools: ToolRequest | None = None) -> SamplingParams:
         if self.max_completion_tokens is not None and self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, tools)
 
 
 class ErrorBody(BaseModel):
