@@ -85,6 +85,14 @@ class _SamplingFields(BaseModel):
             guided_json=self.guided_json, guided_regex=self.guided_regex, guided_grammar=self.guided_grammar,
             guided_choice=self.guided_choice, extra={"tool_choice": forced} if forced is not None else None)
 
+    @property
+    def asks_for_format(self) -> bool:
+        """Whether a constraint field is set (checked for what it holds when params are built)."""
+        return ((self.response_format is not None and self.response_format.get("type") != "text")
+                or self.structured_outputs is not None
+                or any(v is not None for v in (self.guided_json, self.guided_regex, self.guided_grammar,
+                                               self.guided_choice)))
+
     def sampling_params(self, default_max_tokens: int, tools: ToolRequest | None = None) -> SamplingParams:
         if self.n != 1:
             raise ConfigError("n", self.n, "only n=1 is supported; send several requests instead")
@@ -197,7 +205,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict | None = None
 
     def tool_request(self, chat_template: str | None) -> ToolRequest | None:
-        return tool_request(self.tools, self.tool_choice, chat_template)
+        tools = tool_request(self.tools, self.tool_choice, chat_template)
+        if tools is not None and tools.choice == "auto":  # an output format wins over reading calls
+            tools.read_calls = not self.asks_for_format
+        return tools
 
     def chat_messages(self) -> list[dict]:
         if self.logprobs:

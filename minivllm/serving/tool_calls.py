@@ -58,6 +58,8 @@ class ToolRequest:
     choice: str  # none, auto, required, or "function" (then `function` names it)
     function: str | None
     format: CallFormat
+    # False when the request also sets an output format: with "auto" the format wins.
+    read_calls: bool = True
 
     @property
     def names(self) -> list[str]:
@@ -65,7 +67,7 @@ class ToolRequest:
 
     @property
     def parses_output(self) -> bool:
-        return self.choice != "none"
+        return self.choice != "none" and self.read_calls
 
     def template_context(self) -> dict:
         return {} if self.choice == "none" else {"tools": self.tools}

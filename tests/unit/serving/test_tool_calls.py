@@ -320,3 +320,13 @@ def test_text_completions_refuse_tools():
     with pytest.raises(ConfigError) as info:
         CompletionRequest(prompt="x", tools=[WEATHER]).prompt_input()
     assert info.value.field == "tools"
+
+
+def test_an_output_format_wins_over_reading_calls_with_auto():
+    messages = [{"role": "user", "content": "hi"}]
+    both = ChatCompletionRequest(messages=messages, tools=[WEATHER], response_format={"type": "json_object"})
+    tools = both.tool_request(QWEN_TEMPLATE)
+    assert not tools.parses_output and tools.template_context() == {"tools": [WEATHER]}
+    assert both.sampling_params(16, tools).structured.kind == "json_object"
+    plain = ChatCompletionRequest(messages=messages, tools=[WEATHER], response_format={"type": "text"})
+    assert plain.tool_request(QWEN_TEMPLATE).parses_output
