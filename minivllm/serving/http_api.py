@@ -48,6 +48,7 @@ from minivllm.serving.tool_call_parser import ToolCallStream, parse_tool_calls
 from minivllm.serving.tool_calls import ToolRequest
 
 CHAT_DEFAULT_MAX_TOKENS = 256
+CONSTRAINT_FAILED = "the structured output ("  # how the engine's error for an unsatisfiable constraint begins
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
@@ -186,7 +187,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         metrics.generation_tokens.labels(worker).inc(len(stream.token_ids))
 
     async def complete(stream: RequestStream, events, event, arrival: float, first_time: float, chat: bool,
-                       tools: ToolRequest | None):
+                       body, tools: ToolRequest | None):
         last, gaps = first_time, []
         while not event.finished:
             event = await events.__anext__()
@@ -194,6 +195,10 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             gaps.append(now - last)
             last = now
         record(stream, arrival, first_time, gaps)
+        if stream.finish_reason == "error" and (stream.error or "").startswith(CONSTRAINT_FAILED):
+            # The schema or grammar admits no continuation of the output (a recursive schema
+            # past llguidance's limits, say): the request's constraint, not the server, failed.
+            return error_response(400, stream.error, "invalid_request_error", body.constraint_field)
         if stream.finish_reason == "error":
             return error_response(503 if "worker" in (stream.error or "") else 500, stream.error or "generation failed",
                                   "server_error")
@@ -228,7 +233,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                 metrics.rejected.labels("worker").inc()
                 return error_response(400, stream.rejected["error"], "invalid_request_error", stream.rejected["field"])
             if not body.stream:
-                return await complete(stream, events, first_event, arrival, first_time, chat, tools)
+                return await complete(stream, events, first_event, arrival, first_time, chat, body, tools)
         finally:
             watcher.cancel()
         rid = stream.request_id

@@ -86,12 +86,19 @@ class _SamplingFields(BaseModel):
             guided_choice=self.guided_choice, extra={"tool_choice": forced} if forced is not None else None)
 
     @property
-    def asks_for_format(self) -> bool:
-        """Whether a constraint field is set (checked for what it holds when params are built)."""
-        return ((self.response_format is not None and self.response_format.get("type") != "text")
-                or self.structured_outputs is not None
-                or any(v is not None for v in (self.guided_json, self.guided_regex, self.guided_grammar,
-                                               self.guided_choice)))
+    def format_field(self) -> str | None:
+        """The first output-format field set (response_format other than text, guided_*,
+        structured_outputs), or None; what it holds is checked when params are built."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        names = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs")
+        return next((n for n in names if getattr(self, n) is not None), None)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field the request's constraint came from (for errors found while generating)."""
+        forced = getattr(self, "tool_choice", None) not in (None, "none", "auto")
+        return "tool_choice" if forced else self.format_field
 
     def sampling_params(self, default_max_tokens: int, tools: ToolRequest | None = None) -> SamplingParams:
         if self.n != 1:
@@ -207,7 +214,7 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_request(self, chat_template: str | None) -> ToolRequest | None:
         tools = tool_request(self.tools, self.tool_choice, chat_template)
         if tools is not None and tools.choice == "auto":  # an output format wins over reading calls
-            tools.read_calls = not self.asks_for_format
+            tools.read_calls = self.format_field is None
         return tools
 
     def chat_messages(self) -> list[dict]:

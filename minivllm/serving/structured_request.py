@@ -61,11 +61,17 @@ def structured_from_request(*, response_format: dict | None = None, structured_o
 
 
 def build_structured(field: str, kwargs: dict) -> StructuredOutput:
-    """StructuredOutput(**kwargs), its errors renamed to the request's `field`."""
+    """StructuredOutput(**kwargs), its errors renamed to the request's `field`. llguidance
+    raises ValueError for some inputs (a GBNF-looking grammar that does not convert, a
+    schema that is `true`, lone surrogates): those are the client's errors too, not a 500."""
     try:
         return StructuredOutput(**kwargs)
     except ConfigError as exc:
         raise ConfigError(field, exc.value, reason(exc)) from None
+    except ValueError as exc:  # UnicodeEncodeError included
+        value = next(iter(kwargs.values()))
+        raise ConfigError(field, value if isinstance(value, str) and len(value) <= 80 else f"<{field}>",
+                          f"does not compile: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 def reason(exc: ConfigError) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from minivllm.errors import ConfigError
 from minivllm.sampling.structured import StructuredOutput
-from minivllm.serving.structured_request import build_structured, reason
+from minivllm.serving.structured_request import build_structured
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (plus '.')
@@ -91,10 +91,7 @@ class ToolRequest:
         """The JSON schema of a call of tool `i`: {"name": <its name>, "arguments": <its parameters>}."""
         fn = self.tools[i]["function"]
         params = dict(fn.get("parameters") or NO_ARGUMENTS)
-        try:  # each tool's schema on its own, so an error names the tool
-            StructuredOutput(json_schema=params)
-        except ConfigError as exc:
-            raise ConfigError(f"tools[{i}].function.parameters", exc.value, reason(exc)) from None
+        build_structured(f"tools[{i}].function.parameters", {"json_schema": params})  # on its own: errors name the tool
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, self.format.arguments_key: params},
                   "required": ["name", self.format.arguments_key], "additionalProperties": False,
                   "x-guidance": CALL_JSON}

@@ -150,6 +150,19 @@ def test_invalid_constraints_are_a_400_naming_the_field(smol, route, extra, para
     assert param in err["message"]
 
 
+def test_a_constraint_that_cannot_be_completed_is_a_400(smol):
+    """A schema whose only outputs are infinitely nested: llguidance gives up on it while the
+    model generates, and the request ends as the client's error, not a 500."""
+    srv, _, _ = smol
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": False}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "cannot be completed" in err["message"], err
+
+
 # --- tool calls ------------------------------------------------------------------------
 
 

@@ -174,6 +174,11 @@ def test_text_format_and_nothing_are_no_constraint():
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs.grammar"),
+    # llguidance raises ValueError for these: still the client's error, named.
+    ({"guided_json": "true"}, "guided_json"),
+    ({"guided_grammar": "%json {"}, "guided_grammar"),
+    ({"guided_grammar": 'x ::= "a"'}, "guided_grammar"),  # GBNF without a root rule
+    ({"guided_regex": "\ud800"}, "guided_regex"),
 ])
 def test_bad_fields_name_themselves(fields, param):
     with pytest.raises(ConfigError) as info:
