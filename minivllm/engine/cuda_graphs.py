@@ -40,6 +40,14 @@ def buckets_for(max_rows: int) -> list[int]:
     return out + [max_rows]
 
 
+def graph_runner_for(model, pool: PagePool, config, max_model_len: int, invariant: bool):
+    """The engine's runner: decode steps replay CUDA graphs on a GPU (None elsewhere)."""
+    if model.device.type != "cuda":
+        return None
+    return decode_graph_runner(model, pool, max_rows=config.max_active_requests, max_model_len=max_model_len,
+                               invariant=invariant)
+
+
 def decode_graph_runner(model, pool: PagePool, *, max_rows: int, max_model_len: int,
                         invariant: bool) -> "DecodeGraphRunner | None":
     """A graph runner for decode steps of `model` over `pool`, or None where graphs cannot

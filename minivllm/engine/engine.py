@@ -33,7 +33,8 @@ from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, RequestView, Status
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
-from minivllm.engine.snapshot import build_snapshot
+from minivllm.engine.cuda_graphs import graph_runner_for
+from minivllm.engine.snapshot import build_snapshot, describe_step
 from minivllm.errors import ConfigError
 from minivllm.model.decoder import DecoderModel
 from minivllm.obs.trace import trace_scope
@@ -92,14 +93,15 @@ class LLMEngine:
         # Called as logits_hook(request_id, logits) with each sampled row's float32 logits
         # right before sampling (debug.compare records top-k logits through it).
         self.logits_hook = None
-        self.graph_runner = self._make_graph_runner()
+        self.graph_runner = None if config.enforce_eager else graph_runner_for(model, self.pool, config, self.max_model_len,
+                                                                               self.kernel_options.batch_invariant)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
                          "requests_submitted": 0, "requests_finished": 0, "finished_stop": 0,
                          "finished_length": 0, "finished_abort": 0, "finished_error": 0, "rejected": 0}
         # The snapshot schema promises every key, also before the first step.
-        self.last_step: dict = self._describe_step(ScheduledStep(), time.perf_counter(), logits_rows=0)
+        self.last_step: dict = describe_step(self.counters["steps"], ScheduledStep(), time.perf_counter(), logits_rows=0)
 
     # -- submission ----------------------------------------------------------------------
 
@@ -204,7 +206,7 @@ class LLMEngine:
         self.counters["preemptions"] += len(plan.preempted)
         events: list[TokenEvent] = []
         if not plan.rows:
-            self.last_step = self._describe_step(plan, t0, logits_rows=0)
+            self.last_step = describe_step(self.counters["steps"], plan, t0, logits_rows=0)
             return events
         self.counters["steps"] += 1
         proposals = self._draft(plan)
@@ -229,7 +231,7 @@ class LLMEngine:
             segments.append(Segment(list(req.block_table), start, len(chunk)))
         self.counters["prefill_tokens"] += plan.prefill_tokens
         self.counters["decode_tokens"] += plan.decode_rows
-        described = self._describe_step(plan, t0, logits_rows=len(logit_rows))
+        described = describe_step(self.counters["steps"], plan, t0, logits_rows=len(logit_rows))
         device = self.model.device
         model = self.model
         model.set_kernel_options(self.kernel_options)
@@ -298,7 +300,7 @@ class LLMEngine:
                 self._release_followers(req.id, self.flights.prefill_done(req.id))
         described["duration_s"] = time.perf_counter() - t0
         if timed:
-            self._record_speculation(timed, described, plan)
+            self.speculator.record_step_time(timed, described["duration_s"], measured=plan.prefill_tokens == 0)
         self.last_step = described
         return events
 
@@ -350,16 +352,6 @@ class LLMEngine:
             spec.drafter.truncate(req.spec, n0 + 1 + min(result.accepted, result.proposed - 1))
             self._kv.computed(req)
         return result, events
-
-    def _record_speculation(self, timed: list, described: dict, plan: ScheduledStep) -> None:
-        # The gate compares tokens per second of whole steps; a step that also ran a
-        # prefill chunk measures the prompt, not speculation.
-        seconds, measured = described["duration_s"], plan.prefill_tokens == 0
-        for req, result in timed:
-            if req.status == Status.FINISHED:
-                continue
-            tokens = 1 if result is None else len(result.tokens)
-            self.speculator.record_time(req, tokens, seconds, speculative=result is not None, measured=measured)
 
     def _sample_token(self, req: Request, row_logits: torch.Tensor, masks=None) -> TokenEvent:
         try:
@@ -497,28 +489,6 @@ class LLMEngine:
         self._kv.reset_counters()
         for key in self.counters:
             self.counters[key] = 0
-
-    def _describe_step(self, plan: ScheduledStep, t0: float, logits_rows: int) -> dict:
-        return {
-            "index": self.counters["steps"],
-            "rows": [{"id": r.request.id, "phase": r.request.phase, "tokens": r.n_tokens,
-                      "draft_tokens": r.draft_tokens} for r in plan.rows],
-            "prefill_tokens": plan.prefill_tokens,
-            "decode_rows": plan.decode_rows,
-            "logits_rows": logits_rows,
-            "preempted": [r.id for r in plan.preempted],
-            "kernel_paths": {},  # calls per matmul path in this step's forward ("gemv", "gemm", ...)
-            "duration_s": time.perf_counter() - t0,
-        }
-
-    def _make_graph_runner(self):
-        """Decode steps replay CUDA graphs on a GPU unless enforce_eager; see cuda_graphs.py."""
-        if self.config.enforce_eager or self.model.device.type != "cuda":
-            return None
-        from minivllm.engine.cuda_graphs import decode_graph_runner
-
-        return decode_graph_runner(self.model, self.pool, max_rows=self.config.max_active_requests,
-                                   max_model_len=self.max_model_len, invariant=self.kernel_options.batch_invariant)
 
     @property
     def cuda_graphs_enabled(self) -> bool:

@@ -58,6 +58,8 @@ by several requests; cached-idle = held by the prefix cache alone, evicted LRU o
 
 from __future__ import annotations
 
+import time
+
 SCHEMA = "minivllm.engine.snapshot/1"
 
 
@@ -128,3 +130,18 @@ def describe_kernels(engine) -> dict:
                 "buckets": graphs.buckets, "captured": sorted(graphs.graphs), "replays": graphs.replays,
                 "failed": {str(b): why for b, why in graphs.failed.items()}},
             "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
+
+
+def describe_step(index: int, plan, t0: float, logits_rows: int) -> dict:
+    """One step's entry in the snapshot ("last_step"): its rows, token counts, and time so far."""
+    return {
+        "index": index,
+        "rows": [{"id": r.request.id, "phase": r.request.phase, "tokens": r.n_tokens,
+                  "draft_tokens": r.draft_tokens} for r in plan.rows],
+        "prefill_tokens": plan.prefill_tokens,
+        "decode_rows": plan.decode_rows,
+        "logits_rows": logits_rows,
+        "preempted": [r.id for r in plan.preempted],
+        "kernel_paths": {},  # calls per matmul path in this step's forward ("gemv", "gemm", ...)
+        "duration_s": time.perf_counter() - t0,
+    }

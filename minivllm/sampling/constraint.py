@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from minivllm.errors import ConfigError
-from minivllm.sampling.structured import StructuredOutput, _llguidance, _short
+from minivllm.sampling.structured import StructuredOutput, llguidance_module, short_text
 
 BITS = 32
 
@@ -35,7 +35,7 @@ def llguidance_tokenizer(tokenizer, n_vocab: int):
     cache = tokenizer.__dict__.setdefault("_llguidance_tokenizers", {})
     if n_vocab in cache:
         return cache[n_vocab]
-    llg = _llguidance()
+    llg = llguidance_module()
     pieces = []
     for i in range(tokenizer.vocab_size):
         piece = tokenizer.token_bytes(i)
@@ -64,11 +64,11 @@ class TokenConstraint:
     that was chosen; `stopped` is true once the output is complete."""
 
     def __init__(self, structured: StructuredOutput, ll_tokenizer):
-        llg = _llguidance()
+        llg = llguidance_module()
         self.structured = structured
         self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
         if self._matcher.is_error():
-            raise ConfigError(f"structured.{structured.kind}", _short(getattr(structured, structured.kind)),
+            raise ConfigError(f"structured.{structured.kind}", short_text(getattr(structured, structured.kind)),
                               f"does not compile for this model's vocabulary: {self._matcher.get_error()}")
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:

@@ -19,12 +19,12 @@ from typing import Any
 from minivllm.errors import ConfigError
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-# Compact JSON (", " and ": " between items, no newlines): a model asked for JSON cannot
+# Compact JSON ("," and ":" with no whitespace around them): a model asked for JSON cannot
 # then spend its whole budget on whitespace, a known failure of free-whitespace JSON modes.
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def _llguidance():
+def llguidance_module():
     try:
         import llguidance
     except ImportError as exc:  # a dependency of minivllm; missing only in a broken install
@@ -51,7 +51,7 @@ class StructuredOutput:
             except ValueError as exc:
                 raise ConfigError("structured.json_schema", self.json_schema[:80], f"is not valid JSON: {exc}") from exc
         checks = {
-            "json_schema": lambda v: isinstance(v, (dict, bool)),
+            "json_schema": lambda v: isinstance(v, dict),
             "json_object": lambda v: v is True,
             "regex": lambda v: isinstance(v, str) and v != "",
             "grammar": lambda v: isinstance(v, str) and v.strip() != "",
@@ -63,9 +63,12 @@ class StructuredOutput:
         kind = chosen[0]
         if not checks[kind](getattr(self, kind)):
             raise ConfigError(f"structured.{kind}", getattr(self, kind), allowed[kind])
-        error = _llguidance().LLMatcher.validate_grammar(self.grammar_text())
+        try:
+            error = llguidance_module().LLMatcher.validate_grammar(self.grammar_text())
+        except ValueError as exc:  # llguidance's converters refuse some inputs outright
+            error = str(exc) or type(exc).__name__
         if error and not error.startswith("WARNING"):
-            raise ConfigError(f"structured.{kind}", _short(getattr(self, kind)), f"does not compile: {error.strip()}")
+            raise ConfigError(f"structured.{kind}", short_text(getattr(self, kind)), f"does not compile: {error.strip()}")
 
     @classmethod
     def coerce(cls, value: Any) -> "StructuredOutput | None":
@@ -86,7 +89,7 @@ class StructuredOutput:
 
     def grammar_text(self) -> str:
         """The llguidance grammar this constraint compiles to."""
-        llg = _llguidance()
+        llg = llguidance_module()
         kind = self.kind
         if kind == "json_schema":
             return llg.LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_OPTIONS)
@@ -99,9 +102,9 @@ class StructuredOutput:
         return llg.grammar_from("choice", json.dumps(self.choice))
 
     def describe(self) -> str:
-        return f"{self.kind}: {_short(getattr(self, self.kind))}"
+        return f"{self.kind}: {short_text(getattr(self, self.kind))}"
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_text(value: Any, limit: int = 80) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."

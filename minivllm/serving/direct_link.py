@@ -58,6 +58,7 @@ class DirectListener:
         self._closed = False
         self.address = (host, self._server.getsockname()[1])
         self.accepted = threading.Event()
+        self._lock = threading.Lock()
         self.endpoint: Endpoint | None = None
         threading.Thread(target=self._accept, name=f"minivllm-direct-accept-{self.address[1]}", daemon=True).start()
 
@@ -69,19 +70,27 @@ class DirectListener:
                 continue
             except OSError:  # closed
                 return
-            try:
-                sock.settimeout(HANDSHAKE_TIMEOUT_S)
-                challenge = os.urandom(CHALLENGE_BYTES)
-                sock.sendall(challenge)
-                if not hmac.compare_digest(_recv_exactly(sock, 32), _proof(self.key, challenge)):
-                    raise ConnectionError("wrong key")
-                sock.sendall(b"ok")
-            except OSError:
-                sock.close()  # not our worker, or it gave up: keep listening
-                continue
-            self.endpoint = _endpoint_of(sock)
-            self.accepted.set()
+            # Each handshake on its own thread: a client that connects and says nothing
+            # (a port scanner) must not hold the real worker back for HANDSHAKE_TIMEOUT_S.
+            threading.Thread(target=self._handshake, args=(sock,), daemon=True,
+                             name=f"minivllm-direct-handshake-{self.address[1]}").start()
         self.close()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            challenge = os.urandom(CHALLENGE_BYTES)
+            sock.sendall(challenge)
+            if not hmac.compare_digest(_recv_exactly(sock, 32), _proof(self.key, challenge)):
+                raise ConnectionError("wrong key")
+            with self._lock:
+                if self.accepted.is_set():
+                    raise ConnectionError("a worker is already connected")
+                sock.sendall(b"ok")
+                self.endpoint = _endpoint_of(sock)
+                self.accepted.set()
+        except OSError:
+            sock.close()  # not our worker, or it gave up
 
     def close(self) -> None:
         self._closed = True

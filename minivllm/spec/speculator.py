@@ -151,6 +151,16 @@ class Speculator:
     def record_plain(self, req) -> None:
         req.spec.stats.plain_steps += 1
 
+    def record_step_time(self, timed: list, seconds: float, *, measured: bool) -> None:
+        """Feed the pay-off gate one whole step: `timed` holds (request, round result or None
+        for a plain step). The gate compares tokens per second of whole steps; a step that
+        also ran a prefill chunk (measured=False) times the prompt, not speculation."""
+        for req, result in timed:
+            if req.status.value == "finished":
+                continue
+            tokens = 1 if result is None else len(result.tokens)
+            self.record_time(req, tokens, seconds, speculative=result is not None, measured=measured)
+
     def record_time(self, req, tokens: int, seconds: float, *, speculative: bool, measured: bool) -> None:
         """Feed the pay-off gate one step of this request: `tokens` it got in `seconds`."""
         gate = req.spec.controller.gate

@@ -1,0 +1,115 @@
+"""What structured output costs at decode: batches of 1 and 16 rows, unconstrained, every row
+under a JSON schema, and (at 16) half the rows constrained, on the same model and device.
+
+    minivllm bench structured [--model M | --synthetic qwen2.5-0.5b-q4_k_m] [--inference-device gpu]
+
+Every row gets its own short prompt (no prefix sharing) and decodes exactly `max_tokens`
+tokens: unconstrained rows ignore EOS, and the schema (an object holding at least 64 small
+records) cannot be complete sooner. Decode tok/s of a batch = tokens after each row's first
+/ (last row's end - first token), from the engine's own request metrics. The modes take
+turns inside every round, so each ratio compares numbers measured next to each other.
+
+"plain rows in a mixed batch" answers whether a constraint costs the unconstrained rows
+that share its batch anything: their per-row tok/s next to that of an all-plain batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from minivllm.bench.common import model_label, provenance
+from minivllm.bench.results import write_results
+from minivllm.engine.llm import LLM
+from minivllm.sampling.sampling_params import SamplingParams
+
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "minItems": 64, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "name": {"type": "string", "minLength": 1, "maxLength": 12}},
+        "required": ["id", "name"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False,
+}
+
+
+def modes(batch: int) -> tuple[str, ...]:
+    both = ("unconstrained", "json_schema, every row")
+    return both if batch == 1 else both + ("json_schema, half the rows",)
+
+
+def _params(mode: str, batch: int, max_tokens: int) -> list[SamplingParams]:
+    constrained = {"unconstrained": 0, "json_schema, every row": batch, "json_schema, half the rows": batch // 2}[mode]
+    return [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                           structured={"json_schema": LONG_SCHEMA} if i < constrained else None)
+            for i in range(batch)]
+
+
+def _measure(llm: LLM, mode: str, batch: int, max_tokens: int, round_no: int) -> dict:
+    params = _params(mode, batch, max_tokens)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content":
+               f"Request {round_no}-{i}: list sixty-four products with an id and a short name, as JSON."}])
+               for i in range(batch)]
+    outs = llm.generate(prompts, params)
+    first = max(o.metrics.time_to_first_token_s for o in outs)
+    end = max(o.metrics.e2e_s for o in outs)
+    tokens = sum(len(o.token_ids) - 1 for o in outs)
+    plain = [o for o, p in zip(outs, params) if p.structured is None]
+    per_row_plain = statistics.fmean((len(o.token_ids) - 1) / (o.metrics.e2e_s - o.metrics.time_to_first_token_s)
+                                     for o in plain) if plain else None
+    short = [len(o.token_ids) for o in outs if len(o.token_ids) != max_tokens]
+    return {"tok_s": tokens / (end - first), "plain_row_tok_s": per_row_plain, "short_rows": short,
+            "errors": sum(o.finish_reason == "error" for o in outs)}
+
+
+def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches=(1, 16),
+        synthetic: str | None = None, synthetic_tokenizer: str | None = None, dtype: str | None = None,
+        engine_options: dict | None = None) -> tuple:
+    from minivllm.models.cache import sha256_file
+
+    path = model
+    if synthetic is not None:
+        from minivllm.bench.synthetic_model import ensure_synthetic_model
+
+        path = str(ensure_synthetic_model(synthetic, tokenizer_source=synthetic_tokenizer))
+    dtype = dtype or ("float32" if device == "cpu" else "float16")
+    options = {"prefix_cache": False, "max_active_requests": max(batches), **(engine_options or {})}
+    llm = LLM(path, device=device, dtype=dtype, progress=False, max_model_len=max_tokens + 128, **options)
+    for batch in batches:  # warm-up: kernels, CUDA graphs, llguidance's vocabulary view
+        for mode in modes(batch):
+            _measure(llm, mode, batch, 8, -1)
+    samples: dict[tuple[int, str], list[dict]] = {}
+    for r in range(runs):
+        for batch in batches:
+            for mode in modes(batch):
+                m = _measure(llm, mode, batch, max_tokens, r)
+                samples.setdefault((batch, mode), []).append(m)
+                print(f"round {r} batch {batch} {mode}: {m['tok_s']:.1f} tok/s", flush=True)
+    rows = []
+    for batch in batches:
+        base = statistics.median(m["tok_s"] for m in samples[(batch, "unconstrained")])
+        base_plain = statistics.median(m["plain_row_tok_s"] for m in samples[(batch, "unconstrained")])
+        for mode in modes(batch):
+            ms = samples[(batch, mode)]
+            rates = [m["tok_s"] for m in ms]
+            plain = [m["plain_row_tok_s"] for m in ms if m["plain_row_tok_s"] is not None]
+            rows.append({
+                "batch": batch, "mode": mode,
+                "decode_tok_s_median": statistics.median(rates), "decode_tok_s_mean": statistics.fmean(rates),
+                "decode_tok_s_std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                "vs_unconstrained": statistics.median(rates) / base,
+                "plain_row_tok_s_median": statistics.median(plain) if plain else None,
+                "plain_row_vs_all_plain": statistics.median(plain) / base_plain if plain else None,
+                "short_rows": sum(len(m["short_rows"]) for m in ms), "errors": sum(m["errors"] for m in ms),
+            })
+    label = model_label(synthetic or model)
+    settings = {"bench": "structured", "model": label, "device": device, "dtype": dtype, "max_tokens": max_tokens,
+                "runs": runs, "batches": list(batches), "engine_options": options, "schema": LONG_SCHEMA,
+                "sampling": "greedy, ignore_eos"}
+    paths = write_results(f"structured-{label}-{device.replace(':', '')}", provenance(device, sha256_file(llm.model_path), settings),
+                          rows, ["batch", "mode", "decode_tok_s_median", "decode_tok_s_mean", "decode_tok_s_std",
+                                 "vs_unconstrained", "plain_row_tok_s_median", "plain_row_vs_all_plain",
+                                 "short_rows", "errors"],
+                          notes=__doc__.split("\n\n")[2] + "\n\n" + __doc__.split("\n\n")[3])
+    print(*paths)
+    return paths
