@@ -237,9 +237,7 @@ class LLMEngine:
         model.set_kernel_options(self.kernel_options)
         model.kernel_options.path_counts.clear()
         # Constrained plain rows' masks are computed on a thread while the forward runs.
-        masks = self._constraints.start_step({
-            row.request.id: row.request.constraint for row in plan.rows
-            if row.needs_logits and not row.draft_tokens and row.request.constraint is not None})
+        masks = self._constraints.start_step(plan.rows)
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
@@ -259,6 +257,7 @@ class LLMEngine:
             return events
 
         described["kernel_paths"] = dict(model.kernel_options.path_counts)
+        masked = masks.masked_rows(logits)
         for row in plan.rows:
             if row.draft_tokens:
                 continue  # advanced by the verification below, by what it accepts
@@ -290,7 +289,7 @@ class LLMEngine:
                 # stats then move into the engine's totals.
                 self.speculator.record_plain(req)
                 timed.append((req, None))
-            event = self._sample_token(req, row_logits, masks)
+            event = self._sample_token(req, row_logits, masked.get(req.id))
             events.append(event)
             if (first and not event.finished and req.id in self._flight_logits
                     and self.flights.release == "after_prefill"):
@@ -353,11 +352,13 @@ class LLMEngine:
             self._kv.computed(req)
         return result, events
 
-    def _sample_token(self, req: Request, row_logits: torch.Tensor, masks=None) -> TokenEvent:
+    def _sample_token(self, req: Request, row_logits: torch.Tensor, masked=None) -> TokenEvent:
+        """`masked`: the row already masked for its constraint (or why it cannot be)."""
         try:
+            if isinstance(masked, Exception):
+                raise masked
             if req.constraint is not None:
-                row_logits = (masks.apply(req.id, row_logits) if masks is not None and req.id in masks
-                              else self._constraints.mask_now(req.constraint, row_logits))
+                row_logits = masked if masked is not None else self._constraints.mask_now(req.constraint, row_logits)
             if self.logits_hook is not None:
                 self.logits_hook(req.id, row_logits)
             with trace_scope("sample", req.id):

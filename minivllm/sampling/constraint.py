@@ -6,14 +6,15 @@ tokens may come next, as a bitmask over the vocabulary (bit t of word t // 32); 
 engine sets every other logit to -inf, so greedy picks, top-k/top-p filters and the
 speculative verifier all see only tokens the constraint allows.
 
-Masks for a step's plain decode rows are computed on a background thread while the model
-runs its forward (llguidance releases the GIL), then applied to the logits in one go; a row
-whose mask is empty can no longer satisfy its constraint and ends with an error.
+Masks for a step's plain decode rows are computed on a few threads (llguidance drops the
+GIL), started before the forward and collected after it, then applied to those rows in one masked_fill;
+a row with no allowed token can no longer satisfy its constraint and ends with an error.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -121,34 +122,45 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 class StepMasks:
-    """The masks of one step's plain rows, computed while the forward runs."""
+    """The masks of one step's plain constrained rows: computed on the mask threads while
+    the forward runs, then applied to those rows of the step's logits in one masked_fill."""
 
-    def __init__(self, pool: ThreadPoolExecutor | None, rows: dict[str, TokenConstraint], vocab: int):
-        self._ids = list(rows)
+    def __init__(self, pool: ThreadPoolExecutor | None, workers: int, rows: dict[str, tuple[TokenConstraint, int]],
+                 vocab: int):
+        self._rows = rows  # request id -> (its constraint, its row of the step's logits)
         self._vocab = vocab
         self._bitmask = new_bitmask(len(rows), vocab)
-        self._constraints = constraints = list(rows.values())
-        work = lambda: [c.fill(self._bitmask, i) for i, c in enumerate(constraints)]  # noqa: E731
-        self._future: Future | None = pool.submit(work) if pool is not None and rows else None
-        if self._future is None and rows:
-            work()
-        self._allowed: torch.Tensor | None = None
+        constraints = [c for c, _ in rows.values()]
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
+        def fill(start: int) -> None:  # every workers-th row from `start`; llguidance drops the GIL
+            for j in range(start, len(constraints), workers):
+                constraints[j].fill(self._bitmask, j)
 
-    def apply(self, request_id: str, row_logits: torch.Tensor) -> torch.Tensor:
-        """The row's logits with forbidden tokens at -inf; Unsatisfiable if none is left."""
-        if self._allowed is None:
-            if self._future is not None:
-                self._future.result()
-            self._empty = ~(self._bitmask != 0).any(dim=1)
-            self._allowed = allowed_tokens(self._bitmask, self._vocab, row_logits.device)
-        j = self._ids.index(request_id)
-        self._constraints[j].check()
-        if bool(self._empty[j]):
-            raise Unsatisfiable("no token can continue the output within the constraint")
-        return mask_logits(row_logits, self._allowed[j])
+        self._futures = [pool.submit(fill, w) for w in range(min(workers, len(rows)))] if rows else []
+
+    def masked_rows(self, logits: torch.Tensor) -> dict[str, torch.Tensor | Exception]:
+        """Each row's logits with forbidden tokens at -inf, or the exception that stops it
+        (Unsatisfiable when no token is left)."""
+        if not self._rows:
+            return {}
+        try:
+            for future in self._futures:
+                future.result()
+            empty = (self._bitmask == 0).all(dim=1).tolist()
+            index = torch.tensor([li for _, li in self._rows.values()], device=logits.device)
+            masked = mask_logits(logits.index_select(0, index), allowed_tokens(self._bitmask, self._vocab, logits.device))
+        except Exception as exc:  # noqa: BLE001 - the rows fail, not the step
+            return dict.fromkeys(self._rows, exc)
+        out: dict[str, torch.Tensor | Exception] = {}
+        for j, (request_id, (constraint, _)) in enumerate(self._rows.items()):
+            try:
+                constraint.check()
+                if empty[j]:
+                    raise Unsatisfiable("no token can continue the output within the constraint")
+                out[request_id] = masked[j]
+            except Unsatisfiable as exc:
+                out[request_id] = exc
+        return out
 
 
 class Constraints:
@@ -158,17 +170,33 @@ class Constraints:
     def __init__(self, tokenizer, vocab: int):
         self._tokenizer = tokenizer
         self.vocab = vocab
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # computes the step's masks beside the forward
+        # A mask over a 150k vocabulary inside a length-bounded JSON string takes up to ~1 ms:
+        # a batch of 16 needs several cores to stay hidden behind a GPU forward. One core is
+        # left to the step loop (on a 2-core CPU host: one mask thread beside the forward).
+        self._workers = max(1, min(8, (os.cpu_count() or 2) - 1))
 
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
             return None
         return TokenConstraint(structured, llguidance_tokenizer(self._tokenizer, self.vocab))
 
-    def start_step(self, rows: dict[str, TokenConstraint]) -> StepMasks:
+    def start_step(self, plan_rows) -> StepMasks:
+        """Start the masks of the step's plain rows (`ScheduledStep.rows`, after drafting)
+        whose request is constrained; verification rows are masked along their draft."""
+        rows, li = {}, 0
+        for row in plan_rows:
+            if not row.needs_logits:
+                continue
+            if row.draft_tokens:
+                li += row.draft_tokens + 1
+                continue
+            if row.request.constraint is not None:
+                rows[row.request.id] = (row.request.constraint, li)
+            li += 1
         if rows and self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-masks")
-        return StepMasks(self._pool, rows, self.vocab)
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="minivllm-masks")
+        return StepMasks(self._pool, self._workers, rows, self.vocab)
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
         """One row, computed here (a follower's first token, a row outside a step's batch)."""

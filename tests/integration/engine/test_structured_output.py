@@ -16,7 +16,7 @@ from minivllm.engine.llm import LLM
 from minivllm.errors import ConfigError
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.sampling.structured import StructuredOutput
-from tests.synthetic_gguf import write_tiny_model
+from synthetic_gguf import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -200,7 +200,7 @@ def test_identical_prompts_with_different_constraints_share_a_flight(smollm2):
 def test_a_constraint_the_vocabulary_cannot_spell_ends_with_an_error(tmp_path):
     """A model whose vocabulary has no digits cannot write `[0-9]+`: that request ends with
     an error at its first token; its batch-mate is untouched and no page stays held."""
-    from tests.synthetic_gguf import tiny_vocab
+    from synthetic_gguf import tiny_vocab
 
     tokens, _, _ = tiny_vocab(512)
     from minivllm.gguf.tokenizer import _byte_level_bytes
