@@ -178,7 +178,7 @@ class _Models:
 
 def _engine_side(spec: SideSpec, models: _Models) -> EngineSide:
     llm, weights = models.llm(spec)
-    return EngineSide(spec.side, llm.fork(**spec.options), weights)
+    return EngineSide(spec.side, llm.fork(**spec.options), weights, spec.structured)
 
 
 def _reference_side(spec: SideSpec, models: _Models, n_ctx: int, tok):

@@ -27,11 +27,12 @@ from minivllm.engine.options import check_engine_options, parse_overrides
 from minivllm.errors import ConfigError, DeviceError, EngineNotInstalledError, MinivllmError
 from minivllm.debug.hidden_state_diff import engine_replay
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.structured import StructuredOutput
 
 ENGINES = ("minivllm", "transformers", "llama.cpp")
 ENGINE_ALIASES = {"minivllm": "minivllm", "transformers": "transformers", "hf": "transformers",
                   "llama.cpp": "llama.cpp", "llama_cpp": "llama.cpp", "llamacpp": "llama.cpp"}
-SIDE_KEYS = ("engine", "device", "dtype")  # what a side may say besides engine options
+SIDE_KEYS = ("engine", "device", "dtype", "structured")  # what a side may say besides engine options
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class SideSpec:
     device: torch.device | None  # None: the base LLM's
     dtype: torch.dtype | None  # None: the base LLM's (minivllm); transformers is always float32
     given: dict  # the side as the caller gave it (the report's a_options / b_options)
+    # minivllm only: generate under this constraint (sampling/structured.py), so the token
+    # view shows what the mask removed from the top-k next to an unconstrained side.
+    structured: StructuredOutput | None = None
 
 
 def parse_side(spec, side: str) -> SideSpec:
@@ -64,6 +68,17 @@ def parse_side(spec, side: str) -> SideSpec:
         raise ConfigError(f"{side}.engine", engine_name, f"expected one of {', '.join(ENGINES)}")
     device = _device(options.pop("device"), side) if "device" in options else None
     dtype = _dtype(options.pop("dtype"), side) if "dtype" in options else None
+    structured = options.pop("structured", None)
+    if structured is not None and engine != "minivllm":
+        raise ConfigError(f"{side}.structured", structured, "only a minivllm side decodes under a constraint")
+    if isinstance(structured, str):  # from a text field: a JSON object such as {"regex": "..."}
+        import json
+
+        try:
+            structured = json.loads(structured)
+        except ValueError as exc:
+            raise ConfigError(f"{side}.structured", structured, f"not a JSON object: {exc}") from None
+    structured = StructuredOutput.coerce(structured)
     if engine == "minivllm":
         options = check_engine_options(options, side)
     elif options:
@@ -84,7 +99,7 @@ def parse_side(spec, side: str) -> SideSpec:
         module, why = load_llama_cpp()
         if module is None:
             raise EngineNotInstalledError(side, "llama.cpp", f"llama-cpp-python is {why}")
-    return SideSpec(side, engine, options, device, dtype, given)
+    return SideSpec(side, engine, options, device, dtype, given, structured)
 
 
 def side_from_text(text: str | list[str], side: str):
@@ -150,8 +165,8 @@ class EngineSide:
 
     engine = "minivllm"
 
-    def __init__(self, side: str, llm, weights: str):
-        self.side, self.llm, self.weights = side, llm, weights
+    def __init__(self, side: str, llm, weights: str, structured: StructuredOutput | None = None):
+        self.side, self.llm, self.weights, self.structured = side, llm, weights, structured
         self.device = llm.device
         self.n_layers = llm.config.n_layers
 
@@ -161,7 +176,8 @@ class EngineSide:
         engine = self.llm.engine
         return {"engine": "minivllm", "device": describe_device(self.llm.device), "dtype": dtype_name(self.llm.dtype),
                 "weights": self.weights, **engine.kernel_options.describe(),
-                "max_batched_tokens": engine.config.max_batched_tokens, "kv_mode": engine.config.kv_mode}
+                "max_batched_tokens": engine.config.max_batched_tokens, "kv_mode": engine.config.kv_mode,
+                "structured": self.structured.describe() if self.structured is not None else None}
 
     def replay(self, token_ids: list[int], n_prompt: int):
         return engine_replay(self.llm, token_ids, n_prompt)
@@ -185,7 +201,8 @@ class EngineSide:
         previous = getattr(engine, "logits_hook", None)
         engine.logits_hook = record
         try:
-            engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), request_id=rid)
+            engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                          structured=self.structured), request_id=rid)
             for _ in engine.run(until=lambda: engine.request_state(rid).finished):
                 pass
         finally:

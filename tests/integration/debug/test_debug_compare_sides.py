@@ -23,6 +23,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.debug import compare
+from minivllm.debug.sides import parse_side
 from conftest import transformers_greedy
 from minivllm.errors import ConfigError, EngineNotInstalledError
 
@@ -268,3 +269,26 @@ def test_cuda_engine_vs_cuda_transformers(tiny):
         row = full[len(ids) - 1 + rec.position]
         bound = 1e-3 * float(row.abs().max())  # TF32 is off by default, but GPU reductions sum in other orders
         assert abs(rec.a.top[0].logit - float(row[rec.a.token_id])) <= bound, rec.position
+
+
+def test_a_constrained_side_shows_what_the_mask_removed(llm):
+    """Side b decodes under a choice constraint: its text is one of the choices, its
+    recorded top-k at the first position holds only tokens that start a choice (the rest
+    at -inf), and those keep the logits side a saw for them."""
+    choices = ["yes", "no"]
+    report = compare(llm, "Is water wet? Answer yes or no.", a={}, b={"structured": {"choice": choices}},
+                     max_tokens=8, chat=True, hidden_states=False)
+    assert report.b_text in choices
+    assert report.b_settings["structured"].startswith("choice")
+    first = report.records[0]
+    finite = [t for t in first.b.top if t.logit != float("-inf")]
+    assert finite and all(any(c.startswith(t.text) for c in choices) for t in finite)
+    a_logits = {t.token_id: t.logit for t in first.a.top}
+    for t in finite:
+        if t.token_id in a_logits:
+            assert t.logit == a_logits[t.token_id]
+
+
+def test_a_constraint_on_a_reference_side_is_refused():
+    with pytest.raises(ConfigError, match="b.structured"):
+        parse_side({"engine": "transformers", "structured": {"regex": "a+"}}, "b")
