@@ -274,6 +274,16 @@ def add_prompt_tokens(p: argparse.ArgumentParser, default: int | None, help: str
     p.add_argument("--prompt-tokens", type=int, default=default, help=help)
 
 
+def add_synthetic(p: argparse.ArgumentParser, choices=("qwen2.5-7b-q4_k_m", "qwen2.5-0.5b-q4_k_m")) -> None:
+    """--synthetic (a random-weight model of a real layout instead of --model) and the
+    file its tokenizer is copied from (bench/synthetic_model.py)."""
+    p.add_argument("--synthetic", default=None, choices=list(choices),
+                   help="measure a synthetic model with this layout (random weights; written to the cache once)")
+    p.add_argument("--synthetic-tokenizer", default=None,
+                   help="Qwen2.5 GGUF (or tokenizer-fields .json.xz) to copy the synthetic model's tokenizer from "
+                        "(default: qwen2.5-coder-0.5b)")
+
+
 def add_option(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help=help)
 

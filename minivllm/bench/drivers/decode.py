@@ -38,10 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-cpp-path", default=None,
                    help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
     p.add_argument("--no-baselines", action="store_true", help="skip llama.cpp and transformers on CPU")
-    p.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m", "qwen2.5-0.5b-q4_k_m"],
-                   help="measure a synthetic model with this layout (random weights; written to the cache once; GPU)")
-    p.add_argument("--synthetic-tokenizer", default=None,
-                   help="Qwen2.5 GGUF to copy the synthetic model's tokenizer from (default: qwen2.5-coder-0.5b)")
+    common.add_synthetic(p)
     common.add_option(p, "engine option for minivllm (repeatable), e.g. gemv_max_rows=0, enforce_eager=true")
     p.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="a llama-bench binary (llama.cpp CUDA): run it on the same file after minivllm's rounds; "

@@ -29,10 +29,7 @@ def add_arguments(p) -> None:
     common.add_max_tokens(p, 64, "decode tokens per row")
     p.add_argument("--runs", type=int, default=3, help="rounds; every mode runs once in each (default 3)")
     p.add_argument("--batches", default="1,16", help="comma list of batch sizes (default 1,16)")
-    p.add_argument("--synthetic", default=None, choices=["qwen2.5-7b-q4_k_m", "qwen2.5-0.5b-q4_k_m"],
-                   help="measure a synthetic model with this layout (random weights; written to the cache once)")
-    p.add_argument("--synthetic-tokenizer", default=None,
-                   help="Qwen2.5 GGUF to copy the synthetic model's tokenizer from (default: qwen2.5-coder-0.5b)")
+    common.add_synthetic(p)
     common.add_option(p, "engine option (repeatable), e.g. enforce_eager=true")
 
 
