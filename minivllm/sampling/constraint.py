@@ -226,7 +226,3 @@ class Constraints:
         if not bool((bitmask[0] != 0).any()):
             raise Unsatisfiable("no token can continue the output within the constraint")
         return mask_logits(logits, allowed_tokens(bitmask, self.vocab, logits.device))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
