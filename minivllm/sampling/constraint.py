@@ -121,21 +121,20 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 class StepMasks:
-    """The masks of one step's plain constrained rows: computed on the mask threads while
+    """The masks of one step's plain constrained rows: computed on the mask thread while
     the forward runs, then applied to those rows of the step's logits in one masked_fill."""
 
-    def __init__(self, pool: ThreadPoolExecutor | None, workers: int, rows: dict[str, tuple[TokenConstraint, int]],
-                 vocab: int):
+    def __init__(self, pool: ThreadPoolExecutor | None, rows: dict[str, tuple[TokenConstraint, int]], vocab: int):
         self._rows = rows  # request id -> (its constraint, its row of the step's logits)
         self._vocab = vocab
         self._bitmask = new_bitmask(len(rows), vocab)
         constraints = [c for c, _ in rows.values()]
 
-        def fill(start: int) -> None:  # every workers-th row from `start`; llguidance drops the GIL
-            for j in range(start, len(constraints), workers):
-                constraints[j].fill(self._bitmask, j)
+        def fill() -> None:  # llguidance drops the GIL while it computes a mask
+            for j, constraint in enumerate(constraints):
+                constraint.fill(self._bitmask, j)
 
-        self._futures = [pool.submit(fill, w) for w in range(min(workers, len(rows)))] if rows else []
+        self._futures = [pool.submit(fill)] if rows else []
 
     def masked_rows(self, logits: torch.Tensor) -> dict[str, torch.Tensor | Exception]:
         """Each row's logits with forbidden tokens at -inf, or the exception that stops it
@@ -175,7 +174,6 @@ class Constraints:
         # with 8 and 0.82x with 15 (the threads contend with torch's and with each other);
         # masks inside length-bounded strings (~1.5 ms each on a 152k vocabulary) stayed
         # near 0.38x whatever the count.
-        self._workers = 1
 
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
@@ -196,8 +194,8 @@ class Constraints:
                 rows[row.request.id] = (row.request.constraint, li)
             li += 1
         if rows and self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="minivllm-masks")
-        return StepMasks(self._pool, self._workers, rows, self.vocab)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-masks")
+        return StepMasks(self._pool, rows, self.vocab)
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
         """One row, computed here (a follower's first token, a row outside a step's batch)."""
