@@ -169,7 +169,7 @@ class Constraints:
         self._tokenizer = tokenizer
         self.vocab = vocab
         self._pool: ThreadPoolExecutor | None = None  # computes the step's masks beside the forward
-        # One mask thread: measured on the H200 (scripts/structured_mask_threads.py), a batch
+        # One mask thread: measured on the H200 (scripts/structured_mask_threads.py at commit 0d22810, when the count was a setting), a batch
         # of 16 under a free-string schema ran at 0.94x unconstrained with one thread, 0.80x
         # with 8 and 0.82x with 15 (the threads contend with torch's and with each other);
         # masks inside length-bounded strings (~1.5 ms each on a 152k vocabulary) stayed
