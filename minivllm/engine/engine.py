@@ -237,7 +237,7 @@ class LLMEngine:
         model.set_kernel_options(self.kernel_options)
         model.kernel_options.path_counts.clear()
         # Constrained plain rows' masks are computed on a thread while the forward runs.
-        masks = self._constraints.start_step(plan.rows)
+        masks = self._constraints.start_step(plan.rows, masked_logits_wanted=self.logits_hook is not None)
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
@@ -357,12 +357,13 @@ class LLMEngine:
         try:
             if isinstance(masked, Exception):
                 raise masked
-            if req.constraint is not None:
-                row_logits = masked if masked is not None else self._constraints.mask_now(req.constraint, row_logits)
+            with trace_scope("sample", req.id):
+                if req.constraint is None:
+                    token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
+                else:  # row_logits become the masked row where anything reads them
+                    token, row_logits = self._constraints.draw(req, row_logits, masked, self.logits_hook is not None)
             if self.logits_hook is not None:
                 self.logits_hook(req.id, row_logits)
-            with trace_scope("sample", req.id):
-                token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
             logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
         except Unsatisfiable as exc:
             return self._constraint_failed(req, exc)

@@ -13,12 +13,15 @@ a row with no allowed token can no longer satisfy its constraint and ends with a
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from minivllm.errors import ConfigError
 from minivllm.sampling.structured import StructuredOutput, llguidance_module, short_text
+from minivllm.sampling.constrained_draw import draw_constrained, mask_always_read
 
 BITS = 32
 
@@ -63,9 +66,12 @@ class TokenConstraint:
     """One request's matcher. `fill` writes the next-token mask; `advance` takes the token
     that was chosen; `stopped` is true once the output is complete."""
 
-    def __init__(self, structured: StructuredOutput, ll_tokenizer):
+    def __init__(self, structured: StructuredOutput, ll_tokenizer, text_vocab: int, eos_ids):
         llg = llguidance_module()
         self.structured = structured
+        self._text_vocab = text_vocab  # ids at or past it are padding rows: never allowed
+        self._eos_ids = frozenset(eos_ids)
+        self.mask_cost_s = 0.0  # what the last mask took: decides whether one is computed ahead
         self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"structured.{structured.kind}", short_text(getattr(structured, structured.kind)),
@@ -73,7 +79,26 @@ class TokenConstraint:
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]
+        t0 = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        self.mask_cost_s = time.perf_counter() - t0
+
+    def checks_tokens(self) -> bool:
+        """Whether `allows` gives the mask's answer here. Not where the grammar forces text
+        ahead: the mask then keeps to that text's canonical tokens (`{"` as one token, not
+        `{` then `"`), while a token-by-token check would let any spelling of it through."""
+        return not self._matcher.compute_ff_bytes()
+
+    def allows(self, token: int) -> bool:
+        """Whether the next mask would allow `token` (where `checks_tokens()`), asked without
+        computing it: a few microseconds, against up to ~1.5 ms for a mask inside a
+        length-bounded string. End-of-sequence is allowed once the output is complete;
+        tests/integration/engine/test_constrained_draw.py compares the answers with the mask."""
+        if token >= self._text_vocab:
+            return False
+        if token in self._eos_ids:
+            return self._matcher.is_accepting()
+        return self._matcher.validate_tokens([token]) == 1
 
     def check(self) -> None:
         """Raise Unsatisfiable if the last `fill` found no way on. (llguidance then goes
@@ -120,44 +145,66 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-class StepMasks:
-    """The masks of one step's plain constrained rows: computed on the mask thread while
-    the forward runs, then applied to those rows of the step's logits in one masked_fill."""
+# A row whose mask is optional (its token is checked first, see constrained_draw.py) gets
+# it computed ahead only if its last mask was cheaper than this: outside strings masks take
+# 5-100 us, inside a length-bounded string ~1.5 ms on a 152k vocabulary (measured with
+# Qwen2.5's), which would keep the step waiting after the forward.
+CHEAP_MASK_S = 0.25e-3
 
-    def __init__(self, pool: ThreadPoolExecutor | None, rows: dict[str, tuple[TokenConstraint, int]], vocab: int):
-        self._rows = rows  # request id -> (its constraint, its row of the step's logits)
+
+class StepMasks:
+    """The masks of one step's plain constrained rows, computed on the mask thread while
+    the forward runs and applied to those rows of the step's logits in one masked_fill.
+
+    A row that reads its mask whatever it draws (`needed`: top-k/top-p rows, logprobs, a
+    logits hook) always gets one. The others get one only while the forward still runs,
+    cheapest first, and only when their last mask was cheap; without one, their draw asks
+    the matcher about its candidate tokens instead and computes the mask only if none fits."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, rows: dict[str, tuple[TokenConstraint, int, bool]], vocab: int):
+        self._rows = rows  # request id -> (its constraint, its row of the step's logits, needed)
         self._vocab = vocab
         self._bitmask = new_bitmask(len(rows), vocab)
-        constraints = [c for c, _ in rows.values()]
+        self._forward_done = threading.Event()
+        self._filled: list[int] = []  # indices into rows whose mask is in the bitmask
+        jobs = sorted(enumerate(rows.values()), key=lambda job: (not job[1][2], job[1][0].mask_cost_s))
 
         def fill() -> None:  # llguidance drops the GIL while it computes a mask
-            for j, constraint in enumerate(constraints):
-                constraint.fill(self._bitmask, j)
+            for j, (constraint, _, needed) in jobs:
+                if needed or (constraint.mask_cost_s < CHEAP_MASK_S and not self._forward_done.is_set()):
+                    constraint.fill(self._bitmask, j)
+                    self._filled.append(j)
 
-        self._futures = [pool.submit(fill)] if rows else []
+        self._future = pool.submit(fill) if rows else None
 
     def masked_rows(self, logits: torch.Tensor) -> dict[str, torch.Tensor | Exception]:
-        """Each row's logits with forbidden tokens at -inf, or the exception that stops it
-        (Unsatisfiable when no token is left)."""
-        if not self._rows:
+        """The rows masked so far, with forbidden tokens at -inf, or the exception that
+        stops them (Unsatisfiable when no token is left). Rows left out have no mask yet."""
+        if self._future is None:
             return {}
+        self._forward_done.set()  # the optional masks not started yet are left to the draw
+        ids = list(self._rows)
         try:
-            for future in self._futures:
-                future.result()
-            empty = (self._bitmask == 0).all(dim=1).tolist()
-            index = torch.tensor([li for _, li in self._rows.values()], device=logits.device)
-            masked = mask_logits(logits.index_select(0, index), allowed_tokens(self._bitmask, self._vocab, logits.device))
+            self._future.result()
+            if not self._filled:
+                return {}
+            filled = sorted(self._filled)
+            bitmask = self._bitmask[filled]
+            empty = (bitmask == 0).all(dim=1).tolist()
+            index = torch.tensor([self._rows[ids[j]][1] for j in filled], device=logits.device)
+            masked = mask_logits(logits.index_select(0, index), allowed_tokens(bitmask, self._vocab, logits.device))
         except Exception as exc:  # noqa: BLE001 - the rows fail, not the step
             return dict.fromkeys(self._rows, exc)
         out: dict[str, torch.Tensor | Exception] = {}
-        for j, (request_id, (constraint, _)) in enumerate(self._rows.items()):
+        for k, j in enumerate(filled):
+            constraint = self._rows[ids[j]][0]
             try:
                 constraint.check()
-                if empty[j]:
+                if empty[k]:
                     raise Unsatisfiable("no token can continue the output within the constraint")
-                out[request_id] = masked[j]
+                out[ids[j]] = masked[k]
             except Unsatisfiable as exc:
-                out[request_id] = exc
+                out[ids[j]] = exc
         return out
 
 
@@ -178,11 +225,14 @@ class Constraints:
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
             return None
-        return TokenConstraint(structured, llguidance_tokenizer(self._tokenizer, self.vocab))
+        tok = self._tokenizer
+        eos = tok.eos_ids or ([tok.eos_id] if tok.eos_id is not None else [])
+        return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos)
 
-    def start_step(self, plan_rows) -> StepMasks:
+    def start_step(self, plan_rows, *, masked_logits_wanted: bool = False) -> StepMasks:
         """Start the masks of the step's plain rows (`ScheduledStep.rows`, after drafting)
-        whose request is constrained; verification rows are masked along their draft."""
+        whose request is constrained; verification rows are masked along their draft.
+        `masked_logits_wanted`: something (a logits hook) reads every masked row."""
         rows, li = {}, 0
         for row in plan_rows:
             if not row.needs_logits:
@@ -190,12 +240,22 @@ class Constraints:
             if row.draft_tokens:
                 li += row.draft_tokens + 1
                 continue
-            if row.request.constraint is not None:
-                rows[row.request.id] = (row.request.constraint, li)
+            req = row.request
+            if req.constraint is not None:
+                needed = masked_logits_wanted or mask_always_read(req.params)
+                rows[req.id] = (req.constraint, li, needed)
             li += 1
         if rows and self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-masks")
         return StepMasks(self._pool, rows, self.vocab)
+
+    def draw(self, req, row_logits: torch.Tensor, masked: torch.Tensor | None,
+             want_masked: bool) -> tuple[int, torch.Tensor]:
+        """The constrained row's token (`constrained_draw.draw_constrained`) and the logits
+        it reports: the masked row where it was computed, else the raw one."""
+        token, masked = draw_constrained(req, row_logits, masked, lambda: self.mask_now(req.constraint, row_logits),
+                                         want_masked=want_masked)
+        return token, masked if masked is not None else row_logits
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
         """One row, computed here (a follower's first token, a row outside a step's batch)."""
