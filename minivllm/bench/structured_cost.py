@@ -59,7 +59,9 @@ def _measure(llm: LLM, mode: str, batch: int, max_tokens: int, round_no: int) ->
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content":
                f"Request {round_no}-{i}: list sixty-four products with an id and a short name, as JSON."}])
                for i in range(batch)]
+    counts = dict(llm.engine.constraints.counts)
     outs = llm.generate(prompts, params)
+    draws = {k: v - counts[k] for k, v in llm.engine.constraints.counts.items()}
     first = max(o.metrics.time_to_first_token_s for o in outs)
     end = max(o.metrics.e2e_s for o in outs)
     tokens = sum(len(o.token_ids) - 1 for o in outs)
@@ -68,7 +70,7 @@ def _measure(llm: LLM, mode: str, batch: int, max_tokens: int, round_no: int) ->
                                      for o in plain) if plain else None
     short = [len(o.token_ids) for o in outs if len(o.token_ids) != max_tokens]
     return {"tok_s": tokens / (end - first), "plain_row_tok_s": per_row_plain, "short_rows": short,
-            "errors": sum(o.finish_reason == "error" for o in outs)}
+            "errors": sum(o.finish_reason == "error" for o in outs), "draws": draws}
 
 
 def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches=(1, 16),
@@ -102,6 +104,8 @@ def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches
             ms = samples[(batch, mode)]
             rates = [m["tok_s"] for m in ms]
             plain = [m["plain_row_tok_s"] for m in ms if m["plain_row_tok_s"] is not None]
+            draws = {k: sum(m["draws"][k] for m in ms) for k in ms[0]["draws"]}
+            total = sum(draws.values())
             rows.append({
                 "batch": batch, "mode": mode,
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_mean": statistics.fmean(rates),
@@ -110,6 +114,9 @@ def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches
                 "plain_row_tok_s_median": statistics.median(plain) if plain else None,
                 "plain_row_vs_all_plain": statistics.median(plain) / base_plain if plain else None,
                 "short_rows": sum(len(m["short_rows"]) for m in ms), "errors": sum(m["errors"] for m in ms),
+                # How the constrained tokens were drawn (constrained_draw.py): masked beside
+                # the forward / masked at the draw / settled by checking candidate tokens.
+                "draws_ahead_at_draw_checked": "/".join(f"{draws[k] / total:.2f}" for k in draws) if total else "-",
             })
     label = model_label(synthetic or model)
     settings = {"bench": "structured", "model": label, "device": device, "dtype": dtype, "max_tokens": max_tokens,
@@ -118,7 +125,7 @@ def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches
     paths = write_results(f"structured-{label}-{device.replace(':', '')}", provenance(device, sha256_file(llm.model_path), settings),
                           rows, ["batch", "mode", "decode_tok_s_median", "decode_tok_s_mean", "decode_tok_s_std",
                                  "vs_unconstrained", "plain_row_tok_s_median", "plain_row_vs_all_plain",
-                                 "short_rows", "errors"],
+                                 "short_rows", "errors", "draws_ahead_at_draw_checked"],
                           notes=__doc__.split("\n\n")[2] + "\n\n" + __doc__.split("\n\n")[3])
     print(*paths)
     return paths

@@ -86,7 +86,7 @@ class LLMEngine:
             on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
         self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
-        self._constraints = Constraints(tokenizer, cfg.vocab_size)  # masks for params.structured
+        self.constraints = Constraints(tokenizer, cfg.vocab_size)  # masks for params.structured
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
         self.kernel_options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())
@@ -110,7 +110,7 @@ class LLMEngine:
         params = params or SamplingParams()
         try:
             self._validate(prompt_ids, params, request_id)
-            constraint = self._constraints.make(params.structured)
+            constraint = self.constraints.make(params.structured)
         except ConfigError:
             self.counters["rejected"] += 1
             raise
@@ -237,7 +237,7 @@ class LLMEngine:
         model.set_kernel_options(self.kernel_options)
         model.kernel_options.path_counts.clear()
         # Constrained plain rows' masks are computed on a thread while the forward runs.
-        masks = self._constraints.start_step(plan.rows, masked_logits_wanted=self.logits_hook is not None)
+        masks = self.constraints.start_step(plan.rows, masked_logits_wanted=self.logits_hook is not None)
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
@@ -327,7 +327,7 @@ class LLMEngine:
         try:
             with trace_scope("verify", req.id):
                 if req.constraint is not None:
-                    logits = self._constraints.mask_along(req.constraint, logits, proposal.tokens)
+                    logits = self.constraints.mask_along(req.constraint, logits, proposal.tokens)
                 result = spec.verify(req, logits, proposal)
         except Unsatisfiable as exc:
             return None, [self._constraint_failed(req, exc)]
@@ -361,7 +361,7 @@ class LLMEngine:
                 if req.constraint is None:
                     token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
                 else:  # row_logits become the masked row where anything reads them
-                    token, row_logits = self._constraints.draw(req, row_logits, masked, self.logits_hook is not None)
+                    token, row_logits = self.constraints.draw(req, row_logits, masked, self.logits_hook is not None)
             if self.logits_hook is not None:
                 self.logits_hook(req.id, row_logits)
             logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None

@@ -216,6 +216,9 @@ class Constraints:
         self._tokenizer = tokenizer
         self.vocab = vocab
         self._pool: ThreadPoolExecutor | None = None  # computes the step's masks beside the forward
+        # How constrained tokens were drawn, for benches and the workbench: rows masked
+        # beside the forward, rows masked at their draw, draws settled by checking tokens.
+        self.counts = {"masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
         # One mask thread: measured on the H200 (scripts/structured_mask_threads.py at commit 0d22810, when the count was a setting), a batch
         # of 16 under a free-string schema ran at 0.94x unconstrained with one thread, 0.80x
         # with 8 and 0.82x with 15 (the threads contend with torch's and with each other);
@@ -253,8 +256,15 @@ class Constraints:
              want_masked: bool) -> tuple[int, torch.Tensor]:
         """The constrained row's token (`constrained_draw.draw_constrained`) and the logits
         it reports: the masked row where it was computed, else the raw one."""
-        token, masked = draw_constrained(req, row_logits, masked, lambda: self.mask_now(req.constraint, row_logits),
-                                         want_masked=want_masked)
+        ready = masked is not None
+
+        def mask_now() -> torch.Tensor:
+            self.counts["masked_at_draw"] += 1
+            return self.mask_now(req.constraint, row_logits)
+
+        token, masked = draw_constrained(req, row_logits, masked, mask_now, want_masked=want_masked)
+        self.counts["masked_ahead"] += ready
+        self.counts["checked"] += masked is None
         return token, masked if masked is not None else row_logits
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
