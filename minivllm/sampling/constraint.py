@@ -1,14 +1,17 @@
-"""Token masks for constrained requests: one llguidance matcher per request, one mask per
-sampled position.
+"""Token masks for constrained requests: one llguidance matcher per request.
 
-A matcher follows the request's output token by token. Before each sampling it says which
-tokens may come next, as a bitmask over the vocabulary (bit t of word t // 32); the
-engine sets every other logit to -inf, so greedy picks, top-k/top-p filters and the
-speculative verifier all see only tokens the constraint allows.
+A matcher follows the request's output token by token. It says which tokens may come
+next, as a bitmask over the vocabulary (bit t of word t // 32), and the engine sets every
+other logit to -inf, so greedy picks, top-k/top-p filters and the speculative verifier see
+only tokens the constraint allows. It can also answer for one token (`allows`), which is
+far cheaper than a mask: constrained_draw.py uses that to skip masks that cannot change
+the draw.
 
-Masks for a step's plain decode rows are computed on a background thread (llguidance drops
-the GIL), started before the forward and collected after it, then applied to those rows in one masked_fill;
-a row with no allowed token can no longer satisfy its constraint and ends with an error.
+A step's constrained plain rows get their masks on a background thread (llguidance drops
+the GIL), started before the forward and collected after it, then applied in one
+masked_fill: always for the rows that read their mask, and for the others while the
+forward runs if their last mask was cheap. A row with no allowed token can no longer
+satisfy its constraint and ends with an error.
 """
 
 from __future__ import annotations
@@ -219,11 +222,10 @@ class Constraints:
         # How constrained tokens were drawn, for benches and the workbench: rows masked
         # beside the forward, rows masked at their draw, draws settled by checking tokens.
         self.counts = {"masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
-        # One mask thread: measured on the H200 (scripts/structured_mask_threads.py at commit 0d22810, when the count was a setting), a batch
-        # of 16 under a free-string schema ran at 0.94x unconstrained with one thread, 0.80x
-        # with 8 and 0.82x with 15 (the threads contend with torch's and with each other);
-        # masks inside length-bounded strings (~1.5 ms each on a 152k vocabulary) stayed
-        # near 0.38x whatever the count.
+        # One mask thread: measured on the H200 (scripts/structured_mask_threads.py at
+        # commit 0d22810), a batch of 16 under a free-string schema ran at 0.94x
+        # unconstrained with one thread, 0.80x with 8 and 0.82x with 15: the threads
+        # contend with torch's and with each other.
 
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
