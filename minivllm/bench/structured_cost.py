@@ -69,6 +69,9 @@ def _measure(llm: LLM, mode: str, batch: int, max_tokens: int, round_no: int) ->
     per_row_plain = statistics.fmean((len(o.token_ids) - 1) / (o.metrics.e2e_s - o.metrics.time_to_first_token_s)
                                      for o in plain) if plain else None
     short = [len(o.token_ids) for o in outs if len(o.token_ids) != max_tokens]
+    failed = [o.error for o in outs if o.finish_reason == "error"]
+    if failed:  # counted in the table; the reason is worth seeing at once
+        print(f"{mode}, batch {batch}: {len(failed)} rows failed, the first with: {failed[0]}", flush=True)
     return {"tok_s": tokens / (end - first), "plain_row_tok_s": per_row_plain, "short_rows": short,
             "errors": sum(o.finish_reason == "error" for o in outs), "draws": draws}
 

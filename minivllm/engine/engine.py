@@ -32,6 +32,7 @@ from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, RequestView, Status
+from minivllm.engine.request_checks import check_request
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.cuda_graphs import graph_runner_for
 from minivllm.engine.snapshot import build_snapshot, describe_step
@@ -40,8 +41,9 @@ from minivllm.model.decoder import DecoderModel
 from minivllm.obs.trace import trace_scope
 from minivllm.sampling.constraint import Constraints, Unsatisfiable
 from minivllm.sampling.outputs import RequestOutput, TokenEvent
-from minivllm.sampling.sampler import sample, top_logprobs
+from minivllm.sampling.sampler import top_logprobs
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.step_draw import draw_step
 
 
 class LLMEngine:
@@ -86,7 +88,7 @@ class LLMEngine:
             on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
         self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
-        self.constraints = Constraints(tokenizer, cfg.vocab_size)  # masks for params.structured
+        self.constraints = Constraints(tokenizer, cfg.vocab_size, model.device)  # masks for params.structured
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
         self.kernel_options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())
@@ -109,7 +111,9 @@ class LLMEngine:
                     prompt: str | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         try:
-            self._validate(prompt_ids, params, request_id)
+            check_request(prompt_ids, params, request_id=request_id, taken=request_id in self._requests,
+                          vocab=self.model.config.vocab_size, max_model_len=self.max_model_len, pool=self.pool,
+                          scratch_page=self.graph_runner is not None)
             constraint = self.constraints.make(params.structured)
         except ConfigError:
             self.counters["rejected"] += 1
@@ -126,28 +130,6 @@ class LLMEngine:
         self._scheduler.add(req)
         self.counters["requests_submitted"] += 1
         return rid
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
-        if request_id is not None and request_id in self._requests:
-            raise ConfigError("request_id", request_id, "is already in use; give a unique id or none")
-        if not prompt_ids:
-            raise ConfigError("prompt", "", "must contain at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>",
-                              f"the prompt must be shorter than max_model_len={self.max_model_len}; "
-                              f"shorten it or raise max_model_len")
-        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        usable = self.pool.num_pages - (1 if self.graph_runner is not None else 0)  # minus the graphs' scratch page
-        if self.pool.pages_for(longest) > usable:
-            raise ConfigError("max_tokens", params.max_tokens,
-                              f"prompt + max_tokens needs {self.pool.pages_for(longest)} KV pages but the pool only has "
-                              f"{usable}; lower max_tokens or raise kv_memory_bytes")
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request at any moment; its pages are freed at once."""
@@ -236,8 +218,8 @@ class LLMEngine:
         model = self.model
         model.set_kernel_options(self.kernel_options)
         model.kernel_options.path_counts.clear()
-        # Constrained plain rows' masks are computed on a thread while the forward runs.
-        masks = self.constraints.start_step(plan.rows, masked_logits_wanted=self.logits_hook is not None)
+        offsets = plan.logits_offsets()
+        plain = [(row.request, li) for row, li in offsets if not row.draft_tokens]
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
@@ -257,28 +239,24 @@ class LLMEngine:
             return events
 
         described["kernel_paths"] = dict(model.kernel_options.path_counts)
-        masked = masks.masked_rows(logits)
+        # Constrained rows' masks, computed while a GPU still runs the forward just queued.
+        masked = self.constraints.required_masks(plain, logits, masked_logits_wanted=self.logits_hook is not None)
+        drawn = self._draw([(req, logits[li]) for req, li in plain], masked)
         for row in plan.rows:
             if row.draft_tokens:
                 continue  # advanced by the verification below, by what it accepts
             row.request.num_computed += row.n_tokens
             self._kv.computed(row.request)
-        li = 0
         timed = []  # (request, round result or None) for the speculation pay-off gate
-        for row in plan.rows:
+        for row, li in offsets:
             req = row.request
-            if not row.needs_logits:
-                continue
             if row.draft_tokens:
-                m = row.draft_tokens
-                result, round_events = self._verify_round(req, logits[li:li + m + 1], proposals[req.id])
-                li += m + 1
+                result, round_events = self._verify_round(req, logits[li:li + row.draft_tokens + 1], proposals[req.id])
                 events += round_events
                 if result is not None:
                     timed.append((req, result))
                 continue
             row_logits = logits[li]
-            li += 1
             first = not req.output_ids
             if first and self.flights is not None and self.flights.role(req.id) == "leader":
                 # Every follower's first token comes from these same prompt logits (its
@@ -289,7 +267,7 @@ class LLMEngine:
                 # stats then move into the engine's totals.
                 self.speculator.record_plain(req)
                 timed.append((req, None))
-            event = self._sample_token(req, row_logits, masked.get(req.id))
+            event = self._sample_token(req, row_logits, drawn[req.id])
             events.append(event)
             if (first and not event.finished and req.id in self._flight_logits
                     and self.flights.release == "after_prefill"):
@@ -352,19 +330,29 @@ class LLMEngine:
             self._kv.computed(req)
         return result, events
 
-    def _sample_token(self, req: Request, row_logits: torch.Tensor, masked=None) -> TokenEvent:
-        """`masked`: the row already masked for its constraint (or why it cannot be)."""
+    def _draw(self, rows: list[tuple[Request, torch.Tensor]], masked: dict) -> dict:
+        """The rows' tokens, drawn together (step_draw.py). If that fails, each row draws
+        alone, so the failure ends only the requests it belongs to."""
         try:
-            if isinstance(masked, Exception):
-                raise masked
-            with trace_scope("sample", req.id):
-                if req.constraint is None:
-                    token = sample(row_logits, req.all_ids, req.output_ids, req.params, req.generator)
-                else:  # row_logits become the masked row where anything reads them
-                    token, row_logits = self.constraints.draw(req, row_logits, masked, self.logits_hook is not None)
+            with trace_scope("sample", len(rows)):
+                return draw_step(rows, masked, self.constraints, want_masked=self.logits_hook is not None)
+        except Exception as exc:  # noqa: BLE001
+            if len(rows) == 1:
+                return {rows[0][0].id: exc}
+            return {k: v for row in rows for k, v in self._draw([row], masked).items()}
+
+    def _sample_token(self, req: Request, row_logits: torch.Tensor, drawn=None) -> TokenEvent:
+        """`drawn`: the row's Drawn token from the step's draw, or why it has none; None
+        draws it here (a follower's first token from its leader's logits)."""
+        try:
+            if drawn is None:
+                drawn = self._draw([(req, row_logits)], {})[req.id]
+            if isinstance(drawn, Exception):
+                raise drawn
+            token = drawn.token
             if self.logits_hook is not None:
-                self.logits_hook(req.id, row_logits)
-            logprobs = top_logprobs(row_logits, token, req.params.logprobs) if req.params.logprobs is not None else None
+                self.logits_hook(req.id, drawn.logits)
+            logprobs = top_logprobs(drawn.logits, token, req.params.logprobs) if req.params.logprobs is not None else None
         except Unsatisfiable as exc:
             return self._constraint_failed(req, exc)
         except Exception as exc:  # noqa: BLE001

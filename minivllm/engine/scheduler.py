@@ -63,6 +63,16 @@ class ScheduledStep:
     def decode_rows(self) -> int:
         return sum(1 for r in self.rows if r.request.phase == "decode")
 
+    def logits_offsets(self) -> list[tuple[ScheduledRow, int]]:
+        """Each row that reads logits, with its first row in the step's logits: a plain row
+        reads one, a verification row one per draft token plus one."""
+        offsets, li = [], 0
+        for row in self.rows:
+            if row.needs_logits:
+                offsets.append((row, li))
+                li += row.draft_tokens + 1
+        return offsets
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager, flights: FlightCoordinator | None = None, *,

@@ -5,26 +5,23 @@ next, as a bitmask over the vocabulary (bit t of word t // 32), and the engine s
 other logit to -inf, so greedy picks, top-k/top-p filters and the speculative verifier see
 only tokens the constraint allows. It can also answer for one token (`allows`), which is
 far cheaper than a mask: constrained_draw.py uses that to skip masks that cannot change
-the draw.
+the draw, and step_draw.py computes the masks still needed at the draw all together.
 
-A step's constrained plain rows get their masks on a background thread (llguidance drops
-the GIL), started before the forward and collected after it, then applied in one
-masked_fill: always for the rows that read their mask, and for the others while the
-forward runs if their last mask was cheap. A row with no allowed token can no longer
-satisfy its constraint and ends with an error.
+The masks a step's constrained plain rows will read are computed once the forward is
+queued (beside the device's work on a GPU) and applied in one launch. A row with no
+allowed token can no longer satisfy its constraint and ends with an error.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 
 import torch
 
 from minivllm.errors import ConfigError
 from minivllm.sampling.structured import StructuredOutput, llguidance_module, short_text
-from minivllm.sampling.constrained_draw import draw_constrained, mask_always_read
+from minivllm.sampling.constrained_draw import mask_always_read
 
 BITS = 32
 
@@ -74,7 +71,7 @@ class TokenConstraint:
         self.structured = structured
         self._text_vocab = text_vocab  # ids at or past it are padding rows: never allowed
         self._eos_ids = frozenset(eos_ids)
-        self.mask_cost_s = 0.0  # what the last mask took: decides whether one is computed ahead
+        self.mask_cost_s = 0.0  # what the last mask took: how many candidates a check may try first
         self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"structured.{structured.kind}", short_text(getattr(structured, structured.kind)),
@@ -133,8 +130,10 @@ class TokenConstraint:
         return self._matcher.is_stopped()
 
 
-def new_bitmask(rows: int, vocab: int) -> torch.Tensor:
-    return torch.zeros((rows, (vocab + BITS - 1) // BITS), dtype=torch.int32)
+def new_bitmask(rows: int, vocab: int, *, pinned: bool = False) -> torch.Tensor:
+    """Zeroed words for `rows` masks. `pinned` (page-locked memory, CUDA only) lets the
+    copy to the GPU run without holding the CPU."""
+    return torch.zeros((rows, (vocab + BITS - 1) // BITS), dtype=torch.int32, pin_memory=pinned)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -148,84 +147,54 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-# A row whose mask is optional (its token is checked first, see constrained_draw.py) gets
-# it computed ahead only if its last mask was cheaper than this: outside strings masks take
-# 5-100 us, inside a length-bounded string ~1.5 ms on a 152k vocabulary (measured with
-# Qwen2.5's), which would keep the step waiting after the forward.
-CHEAP_MASK_S = 0.25e-3
+_kernel_state = {"mask_rows": None}  # the Triton kernel, once imported; False after it failed here
 
 
-class StepMasks:
-    """The masks of one step's plain constrained rows, computed on the mask thread while
-    the forward runs and applied to those rows of the step's logits in one masked_fill.
-
-    A row that reads its mask whatever it draws (`needed`: top-k/top-p rows, logprobs, a
-    logits hook) always gets one. The others get one only while the forward still runs,
-    cheapest first, and only when their last mask was cheap; without one, their draw asks
-    the matcher about its candidate tokens instead and computes the mask only if none fits."""
-
-    def __init__(self, pool: ThreadPoolExecutor | None, rows: dict[str, tuple[TokenConstraint, int, bool]], vocab: int):
-        self._rows = rows  # request id -> (its constraint, its row of the step's logits, needed)
-        self._vocab = vocab
-        self._bitmask = new_bitmask(len(rows), vocab)
-        self._forward_done = threading.Event()
-        self._filled: list[int] = []  # indices into rows whose mask is in the bitmask
-        jobs = sorted(enumerate(rows.values()), key=lambda job: (not job[1][2], job[1][0].mask_cost_s))
-
-        def fill() -> None:  # llguidance drops the GIL while it computes a mask
-            for j, (constraint, _, needed) in jobs:
-                if needed or (constraint.mask_cost_s < CHEAP_MASK_S and not self._forward_done.is_set()):
-                    constraint.fill(self._bitmask, j)
-                    self._filled.append(j)
-
-        self._future = pool.submit(fill) if rows else None
-
-    def masked_rows(self, logits: torch.Tensor) -> dict[str, torch.Tensor | Exception]:
-        """The rows masked so far, with forbidden tokens at -inf, or the exception that
-        stops them (Unsatisfiable when no token is left). Rows left out have no mask yet."""
-        if self._future is None:
-            return {}
-        self._forward_done.set()  # the optional masks not started yet are left to the draw
-        ids = list(self._rows)
+def mask_in_place(rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`rows` (a tensor of their own: overwritten) with forbidden tokens at -inf. On CUDA
+    one Triton launch (kernels/triton/token_mask.py), else the torch unpack; the same
+    result either way."""
+    if rows.is_cuda and _kernel_state["mask_rows"] is not False:
         try:
-            self._future.result()
-            if not self._filled:
-                return {}
-            filled = sorted(self._filled)
-            bitmask = self._bitmask[filled]
-            empty = (bitmask == 0).all(dim=1).tolist()
-            index = torch.tensor([self._rows[ids[j]][1] for j in filled], device=logits.device)
-            masked = mask_logits(logits.index_select(0, index), allowed_tokens(bitmask, self._vocab, logits.device))
-        except Exception as exc:  # noqa: BLE001 - the rows fail, not the step
-            return dict.fromkeys(self._rows, exc)
-        out: dict[str, torch.Tensor | Exception] = {}
-        for k, j in enumerate(filled):
-            constraint = self._rows[ids[j]][0]
-            try:
-                constraint.check()
-                if empty[k]:
-                    raise Unsatisfiable("no token can continue the output within the constraint")
-                out[ids[j]] = masked[k]
-            except Unsatisfiable as exc:
-                out[ids[j]] = exc
-        return out
+            if _kernel_state["mask_rows"] is None:
+                from minivllm.kernels.triton.token_mask import mask_rows_inplace
+                _kernel_state["mask_rows"] = mask_rows_inplace
+            return _kernel_state["mask_rows"](rows, bitmask.to(rows.device, non_blocking=True))
+        except Exception as exc:  # noqa: BLE001 - no Triton, or it cannot compile here: the torch path
+            warnings.warn(f"token masks: the Triton kernel is unavailable ({exc}); using torch ops", stacklevel=2)
+            _kernel_state["mask_rows"] = False
+    return rows.masked_fill_(~allowed_tokens(bitmask, rows.shape[-1], rows.device), float("-inf"))
+
+
+def apply_masks(bitmask: torch.Tensor, constraints: list[TokenConstraint],
+                rows: torch.Tensor) -> list[torch.Tensor | Exception]:
+    """Row k of `rows` (stacked for this: overwritten) masked by row k of `bitmask`, which
+    constraints[k] filled, or Unsatisfiable where that constraint has no token left."""
+    empty = (bitmask == 0).all(dim=1).tolist()
+    masked = mask_in_place(rows, bitmask)
+    out: list[torch.Tensor | Exception] = []
+    for k, constraint in enumerate(constraints):
+        try:
+            constraint.check()
+            if empty[k]:
+                raise Unsatisfiable("no token can continue the output within the constraint")
+            out.append(masked[k])
+        except Unsatisfiable as exc:
+            out.append(exc)
+    return out
 
 
 class Constraints:
     """The engine's side: builds each constrained request's matcher against the model's
     vocabulary, and masks its logits rows."""
 
-    def __init__(self, tokenizer, vocab: int):
+    def __init__(self, tokenizer, vocab: int, device: torch.device | str = "cpu"):
         self._tokenizer = tokenizer
         self.vocab = vocab
-        self._pool: ThreadPoolExecutor | None = None  # computes the step's masks beside the forward
+        self._pinned = torch.device(device).type == "cuda"
         # How constrained tokens were drawn, for benches and the workbench: rows masked
         # beside the forward, rows masked at their draw, draws settled by checking tokens.
         self.counts = {"masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
-        # One mask thread: measured on the H200 (scripts/structured_mask_threads.py at
-        # commit 0d22810), a batch of 16 under a free-string schema ran at 0.94x
-        # unconstrained with one thread, 0.80x with 8 and 0.82x with 15: the threads
-        # contend with torch's and with each other.
 
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
@@ -234,56 +203,52 @@ class Constraints:
         eos = tok.eos_ids or ([tok.eos_id] if tok.eos_id is not None else [])
         return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos)
 
-    def start_step(self, plan_rows, *, masked_logits_wanted: bool = False) -> StepMasks:
-        """Start the masks of the step's plain rows (`ScheduledStep.rows`, after drafting)
-        whose request is constrained; verification rows are masked along their draft.
-        `masked_logits_wanted`: something (a logits hook) reads every masked row."""
-        rows, li = {}, 0
-        for row in plan_rows:
-            if not row.needs_logits:
-                continue
-            if row.draft_tokens:
-                li += row.draft_tokens + 1
-                continue
-            req = row.request
-            if req.constraint is not None:
-                needed = masked_logits_wanted or mask_always_read(req.params)
-                rows[req.id] = (req.constraint, li, needed)
-            li += 1
-        if rows and self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-masks")
-        return StepMasks(self._pool, rows, self.vocab)
+    def required_masks(self, plain_rows, logits: torch.Tensor, *,
+                       masked_logits_wanted: bool = False) -> dict[str, torch.Tensor | Exception]:
+        """The masked logits of the step's plain rows ((request, its row of `logits`)) that
+        will read their mask, or the exception that stops them (Unsatisfiable when no token
+        is left); verification rows are masked along their draft (`mask_along`).
 
-    def draw(self, req, row_logits: torch.Tensor, masked: torch.Tensor | None,
-             want_masked: bool) -> tuple[int, torch.Tensor]:
-        """The constrained row's token (`constrained_draw.draw_constrained`) and the logits
-        it reports: the masked row where it was computed, else the raw one."""
-        ready = masked is not None
+        Those rows are the ones that read their mask whatever they draw (top-k/top-p rows,
+        logprobs, `masked_logits_wanted` for a logits hook) and the ones where the grammar
+        forces text ahead, whose token no check can settle (`TokenConstraint.checks_tokens`).
+        The others check candidate tokens at the draw and compute a mask there only if none
+        fits (step_draw.py). Called once the forward is queued: on a GPU the device is still
+        computing it, so these masks cost the step nothing while they take less than it.
+        Masking every row here instead, in case, was measured to cost more than it saved
+        on an H200: the mask that opens a length-bounded string can take 4 ms, longer than
+        the forward it was to hide behind, and a mask thread contended with the step's own."""
+        rows = [(req, li) for req, li in plain_rows if req.constraint is not None and (
+            masked_logits_wanted or mask_always_read(req.params) or not req.constraint.checks_tokens())]
+        if not rows:
+            return {}
+        try:
+            masks = self.mask_rows([req.constraint for req, _ in rows], torch.stack([logits[li] for _, li in rows]))
+        except Exception as exc:  # noqa: BLE001 - these rows fail, not the step
+            return {req.id: exc for req, _ in rows}
+        return {req.id: m for (req, _), m in zip(rows, masks)}
 
-        def mask_now() -> torch.Tensor:
-            self.counts["masked_at_draw"] += 1
-            return self.mask_now(req.constraint, row_logits)
-
-        token, masked = draw_constrained(req, row_logits, masked, mask_now, want_masked=want_masked)
-        self.counts["masked_ahead"] += ready
-        self.counts["checked"] += masked is None
-        return token, masked if masked is not None else row_logits
+    def mask_rows(self, constraints: list[TokenConstraint], rows: torch.Tensor) -> list[torch.Tensor | Exception]:
+        """Each constraint's mask computed now and applied to its row of `rows` (stacked
+        for this: overwritten)."""
+        bitmask = new_bitmask(len(constraints), self.vocab, pinned=self._pinned and rows.is_cuda)
+        for k, constraint in enumerate(constraints):
+            constraint.fill(bitmask, k)
+        return apply_masks(bitmask, constraints, rows)
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
-        """One row, computed here (a follower's first token, a row outside a step's batch)."""
-        bitmask = new_bitmask(1, self.vocab)
-        constraint.fill(bitmask, 0)
-        constraint.check()
-        if not bool((bitmask != 0).any()):
-            raise Unsatisfiable("no token can continue the output within the constraint")
-        return mask_logits(row_logits, allowed_tokens(bitmask, self.vocab, row_logits.device)[0])
+        """One row masked here; raises Unsatisfiable when no token is left."""
+        (masked,) = self.mask_rows([constraint], row_logits[None].clone())
+        if isinstance(masked, Exception):
+            raise masked
+        return masked
 
     def mask_along(self, constraint: TokenConstraint, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
         """Rows 0..len(draft) of a verification: row r masked for the output extended by
         the first r draft tokens. Past a draft token the constraint forbids, the verifier
         rejects at that row and never reads the later ones (their mask repeats)."""
         n = logits.shape[0]
-        bitmask = new_bitmask(n, self.vocab)
+        bitmask = new_bitmask(n, self.vocab, pinned=self._pinned and logits.is_cuda)
         taken = 0
         for r in range(n):
             constraint.fill(bitmask, r)
@@ -296,4 +261,4 @@ class Constraints:
         constraint.rollback(taken)
         if not bool((bitmask[0] != 0).any()):
             raise Unsatisfiable("no token can continue the output within the constraint")
-        return mask_logits(logits, allowed_tokens(bitmask, self.vocab, logits.device))
+        return mask_in_place(logits.clone(), bitmask)

@@ -1,8 +1,8 @@
 """The constrained draw that checks candidate tokens before (or instead of) computing a
 mask gives the masked draw's token: checked against llguidance's own mask token by token,
-against the masked argmax on crafted logits (ties included), against the exact masked
-distribution for temperature sampling (a chi-square test), and end to end against the
-engine with the check turned off."""
+against the masked argmax on crafted logits (ties included) with a step's rows drawn
+together, against the exact masked distribution for temperature sampling (a chi-square
+test), and end to end against the engine with the check turned off."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import torch
 from minivllm.engine.llm import LLM
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
-from minivllm.sampling import constrained_draw
-from minivllm.sampling.constrained_draw import draw_constrained
+from minivllm.sampling import step_draw
 from minivllm.sampling.constraint import Constraints, allowed_tokens, new_bitmask
 from minivllm.sampling.sampler import make_generator, sample
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.step_draw import draw_step
 from minivllm.sampling.structured import StructuredOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -97,25 +97,42 @@ def test_allows_agrees_with_the_mask_token_by_token(tokenizer_name, padding, req
     assert checked >= 10 and forced >= 3, (checked, forced)  # both kinds of position were met
 
 
-def _request(constraint, params: SamplingParams, output_ids=(), generator=None):
-    return SimpleNamespace(constraint=constraint, params=params, all_ids=list(output_ids),
+def _request(constraint, params: SamplingParams, output_ids=(), generator=None, rid="r"):
+    return SimpleNamespace(id=rid, constraint=constraint, params=params, all_ids=list(output_ids),
                            output_ids=list(output_ids), generator=generator)
+
+
+def _draw(constraints, req, logits) -> int:
+    """One row drawn alone, as the engine draws a follower's first token."""
+    drawn = draw_step([(req, logits)], {}, constraints, want_masked=False)[req.id]
+    if isinstance(drawn, Exception):
+        raise drawn
+    return drawn.token
 
 
 def _topk_ties_highest_id_first(topk):
     """A legal torch.topk that breaks ties the other way from CPU's (lowest id first): the
     draw must not rely on either."""
-    def adversarial(x, k, *args, **kwargs):
+    def one_row(x, k):
         values, ids = topk(x, min(x.shape[-1], k + 400))
         order = sorted(range(len(ids)), key=lambda j: (-float(values[j]), -int(ids[j])))[:k]
-        return torch.return_types.topk((values[order], ids[order]))
+        return values[order], ids[order]
+
+    def adversarial(x, k, dim=-1, *args, **kwargs):
+        rows = [one_row(r, k) for r in (x if x.dim() == 2 else x[None])]
+        values, ids = torch.stack([v for v, _ in rows]), torch.stack([i for _, i in rows])
+        return torch.return_types.topk((values, ids) if x.dim() == 2 else (values[0], ids[0]))
     return adversarial
 
 
 @pytest.mark.parametrize("ties", ["cpu", "highest_id_first"])
 def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm2_tokenizer, ties, monkeypatch):
+    """At every position of every trace, a step of rows drawn together (step_draw): six
+    constrained rows on crafted logits (tied maxima, penalties), one whose mask is already
+    computed, and an unconstrained one. Each token must be the argmax of its own row,
+    masked by llguidance and penalised, computed row by row here."""
     if ties == "highest_id_first":
-        monkeypatch.setattr(constrained_draw.torch, "topk", _topk_ties_highest_id_first(torch.topk))
+        monkeypatch.setattr(torch, "topk", _topk_ties_highest_id_first(torch.topk))
     tokenizer = smollm2_tokenizer
     vocab = tokenizer.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -124,7 +141,8 @@ def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm
     for structured, text in TRACES:
         for constraints, constraint, _ in _states(tokenizer, vocab, structured, text):
             allowed = np.nonzero(_mask_bits(constraint, vocab))[0]
-            for trial in range(6):
+            rows, expected, masked = [], {}, {}
+            for trial in range(8):
                 logits = torch.randn(vocab, generator=gen) * 3
                 if trial % 2:
                     # A block of tied maxima, allowed and forbidden ids mixed, many more than
@@ -134,14 +152,18 @@ def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm
                                             rng.choice(forbidden, 200, replace=False)])
                     logits[torch.as_tensor(picks)] = 20.0
                 params = SamplingParams(temperature=0, repetition_penalty=1.3 if trial >= 4 else 1.0)
-                req = _request(constraint, params, output_ids=allowed[:2].tolist() if trial >= 4 else ())
-                masked = constraints.mask_now(constraint, logits)
-                expected = sample(masked, req.all_ids, req.output_ids, params, None)
-                token, _ = draw_constrained(req, logits, None, lambda: constraints.mask_now(constraint, logits),
-                                            want_masked=False)
-                assert token == expected, (structured, trial)
-                compared += 1
-    assert compared > 100
+                plain = trial == 7
+                req = _request(None if plain else constraint, params, rid=f"t{trial}",
+                               output_ids=allowed[:2].tolist() if trial >= 4 else ())
+                reference = logits if plain else constraints.mask_now(constraint, logits)
+                expected[req.id] = sample(reference, req.all_ids, req.output_ids, params, None)
+                if trial == 6:
+                    masked[req.id] = reference  # masked beside the forward
+                rows.append((req, logits))
+            drawn = draw_step(rows, masked, constraints, want_masked=False)
+            assert {rid: d.token for rid, d in drawn.items()} == expected, structured
+            compared += len(rows)
+    assert compared > 400
 
 
 @pytest.mark.parametrize("top_k", [0, 4], ids=["temperature", "top_k"])
@@ -167,18 +189,12 @@ def test_sampling_draws_from_the_exact_masked_distribution(smollm2_tokenizer, to
     params = SamplingParams(temperature=1.0, seed=1234, top_k=top_k)
     req = _request(constraint, params, generator=make_generator(params, torch.device("cpu")))
     counts = np.zeros(len(allowed))
-    fallbacks = 0
     n = 6000
-
-    def mask_now():
-        nonlocal fallbacks
-        fallbacks += 1
-        return constraints.mask_now(constraint, logits)
 
     index = {int(t): k for k, t in enumerate(allowed)}
     for _ in range(n):
-        token, _ = draw_constrained(req, logits, None, mask_now, want_masked=False)
-        counts[index[token]] += 1
+        counts[index[_draw(constraints, req, logits)]] += 1
+    fallbacks = constraints.counts["masked_at_draw"]
     present = exact > 1e-9
     chi2 = float((((counts - n * exact) ** 2)[present] / (n * exact)[present]).sum())
     assert counts[~present].sum() == 0
@@ -197,6 +213,6 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_check_off(qwen05_path,
                for k in ("three", "four")]
     params = SamplingParams(temperature=0, max_tokens=48, structured={"json_schema": RECORDS})
     checked = [o.token_ids for o in llm.generate(prompts, [params] * 2)]
-    monkeypatch.setattr(constrained_draw, "checks_candidates", lambda p: False)
+    monkeypatch.setattr(step_draw, "checks_candidates", lambda p: False)
     masked_first = [o.token_ids for o in llm.generate(prompts, [params] * 2)]
     assert checked == masked_first

@@ -1,0 +1,89 @@
+"""Where a constrained batch-16 decode step spends its time, next to an unconstrained one.
+
+The bench's setup (`minivllm bench structured`): the synthetic Qwen2.5-0.5B, greedy rows
+of 64 tokens under the bench's JSON schema (length-bounded strings, or free ones). The
+step is cut into phases timed with perf_counter, and the forward is followed by a device
+synchronize in the timed runs, so the GPU time lands in "forward" and not in whichever
+phase first waits for it. Those runs are therefore slower than the bench's; the phases
+say where the constrained step's extra time goes. Add `--cprofile` for the main thread's
+cProfile. Usage on a GPU box:
+    python scripts/profile_structured_step.py QWEN25_TOKENIZER_FIELDS [--cprofile]
+"""
+
+import cProfile
+import collections
+import pstats
+import sys
+import time
+
+import torch
+
+from minivllm.bench.structured_cost import FREE_SCHEMA, LONG_SCHEMA
+from minivllm.bench.synthetic_model import ensure_synthetic_model
+from minivllm.engine import engine as engine_module
+from minivllm.engine.cuda_graphs import DecodeGraphRunner
+from minivllm.engine.llm import LLM
+from minivllm.sampling import constraint as constraint_module
+from minivllm.sampling.sampling_params import SamplingParams
+
+path = ensure_synthetic_model("qwen2.5-0.5b-q4_k_m", tokenizer_source=sys.argv[1])
+llm = LLM(str(path), device="cuda", dtype="float16", progress=False, max_model_len=192,
+          prefix_cache=False, max_active_requests=16)
+phases: dict[str, float] = collections.defaultdict(float)
+
+
+def timed(owner, name: str, phase: str, sync: bool = False):
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = real(*args, **kwargs)
+        if sync:
+            torch.cuda.synchronize()
+        phases[phase] += time.perf_counter() - t0
+        return out
+
+    setattr(owner, name, wrapper)
+
+
+timed(engine_module.LLMEngine, "_step", "step")
+timed(DecodeGraphRunner, "run", "forward (graph replay + device time)", sync=True)
+timed(constraint_module.Constraints, "required_masks", "masks read for sure (beside the device)")
+timed(engine_module.LLMEngine, "_draw", "draw (step_draw)")
+timed(engine_module.LLMEngine, "_append_token", "append tokens (constraint advance, stops)")
+timed(constraint_module.TokenConstraint, "fill", "  of which: llguidance masks (both threads)")
+timed(constraint_module.TokenConstraint, "allows", "  of which: candidate checks")
+
+
+def batch(schema, round_no: int) -> int:
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
+                             structured={"json_schema": schema} if schema else None) for _ in range(16)]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Request {round_no}-{i}: JSON."}])
+               for i in range(16)]
+    steps0 = llm.engine.counters["steps"]
+    llm.generate(prompts, params)
+    return llm.engine.counters["steps"] - steps0
+
+
+for r in range(2):  # warm-up: CUDA graphs, llguidance's vocabulary
+    for schema in (None, LONG_SCHEMA, FREE_SCHEMA):
+        batch(schema, r)
+for label, schema in (("unconstrained", None), ("bounded strings", LONG_SCHEMA), ("free strings", FREE_SCHEMA)):
+    phases.clear()
+    counts = dict(llm.engine.constraints.counts)
+    steps = sum(batch(schema, 10 + r) for r in range(3))
+    step = phases["step"]
+    print(f"\n=== {label}: {steps} steps, {step / steps * 1e3:.3f} ms/step with the forward synchronized")
+    print("draws:", {k: v - counts[k] for k, v in llm.engine.constraints.counts.items()})
+    accounted = 0.0
+    for phase, total in phases.items():
+        if phase != "step":
+            print(f"  {phase:48s} {total / steps * 1e3:7.3f} ms/step")
+            accounted += 0 if phase.startswith("  ") else total
+    print(f"  {'rest of the step (schedule, inputs, events)':48s} {(step - accounted) / steps * 1e3:7.3f} ms/step")
+    if "--cprofile" in sys.argv:
+        prof = cProfile.Profile()
+        prof.enable()
+        batch(schema, 20)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
