@@ -240,8 +240,9 @@ class LLMEngine:
 
         described["kernel_paths"] = dict(model.kernel_options.path_counts)
         # Constrained rows' masks, computed while a GPU still runs the forward just queued.
-        masked = self.constraints.required_masks(plain, logits, masked_logits_wanted=self.logits_hook is not None)
-        drawn = self._draw([(req, logits[li]) for req, li in plain], masked)
+        masks = self.constraints.required_masks(plain, masked_logits_wanted=self.logits_hook is not None)
+        rows = logits.unbind(0)  # every row's view at once: cheaper than indexing each
+        drawn = self._draw([(req, rows[li]) for req, li in plain], masks)
         for row in plan.rows:
             if row.draft_tokens:
                 continue  # advanced by the verification below, by what it accepts
@@ -330,16 +331,16 @@ class LLMEngine:
             self._kv.computed(req)
         return result, events
 
-    def _draw(self, rows: list[tuple[Request, torch.Tensor]], masked: dict) -> dict:
+    def _draw(self, rows: list[tuple[Request, torch.Tensor]], masks: dict) -> dict:
         """The rows' tokens, drawn together (step_draw.py). If that fails, each row draws
         alone, so the failure ends only the requests it belongs to."""
         try:
             with trace_scope("sample", len(rows)):
-                return draw_step(rows, masked, self.constraints, want_masked=self.logits_hook is not None)
+                return draw_step(rows, masks, self.constraints, want_masked=self.logits_hook is not None)
         except Exception as exc:  # noqa: BLE001
             if len(rows) == 1:
                 return {rows[0][0].id: exc}
-            return {k: v for row in rows for k, v in self._draw([row], masked).items()}
+            return {k: v for row in rows for k, v in self._draw([row], masks).items()}
 
     def _sample_token(self, req: Request, row_logits: torch.Tensor, drawn=None) -> TokenEvent:
         """`drawn`: the row's Drawn token from the step's draw, or why it has none; None

@@ -51,26 +51,38 @@ def penalized(requests, rows: list[torch.Tensor]) -> torch.Tensor:
     """The rows stacked into a new tensor, each with its request's penalties applied."""
     stacked = torch.stack(rows)
     for k, req in enumerate(requests):
-        apply_penalties(stacked[k], req.all_ids, req.output_ids, req.params)  # in place, on the copy
+        p = req.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            apply_penalties(stacked[k], req.all_ids, req.output_ids, p)  # in place, on the copy
     return stacked
 
 
 def greedy_candidates(requests, rows: list[torch.Tensor]) -> list[list[int]]:
-    """Each greedy row's candidates, best first: one top-k over the stacked rows, so a
-    step's rows cost one device round trip, not one each."""
+    """Each greedy row's candidates, best first, as many as its check may try
+    (`greedy_check_limit`): one top-k over the stacked rows, so a step's rows cost one
+    device round trip, not one each."""
     logits = penalized(requests, rows)
     n = min(GREEDY_CANDIDATES, logits.shape[-1])
-    values, ids = torch.topk(logits, n, dim=-1)
+    values, ids = torch.topk(logits, n, dim=-1)  # sorted=True: values descending
     complete = n == logits.shape[-1]
-    return [_ranked(v, i, complete) for v, i in zip(values.tolist(), ids.tolist())]
+    return [_ranked(v, i, complete, greedy_check_limit(req.constraint))
+            for v, i, req in zip(values.tolist(), ids.tolist(), requests)]
 
 
-def _ranked(values: list[float], ids: list[int], complete: bool) -> list[int]:
-    ranked = sorted(zip(values, ids), key=lambda vi: (-vi[0], vi[1]))
-    if not complete:
-        cut = ranked[-1][0]  # tokens outside the top n may tie with it
-        ranked = [vi for vi in ranked if vi[0] > cut]
-    return [i for _, i in ranked]
+def _ranked(values: list[float], ids: list[int], complete: bool, limit: int) -> list[int]:
+    """The first `limit` ids in argmax order: descending value, ties by lowest id (top-k
+    orders ties as it likes). Tokens outside the top n may tie with its last value, so
+    that group is left out unless the top n is the whole row."""
+    cut = None if complete else values[-1]
+    out: list[int] = []
+    k = 0
+    while k < len(values) and len(out) < limit and (cut is None or values[k] > cut):
+        j = k + 1
+        while j < len(values) and values[j] == values[k]:
+            j += 1
+        out += sorted(ids[k:j])
+        k = j
+    return out[:limit]
 
 
 def sampled_candidates(req, row_logits: torch.Tensor) -> list[int]:

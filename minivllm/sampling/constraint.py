@@ -72,6 +72,7 @@ class TokenConstraint:
         self._text_vocab = text_vocab  # ids at or past it are padding rows: never allowed
         self._eos_ids = frozenset(eos_ids)
         self.mask_cost_s = 0.0  # what the last mask took: how many candidates a check may try first
+        self._checks_tokens: bool | None = None  # checks_tokens() at the current position, once asked
         self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"structured.{structured.kind}", short_text(getattr(structured, structured.kind)),
@@ -87,7 +88,9 @@ class TokenConstraint:
         """Whether `allows` gives the mask's answer here. Not where the grammar forces text
         ahead: the mask then keeps to that text's canonical tokens (`{"` as one token, not
         `{` then `"`), while a token-by-token check would let any spelling of it through."""
-        return not self._matcher.compute_ff_bytes()
+        if self._checks_tokens is None:  # asked twice a step: by required_masks, then the draw
+            self._checks_tokens = not self._matcher.compute_ff_bytes()
+        return self._checks_tokens
 
     def allows(self, token: int) -> bool:
         """Whether the next mask would allow `token` (where `checks_tokens()`), asked without
@@ -111,6 +114,7 @@ class TokenConstraint:
             raise Unsatisfiable(reason)
 
     def advance(self, token: int) -> None:
+        self._checks_tokens = None
         if not self._matcher.consume_token(token):
             raise Unsatisfiable(f"token {token} does not fit the {self.structured.kind} constraint: "
                                 f"{self._matcher.get_error() or 'rejected'}")
@@ -118,10 +122,12 @@ class TokenConstraint:
     def try_advance(self, token: int) -> bool:
         """Take `token` if it fits (for a look-ahead along a draft), leaving the matcher as
         it was otherwise."""
+        self._checks_tokens = None
         return self._matcher.try_consume_tokens([token]) == 1
 
     def rollback(self, n: int) -> None:
         if n:
+            self._checks_tokens = None
             self._matcher.rollback(n)
 
     @property
@@ -166,24 +172,6 @@ def mask_in_place(rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill_(~allowed_tokens(bitmask, rows.shape[-1], rows.device), float("-inf"))
 
 
-def apply_masks(bitmask: torch.Tensor, constraints: list[TokenConstraint],
-                rows: torch.Tensor) -> list[torch.Tensor | Exception]:
-    """Row k of `rows` (stacked for this: overwritten) masked by row k of `bitmask`, which
-    constraints[k] filled, or Unsatisfiable where that constraint has no token left."""
-    empty = (bitmask == 0).all(dim=1).tolist()
-    masked = mask_in_place(rows, bitmask)
-    out: list[torch.Tensor | Exception] = []
-    for k, constraint in enumerate(constraints):
-        try:
-            constraint.check()
-            if empty[k]:
-                raise Unsatisfiable("no token can continue the output within the constraint")
-            out.append(masked[k])
-        except Unsatisfiable as exc:
-            out.append(exc)
-    return out
-
-
 class Constraints:
     """The engine's side: builds each constrained request's matcher against the model's
     vocabulary, and masks its logits rows."""
@@ -203,45 +191,62 @@ class Constraints:
         eos = tok.eos_ids or ([tok.eos_id] if tok.eos_id is not None else [])
         return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos)
 
-    def required_masks(self, plain_rows, logits: torch.Tensor, *,
-                       masked_logits_wanted: bool = False) -> dict[str, torch.Tensor | Exception]:
-        """The masked logits of the step's plain rows ((request, its row of `logits`)) that
-        will read their mask, or the exception that stops them (Unsatisfiable when no token
-        is left); verification rows are masked along their draft (`mask_along`).
+    def required_masks(self, plain_rows, *, masked_logits_wanted: bool = False) -> dict[str, torch.Tensor | Exception]:
+        """The masks (bitmask rows) of the step's plain rows ((request, its row of the
+        logits)) that will read them, or the exception that stops them (Unsatisfiable when
+        no token is left); verification rows are masked along their draft (`mask_along`).
 
         Those rows are the ones that read their mask whatever they draw (top-k/top-p rows,
         logprobs, `masked_logits_wanted` for a logits hook) and the ones where the grammar
         forces text ahead, whose token no check can settle (`TokenConstraint.checks_tokens`).
         The others check candidate tokens at the draw and compute a mask there only if none
-        fits (step_draw.py). Called once the forward is queued: on a GPU the device is still
-        computing it, so these masks cost the step nothing while they take less than it.
-        Masking every row here instead, in case, was measured to cost more than it saved
-        on an H200: the mask that opens a length-bounded string can take 4 ms, longer than
-        the forward it was to hide behind, and a mask thread contended with the step's own."""
-        rows = [(req, li) for req, li in plain_rows if req.constraint is not None and (
+        fits; step_draw.py applies all of them in one launch. Called once the forward is
+        queued: on a GPU the device is still computing it, so these masks cost the step
+        nothing while they take less than it. Masking every row here instead, in case, was
+        measured to cost more than it saved on an H200: the mask that opens a length-bounded
+        string can take 4 ms, longer than the forward it was to hide behind, and a mask
+        thread contended with the step's own work."""
+        reqs = [req for req, _ in plain_rows if req.constraint is not None and (
             masked_logits_wanted or mask_always_read(req.params) or not req.constraint.checks_tokens())]
-        if not rows:
+        if not reqs:
             return {}
         try:
-            masks = self.mask_rows([req.constraint for req, _ in rows], torch.stack([logits[li] for _, li in rows]))
+            bitmask, failures = self.fill_masks([req.constraint for req in reqs])
         except Exception as exc:  # noqa: BLE001 - these rows fail, not the step
-            return {req.id: exc for req, _ in rows}
-        return {req.id: m for (req, _), m in zip(rows, masks)}
+            return {req.id: exc for req in reqs}
+        return {req.id: failure or bitmask[k] for k, (req, failure) in enumerate(zip(reqs, failures))}
 
-    def mask_rows(self, constraints: list[TokenConstraint], rows: torch.Tensor) -> list[torch.Tensor | Exception]:
-        """Each constraint's mask computed now and applied to its row of `rows` (stacked
-        for this: overwritten)."""
-        bitmask = new_bitmask(len(constraints), self.vocab, pinned=self._pinned and rows.is_cuda)
+    def fill_masks(self, constraints: list[TokenConstraint]) -> tuple[torch.Tensor, list[Exception | None]]:
+        """Each constraint's mask, computed now, as a row of one bitmask; and for each the
+        Unsatisfiable that stops it if no token is left, else None."""
+        bitmask = new_bitmask(len(constraints), self.vocab, pinned=self._pinned)
+        failures: list[Exception | None] = []
         for k, constraint in enumerate(constraints):
             constraint.fill(bitmask, k)
-        return apply_masks(bitmask, constraints, rows)
+            failures.append(None)
+            try:
+                constraint.check()
+            except Unsatisfiable as exc:
+                failures[k] = exc
+        for k, empty in enumerate((bitmask == 0).all(dim=1).tolist()):
+            if empty and failures[k] is None:
+                failures[k] = Unsatisfiable("no token can continue the output within the constraint")
+        return bitmask, failures
+
+    def apply(self, bitmask_rows: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (stacked for this: overwritten) with row k masked by bitmask_rows[k], in
+        one launch on a GPU."""
+        bitmask = torch.stack(bitmask_rows)
+        if self._pinned and rows.is_cuda:
+            bitmask = bitmask.pin_memory()
+        return mask_in_place(rows, bitmask)
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
         """One row masked here; raises Unsatisfiable when no token is left."""
-        (masked,) = self.mask_rows([constraint], row_logits[None].clone())
-        if isinstance(masked, Exception):
-            raise masked
-        return masked
+        bitmask, (failure,) = self.fill_masks([constraint])
+        if failure is not None:
+            raise failure
+        return self.apply([bitmask[0]], row_logits[None].clone())[0]
 
     def mask_along(self, constraint: TokenConstraint, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
         """Rows 0..len(draft) of a verification: row r masked for the output extended by

@@ -7,8 +7,8 @@ round trips took about as long as the forward (scripts/profile_structured_step.p
 - greedy rows, constrained or not, take one argmax over their stacked logits;
 - constrained rows that check candidates first (constrained_draw.py) get them from one
   top-k over their stacked logits;
-- the constrained rows that still need a mask get it computed then, all in one bitmask,
-  and applied in one masked_fill.
+- the constrained rows that still need a mask get it computed then, and every mask of
+  the step (those computed beside the forward too) is applied in one launch.
 
 Sampled rows draw alone: each has its own generator, so a seeded request gives the same
 tokens in any batch. The tokens are the ones a row-by-row draw gives: the same logits, the
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.sampling.constrained_draw import (checks_candidates, first_allowed, greedy_candidates,
-                                                greedy_check_limit, penalized, sampled_candidates)
+from minivllm.sampling.constrained_draw import (checks_candidates, first_allowed, greedy_candidates, penalized,
+                                                sampled_candidates)
 from minivllm.sampling.sampler import sample
 
 
@@ -34,16 +34,17 @@ class Drawn:
     logits: torch.Tensor
 
 
-def draw_step(rows: list[tuple[object, torch.Tensor]], masked: dict, constraints, *,
+def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints, *,
               want_masked: bool) -> dict[str, Drawn | Exception]:
-    """`rows`: (request, its logits row) for each plain row of the step. `masked`: request
-    id -> the row masked beside the forward, or the exception that stopped its mask
-    (`Constraints.required_masks`). `want_masked`: something reads every constrained row's
-    masked logits (a logits hook). Returns request id -> Drawn, or the exception that ends
-    that request (Unsatisfiable when its constraint has no token left)."""
+    """`rows`: (request, its logits row) for each plain row of the step. `masks`: request
+    id -> its mask computed beside the forward (a bitmask row), or the exception that
+    stopped it (`Constraints.required_masks`). `want_masked`: something reads every
+    constrained row's masked logits (a logits hook). Returns request id -> Drawn, or the
+    exception that ends that request (Unsatisfiable when its constraint has no token left)."""
     out: dict[str, Drawn | Exception] = {}
     greedy: list[tuple[object, torch.Tensor, torch.Tensor]] = []  # (request, row to argmax, row to report)
-    check_greedy, check_sampled, need_mask = [], [], []
+    check_greedy, check_sampled = [], []
+    to_mask = []  # (request, logits row, its bitmask row or None to compute it now, the token if drawn already)
     for req, row in rows:
         p, constraint = req.params, req.constraint
         if constraint is None:
@@ -52,56 +53,37 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masked: dict, constraints
             else:
                 out[req.id] = _alone(req, row, row)
             continue
-        ready = masked.get(req.id)
-        if isinstance(ready, Exception):
-            out[req.id] = ready
-            continue
-        checks = checks_candidates(p) and constraint.checks_tokens()
-        if ready is not None and (p.greedy or not checks):
-            constraints.counts["masked_ahead"] += 1
-            _from_mask(req, ready, greedy, out)
-        elif checks:  # sampled rows check even with a mask ready: the seed's tokens never depend on timing
-            (check_greedy if p.greedy else check_sampled).append((req, row, ready))
+        mask = masks.get(req.id)
+        if isinstance(mask, Exception):
+            out[req.id] = mask
+        elif checks_candidates(p) and constraint.checks_tokens() and not (p.greedy and mask is not None):
+            # Sampled rows check even with a mask ready: a seed's tokens never depend on timing.
+            (check_greedy if p.greedy else check_sampled).append((req, row, mask))
         else:
-            need_mask.append((req, row, None))
+            to_mask.append((req, row, mask, None))
 
     checked = []
     if check_greedy:
         reqs = [req for req, _, _ in check_greedy]
-        for (req, row, ready), candidates in zip(check_greedy, greedy_candidates(reqs, [r for _, r, _ in check_greedy])):
-            candidates = candidates[:greedy_check_limit(req.constraint)]
-            checked.append((req, row, ready, first_allowed(req.constraint, candidates)))
-    for req, row, ready in check_sampled:
+        for (req, row, mask), candidates in zip(check_greedy, greedy_candidates(reqs, [r for _, r, _ in check_greedy])):
+            checked.append((req, row, mask, first_allowed(req.constraint, candidates)))
+    for req, row, mask in check_sampled:
         try:
-            checked.append((req, row, ready, first_allowed(req.constraint, sampled_candidates(req, row))))
+            checked.append((req, row, mask, first_allowed(req.constraint, sampled_candidates(req, row))))
         except Exception as exc:  # noqa: BLE001 - this row fails, not the step
             out[req.id] = exc
-    for req, row, ready, token in checked:
-        reads_mask = want_masked or req.params.logprobs is not None
-        if ready is not None:
+    for req, row, mask, token in checked:
+        if token is None or want_masked or req.params.logprobs is not None:
+            to_mask.append((req, row, mask, token))  # its token needs the mask, or its report does
+        elif mask is not None:
             constraints.counts["masked_ahead"] += 1
-            if token is None:
-                _from_mask(req, ready, greedy, out)
-            else:
-                out[req.id] = Drawn(token, ready)
-        elif token is None or reads_mask:
-            need_mask.append((req, row, token))
+            out[req.id] = Drawn(token, row)
         else:
             constraints.counts["checked"] += 1
             out[req.id] = Drawn(token, row)
 
-    if need_mask:
-        constraints.counts["masked_at_draw"] += len(need_mask)
-        masks = constraints.mask_rows([req.constraint for req, _, _ in need_mask],
-                                      torch.stack([row for _, row, _ in need_mask]))
-        for (req, _, token), mask in zip(need_mask, masks):
-            if isinstance(mask, Exception):
-                out[req.id] = mask
-            elif token is not None:
-                out[req.id] = Drawn(token, mask)
-            else:
-                _from_mask(req, mask, greedy, out)
-
+    if to_mask:
+        _masked_draws(to_mask, constraints, greedy, out)
     if greedy:
         reqs = [req for req, _, _ in greedy]
         tokens = penalized(reqs, [r for _, r, _ in greedy]).argmax(dim=-1).tolist()
@@ -110,12 +92,33 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masked: dict, constraints
     return out
 
 
-def _from_mask(req, masked_row: torch.Tensor, greedy: list, out: dict) -> None:
-    """Draw from the masked row: greedy rows join the step's one argmax."""
-    if req.params.greedy:
-        greedy.append((req, masked_row, masked_row))
-    else:
-        out[req.id] = _alone(req, masked_row, masked_row)
+def _masked_draws(to_mask: list, constraints, greedy: list, out: dict) -> None:
+    """The rows drawn from their masked logits: the masks not computed beside the forward
+    are computed now, and all of them applied in one launch. Greedy rows join the step's
+    one argmax; sampled rows draw alone."""
+    late = [k for k, (_, _, mask, _) in enumerate(to_mask) if mask is None]
+    constraints.counts["masked_ahead"] += len(to_mask) - len(late)
+    constraints.counts["masked_at_draw"] += len(late)
+    bitmask_rows = [mask for _, _, mask, _ in to_mask]
+    if late:
+        bitmask, failures = constraints.fill_masks([to_mask[k][0].constraint for k in late])
+        for j, k in enumerate(late):
+            bitmask_rows[k] = failures[j] or bitmask[j]
+    live = [k for k, mask in enumerate(bitmask_rows) if not isinstance(mask, Exception)]
+    for k, mask in enumerate(bitmask_rows):
+        if isinstance(mask, Exception):
+            out[to_mask[k][0].id] = mask
+    if not live:
+        return
+    masked = constraints.apply([bitmask_rows[k] for k in live], torch.stack([to_mask[k][1] for k in live]))
+    for j, k in enumerate(live):
+        req, _, _, token = to_mask[k]
+        if token is not None:
+            out[req.id] = Drawn(token, masked[j])
+        elif req.params.greedy:
+            greedy.append((req, masked[j], masked[j]))
+        else:
+            out[req.id] = _alone(req, masked[j], masked[j])
 
 
 def _alone(req, row: torch.Tensor, report: torch.Tensor) -> Drawn | Exception:

@@ -16,7 +16,7 @@ import torch
 from minivllm.engine.llm import LLM
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
-from minivllm.sampling import step_draw
+from minivllm.sampling import constrained_draw, step_draw
 from minivllm.sampling.constraint import Constraints, allowed_tokens, new_bitmask
 from minivllm.sampling.sampler import make_generator, sample
 from minivllm.sampling.sampling_params import SamplingParams
@@ -133,6 +133,8 @@ def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm
     masked by llguidance and penalised, computed row by row here."""
     if ties == "highest_id_first":
         monkeypatch.setattr(torch, "topk", _topk_ties_highest_id_first(torch.topk))
+    # Checks cost nothing here: every candidate is tried before a mask, so their order counts.
+    monkeypatch.setattr(constrained_draw, "CHECK_COST_S", 1e-12)
     tokenizer = smollm2_tokenizer
     vocab = tokenizer.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -141,15 +143,17 @@ def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm
     for structured, text in TRACES:
         for constraints, constraint, _ in _states(tokenizer, vocab, structured, text):
             allowed = np.nonzero(_mask_bits(constraint, vocab))[0]
-            rows, expected, masked = [], {}, {}
+            rows, expected, masks = [], {}, {}
             for trial in range(8):
                 logits = torch.randn(vocab, generator=gen) * 3
                 if trial % 2:
-                    # A block of tied maxima, allowed and forbidden ids mixed, many more than
-                    # the candidates the draw looks at: the lowest allowed id must win.
+                    # A block of tied maxima, allowed and forbidden ids mixed: the lowest
+                    # allowed id must win. Many more than the candidates the draw looks at
+                    # (the tied cut-off), or a few inside them (ties ordered by id).
+                    few = trial == 3
                     forbidden = np.setdiff1d(np.arange(vocab), allowed)
-                    picks = np.concatenate([rng.choice(allowed, min(60, len(allowed)), replace=False),
-                                            rng.choice(forbidden, 200, replace=False)])
+                    picks = np.concatenate([rng.choice(allowed, min(3 if few else 60, len(allowed)), replace=False),
+                                            rng.choice(forbidden, 3 if few else 200, replace=False)])
                     logits[torch.as_tensor(picks)] = 20.0
                 params = SamplingParams(temperature=0, repetition_penalty=1.3 if trial >= 4 else 1.0)
                 plain = trial == 7
@@ -158,9 +162,9 @@ def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm
                 reference = logits if plain else constraints.mask_now(constraint, logits)
                 expected[req.id] = sample(reference, req.all_ids, req.output_ids, params, None)
                 if trial == 6:
-                    masked[req.id] = reference  # masked beside the forward
+                    masks[req.id] = constraints.fill_masks([constraint])[0][0]  # computed beside the forward
                 rows.append((req, logits))
-            drawn = draw_step(rows, masked, constraints, want_masked=False)
+            drawn = draw_step(rows, masks, constraints, want_masked=False)
             assert {rid: d.token for rid, d in drawn.items()} == expected, structured
             compared += len(rows)
     assert compared > 400
