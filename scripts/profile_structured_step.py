@@ -24,6 +24,7 @@ from minivllm.engine import engine as engine_module
 from minivllm.engine.cuda_graphs import DecodeGraphRunner
 from minivllm.engine.llm import LLM
 from minivllm.sampling import constraint as constraint_module
+from minivllm.sampling import step_draw
 from minivllm.sampling.sampling_params import SamplingParams
 
 path = ensure_synthetic_model("qwen2.5-0.5b-q4_k_m", tokenizer_source=sys.argv[1])
@@ -51,8 +52,11 @@ timed(DecodeGraphRunner, "run", "forward (graph replay + device time)", sync=Tru
 timed(constraint_module.Constraints, "required_masks", "masks read for sure (beside the device)")
 timed(engine_module.LLMEngine, "_draw", "draw (step_draw)")
 timed(engine_module.LLMEngine, "_append_token", "append tokens (constraint advance, stops)")
-timed(constraint_module.TokenConstraint, "fill", "  of which: llguidance masks (both threads)")
+timed(constraint_module.TokenConstraint, "fill", "  of which: llguidance masks")
 timed(constraint_module.TokenConstraint, "allows", "  of which: candidate checks")
+timed(step_draw, "greedy_candidates", "  of which: candidates' top-k and its copy back")
+timed(constraint_module.Constraints, "apply", "  of which: applying the masks (stack, copy, launch)")
+timed(step_draw, "penalized", "  of which: the final argmax's stack")
 
 
 def batch(schema, round_no: int) -> int:

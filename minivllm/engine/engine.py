@@ -88,7 +88,7 @@ class LLMEngine:
             on_free=spec.release if spec is not None else None)
         self._flight_logits: dict[str, torch.Tensor] = {}  # leader id -> its prompt's last logits
         self._released_events: list[TokenEvent] = []  # followers' first tokens, returned by step()
-        self.constraints = Constraints(tokenizer, cfg.vocab_size, model.device)  # masks for params.structured
+        self.constraints = Constraints(tokenizer, cfg.vocab_size)  # masks for params.structured
         # This engine's kernel choices, applied to the (possibly shared) model before
         # every forward: two engines over one model (LLM.fork) can differ in them.
         self.kernel_options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 
+import numpy as np
 import torch
 
 from minivllm.errors import ConfigError
@@ -136,10 +137,16 @@ class TokenConstraint:
         return self._matcher.is_stopped()
 
 
-def new_bitmask(rows: int, vocab: int, *, pinned: bool = False) -> torch.Tensor:
-    """Zeroed words for `rows` masks. `pinned` (page-locked memory, CUDA only) lets the
-    copy to the GPU run without holding the CPU."""
-    return torch.zeros((rows, (vocab + BITS - 1) // BITS), dtype=torch.int32, pin_memory=pinned)
+# The bitmasks live in numpy-backed tensors, and the host-side work on them (zeroing,
+# stacking, the empty-row test) is numpy's: torch's CPU ops on them woke its intra-op
+# thread pool and took ~1 ms each on the 16-core H200 host, against microseconds here
+# (scripts/profile_structured_step.py), and a step did three. Copies to the GPU from
+# this pageable memory are staged by the driver without waiting for the device.
+
+
+def new_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """Zeroed words for `rows` masks."""
+    return torch.from_numpy(np.zeros((rows, (vocab + BITS - 1) // BITS), dtype=np.int32))
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -176,10 +183,9 @@ class Constraints:
     """The engine's side: builds each constrained request's matcher against the model's
     vocabulary, and masks its logits rows."""
 
-    def __init__(self, tokenizer, vocab: int, device: torch.device | str = "cpu"):
+    def __init__(self, tokenizer, vocab: int):
         self._tokenizer = tokenizer
         self.vocab = vocab
-        self._pinned = torch.device(device).type == "cuda"
         # How constrained tokens were drawn, for benches and the workbench: rows masked
         # beside the forward, rows masked at their draw, draws settled by checking tokens.
         self.counts = {"masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
@@ -219,7 +225,7 @@ class Constraints:
     def fill_masks(self, constraints: list[TokenConstraint]) -> tuple[torch.Tensor, list[Exception | None]]:
         """Each constraint's mask, computed now, as a row of one bitmask; and for each the
         Unsatisfiable that stops it if no token is left, else None."""
-        bitmask = new_bitmask(len(constraints), self.vocab, pinned=self._pinned)
+        bitmask = new_bitmask(len(constraints), self.vocab)
         failures: list[Exception | None] = []
         for k, constraint in enumerate(constraints):
             constraint.fill(bitmask, k)
@@ -228,18 +234,15 @@ class Constraints:
                 constraint.check()
             except Unsatisfiable as exc:
                 failures[k] = exc
-        for k, empty in enumerate((bitmask == 0).all(dim=1).tolist()):
-            if empty and failures[k] is None:
+        for k, any_allowed in enumerate(bitmask.numpy().any(axis=1).tolist()):
+            if not any_allowed and failures[k] is None:
                 failures[k] = Unsatisfiable("no token can continue the output within the constraint")
         return bitmask, failures
 
     def apply(self, bitmask_rows: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         """`rows` (stacked for this: overwritten) with row k masked by bitmask_rows[k], in
         one launch on a GPU."""
-        bitmask = torch.stack(bitmask_rows)
-        if self._pinned and rows.is_cuda:
-            bitmask = bitmask.pin_memory()
-        return mask_in_place(rows, bitmask)
+        return mask_in_place(rows, torch.from_numpy(np.stack([r.numpy() for r in bitmask_rows])))
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
         """One row masked here; raises Unsatisfiable when no token is left."""
@@ -253,17 +256,17 @@ class Constraints:
         the first r draft tokens. Past a draft token the constraint forbids, the verifier
         rejects at that row and never reads the later ones (their mask repeats)."""
         n = logits.shape[0]
-        bitmask = new_bitmask(n, self.vocab, pinned=self._pinned and logits.is_cuda)
+        bitmask = new_bitmask(n, self.vocab)
         taken = 0
         for r in range(n):
             constraint.fill(bitmask, r)
             if r == 0:
                 constraint.check()
             if r == n - 1 or not constraint.try_advance(draft[r]):
-                bitmask[r + 1:] = bitmask[r]
+                bitmask.numpy()[r + 1:] = bitmask.numpy()[r]
                 break
             taken += 1
         constraint.rollback(taken)
-        if not bool((bitmask[0] != 0).any()):
+        if not bitmask.numpy()[0].any():
             raise Unsatisfiable("no token can continue the output within the constraint")
         return mask_in_place(logits.clone(), bitmask)
