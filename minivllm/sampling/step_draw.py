@@ -6,9 +6,10 @@ round trips took about as long as the forward (scripts/profile_structured_step.p
 
 - greedy rows, constrained or not, take one argmax over their stacked logits;
 - constrained rows that check candidates first (constrained_draw.py) get them from one
-  top-k over their stacked logits;
-- the constrained rows that still need a mask get it computed then, and every mask of
-  the step (those computed beside the forward too) is applied in one launch.
+  top-k over their stacked logits, queued behind that argmax and the masks computed
+  beside the forward (applied in one launch), so one round trip brings all of it back;
+- rows whose check found nothing get their masks computed then, applied in one launch,
+  and one more argmax: a second round trip, in the steps that have such rows.
 
 Sampled rows draw alone: each has its own generator, so a seeded request gives the same
 tokens in any batch. The tokens are the ones a row-by-row draw gives: the same logits, the
@@ -43,15 +44,12 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
     exception that ends that request (Unsatisfiable when its constraint has no token left)."""
     out: dict[str, Drawn | Exception] = {}
     greedy: list[tuple[object, torch.Tensor, torch.Tensor]] = []  # (request, row to argmax, row to report)
-    check_greedy, check_sampled = [], []
+    sampled, check_greedy, check_sampled = [], [], []
     to_mask = []  # (request, logits row, its bitmask row or None to compute it now, the token if drawn already)
     for req, row in rows:
         p, constraint = req.params, req.constraint
         if constraint is None:
-            if p.greedy:
-                greedy.append((req, row, row))
-            else:
-                out[req.id] = _alone(req, row, row)
+            (greedy if p.greedy else sampled).append((req, row, row))
             continue
         mask = masks.get(req.id)
         if isinstance(mask, Exception):
@@ -62,40 +60,61 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
         else:
             to_mask.append((req, row, mask, None))
 
+    # Everything known before the candidates come back goes onto the device first, so one
+    # round trip (the candidates' copy back) brings the greedy tokens too.
+    if to_mask:
+        _masked_draws(to_mask, constraints, greedy, out)
+    argmax = _launch_argmax(greedy)
     checked = []
     if check_greedy:
         reqs = [req for req, _, _ in check_greedy]
         for (req, row, mask), candidates in zip(check_greedy, greedy_candidates(reqs, [r for _, r, _ in check_greedy])):
             checked.append((req, row, mask, first_allowed(req.constraint, candidates)))
+    _read_argmax(greedy, argmax, out)
+    for req, row, report in sampled:
+        out[req.id] = _alone(req, row, report)
     for req, row, mask in check_sampled:
         try:
             checked.append((req, row, mask, first_allowed(req.constraint, sampled_candidates(req, row))))
         except Exception as exc:  # noqa: BLE001 - this row fails, not the step
             out[req.id] = exc
+
+    # Rows whose check found no allowed token (or whose report needs the mask): a second
+    # round trip, only in steps that have them.
+    late = []
     for req, row, mask, token in checked:
         if token is None or want_masked or req.params.logprobs is not None:
-            to_mask.append((req, row, mask, token))  # its token needs the mask, or its report does
+            late.append((req, row, mask, token))
         elif mask is not None:
             constraints.counts["masked_ahead"] += 1
             out[req.id] = Drawn(token, row)
         else:
             constraints.counts["checked"] += 1
             out[req.id] = Drawn(token, row)
-
-    if to_mask:
-        _masked_draws(to_mask, constraints, greedy, out)
-    if greedy:
-        reqs = [req for req, _, _ in greedy]
-        tokens = penalized(reqs, [r for _, r, _ in greedy]).argmax(dim=-1).tolist()
-        for (req, _, report), token in zip(greedy, tokens):
-            out[req.id] = Drawn(token, report)
+    if late:
+        greedy_late: list = []
+        _masked_draws(late, constraints, greedy_late, out)
+        _read_argmax(greedy_late, _launch_argmax(greedy_late), out)
     return out
+
+
+def _launch_argmax(greedy: list) -> torch.Tensor | None:
+    """The greedy rows' tokens, queued on the device (read with `_read_argmax`)."""
+    if not greedy:
+        return None
+    return penalized([req for req, _, _ in greedy], [r for _, r, _ in greedy]).argmax(dim=-1)
+
+
+def _read_argmax(greedy: list, argmax: torch.Tensor | None, out: dict) -> None:
+    if argmax is not None:
+        for (req, _, report), token in zip(greedy, argmax.tolist()):
+            out[req.id] = Drawn(token, report)
 
 
 def _masked_draws(to_mask: list, constraints, greedy: list, out: dict) -> None:
     """The rows drawn from their masked logits: the masks not computed beside the forward
-    are computed now, and all of them applied in one launch. Greedy rows join the step's
-    one argmax; sampled rows draw alone."""
+    are computed now, and all of them applied in one launch. Greedy rows join `greedy`,
+    for one argmax; sampled rows draw alone."""
     late = [k for k, (_, _, mask, _) in enumerate(to_mask) if mask is None]
     constraints.counts["masked_ahead"] += len(to_mask) - len(late)
     constraints.counts["masked_at_draw"] += len(late)
