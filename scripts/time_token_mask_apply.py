@@ -1,6 +1,6 @@
 """Host time of applying token masks to logits rows: the Triton kernel against the torch
 unpack, as `constraint.mask_in_place` would run them at a decode step (rows stacked
-fresh, a pinned bitmask copied to the device), on Qwen2.5's vocabulary width. A decode
+fresh, the bitmask copied to the device), on Qwen2.5's vocabulary width. A decode
 step waits for this on the host, so host time per call is what matters. Usage on a GPU:
     python scripts/time_token_mask_apply.py
 """
@@ -15,7 +15,7 @@ from minivllm.sampling.constraint import allowed_tokens, new_bitmask
 VOCAB = 151936
 for rows in (1, 4, 16):
     logits = torch.randn(rows, VOCAB, device="cuda")
-    bitmask = new_bitmask(rows, VOCAB, pinned=True)
+    bitmask = new_bitmask(rows, VOCAB)
     bitmask.random_()
     ways = {
         "triton": lambda: mask_rows_inplace(logits.clone(), bitmask.to("cuda", non_blocking=True)),
