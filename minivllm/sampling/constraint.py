@@ -156,10 +156,6 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> t
     return ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(words.shape[0], -1)[:, :vocab]
 
 
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    return logits.masked_fill(~allowed, float("-inf"))
-
-
 _kernel_state = {"mask_rows": None}  # the Triton kernel, once imported; False after it failed here
 
 

@@ -5,7 +5,8 @@ In torch, unpacking it and filling the forbidden logits is six kernels on a [row
 tensor (shift, and, bool, invert, masked_fill, and the unpack's broadcast), each a few
 microseconds of launch on a decode step that is itself a few milliseconds on an H200.
 Here each program reads a block of one row's logits and the words that cover it, and
-writes -inf where the bit is clear: the same result as `constraint.mask_logits`.
+writes -inf where the bit is clear: the same result as the torch path of
+`constraint.mask_in_place`.
 Integer and float loads only, no `tl.dot`: compiles for sm_75 (T4).
 """
 

@@ -1,16 +1,27 @@
-"""The token-mask kernel (kernels/triton/token_mask.py) against the torch unpack it
-replaces: llguidance-style bitmasks (bit t of word t // 32) with random bits, a vocabulary
-that is not a multiple of 32 or of the block, and the last word's spare bits set, which
-must not reach past the row. CPU runs Triton's interpreter."""
+"""The token-mask kernel (kernels/triton/token_mask.py), and the torch path it replaces,
+against the bit layout read out in numpy: llguidance-style bitmasks (bit t of word
+t // 32) with random bits, a vocabulary that is not a multiple of 32 or of the block, and
+the last word's spare bits set, which must not reach past the row. CPU runs Triton's
+interpreter."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from triton_devices import DEVICES  # sets TRITON_INTERPRET before any kernel module loads
 
 from minivllm.kernels.triton.token_mask import mask_rows_inplace  # noqa: E402
-from minivllm.sampling.constraint import allowed_tokens, mask_logits  # noqa: E402
+from minivllm.sampling.constraint import mask_in_place  # noqa: E402
+
+
+def _reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Token t of row r stays iff bit t % 32 of word t // 32 is set, read out in numpy."""
+    vocab = logits.shape[1]
+    words = bitmask.numpy().view(np.uint32)
+    t = np.arange(vocab)
+    keep = (words[:, t // 32] >> (t % 32).astype(np.uint32)) & 1
+    return torch.where(torch.from_numpy(keep.astype(bool)), logits, torch.tensor(float("-inf"), dtype=logits.dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -24,10 +35,11 @@ def test_mask_rows_equals_the_torch_unpack(device, dtype, vocab):
     bitmask[1] = 0  # a row with nothing allowed
     bitmask[2] = -1  # everything allowed, spare bits included
     logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
-    expected = mask_logits(logits, allowed_tokens(bitmask, vocab, torch.device("cpu")))
+    expected = _reference(logits, bitmask)
     out = mask_rows_inplace(logits.to(device), bitmask.to(device))
     assert torch.equal(out.cpu(), expected)
     assert torch.isinf(out[1]).all() and torch.equal(out[2].cpu(), logits[2])
+    assert torch.equal(mask_in_place(logits.clone(), bitmask), expected)  # the torch path on CPU
 
 
 @pytest.mark.parametrize("device", DEVICES)
