@@ -5,7 +5,8 @@ of 64 tokens under the bench's JSON schema (length-bounded strings, or free ones
 step is cut into phases timed with perf_counter, and the forward is followed by a device
 synchronize in the timed runs, so the GPU time lands in "forward" and not in whichever
 phase first waits for it. Those runs are therefore slower than the bench's; the phases
-say where the constrained step's extra time goes. Add `--cprofile` for the main thread's
+say where the constrained step's extra time goes. Each is preceded by an unsynchronized
+run, timed as the bench times it, with the host's waits for the device (`tolist`). Add `--cprofile` for the main thread's
 cProfile. Usage on a GPU box:
     python scripts/profile_structured_step.py QWEN25_TOKENIZER_FIELDS [--cprofile]
 """
@@ -31,6 +32,7 @@ path = ensure_synthetic_model("qwen2.5-0.5b-q4_k_m", tokenizer_source=sys.argv[1
 llm = LLM(str(path), device="cuda", dtype="float16", progress=False, max_model_len=192,
           prefix_cache=False, max_active_requests=16)
 phases: dict[str, float] = collections.defaultdict(float)
+synchronize = {"forward": True}  # off for the bench-like timing of whole steps
 
 
 def timed(owner, name: str, phase: str, sync: bool = False):
@@ -39,7 +41,7 @@ def timed(owner, name: str, phase: str, sync: bool = False):
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         out = real(*args, **kwargs)
-        if sync:
+        if sync and synchronize["forward"]:
             torch.cuda.synchronize()
         phases[phase] += time.perf_counter() - t0
         return out
@@ -49,7 +51,7 @@ def timed(owner, name: str, phase: str, sync: bool = False):
 
 timed(engine_module.LLMEngine, "_step", "step")
 timed(DecodeGraphRunner, "run", "forward (graph replay + device time)", sync=True)
-timed(constraint_module.Constraints, "required_masks", "masks read for sure (beside the device)")
+timed(constraint_module.Constraints, "early_masks", "masks beside the forward (early_masks)")
 timed(engine_module.LLMEngine, "_draw", "draw (step_draw)")
 timed(engine_module.LLMEngine, "_append_token", "append tokens (constraint advance, stops)")
 timed(constraint_module.TokenConstraint, "fill", "  of which: llguidance masks")
@@ -72,7 +74,26 @@ def batch(schema, round_no: int) -> int:
 for r in range(2):  # warm-up: CUDA graphs, llguidance's vocabulary
     for schema in (None, LONG_SCHEMA, FREE_SCHEMA):
         batch(schema, r)
+real_tolist = torch.Tensor.tolist
+
+
+def timed_tolist(self):
+    t0 = time.perf_counter()
+    out = real_tolist(self)
+    phases["host waiting on the device (tolist)"] += time.perf_counter() - t0
+    return out
+
+
 for label, schema in (("unconstrained", None), ("bounded strings", LONG_SCHEMA), ("free strings", FREE_SCHEMA)):
+    # As the bench runs it first: nothing synchronized, so "step" is the real step time.
+    phases.clear()
+    synchronize["forward"] = False
+    torch.Tensor.tolist = timed_tolist
+    steps = sum(batch(schema, 30 + r) for r in range(3))
+    torch.Tensor.tolist = real_tolist
+    synchronize["forward"] = True
+    print(f"\n--- {label}, unsynchronized: {phases['step'] / steps * 1e3:.3f} ms/step; "
+          + ", ".join(f"{k} {v / steps * 1e3:.3f}" for k, v in phases.items() if k != "step" and not k.startswith(" ")))
     phases.clear()
     counts = dict(llm.engine.constraints.counts)
     steps = sum(batch(schema, 10 + r) for r in range(3))

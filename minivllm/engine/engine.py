@@ -240,7 +240,8 @@ class LLMEngine:
 
         described["kernel_paths"] = dict(model.kernel_options.path_counts)
         # Constrained rows' masks, computed while a GPU still runs the forward just queued.
-        masks = self.constraints.required_masks(plain, masked_logits_wanted=self.logits_hook is not None)
+        masks = self.constraints.early_masks(plain, masked_logits_wanted=self.logits_hook is not None,
+                                             device_busy=logits.is_cuda)
         rows = logits.unbind(0)  # every row's view at once: cheaper than indexing each
         drawn = self._draw([(req, rows[li]) for req, li in plain], masks)
         for row in plan.rows:

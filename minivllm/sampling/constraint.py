@@ -67,9 +67,10 @@ class TokenConstraint:
     """One request's matcher. `fill` writes the next-token mask; `advance` takes the token
     that was chosen; `stopped` is true once the output is complete."""
 
-    def __init__(self, structured: StructuredOutput, ll_tokenizer, text_vocab: int, eos_ids):
+    def __init__(self, structured: StructuredOutput, ll_tokenizer, text_vocab: int, eos_ids, probe_ids=()):
         llg = llguidance_module()
         self.structured = structured
+        self._probe_ids = tuple(probe_ids)  # word pieces for `looks_narrow`
         self._text_vocab = text_vocab  # ids at or past it are padding rows: never allowed
         self._eos_ids = frozenset(eos_ids)
         self.mask_cost_s = 0.0  # what the last mask took: how many candidates a check may try first
@@ -89,9 +90,18 @@ class TokenConstraint:
         """Whether `allows` gives the mask's answer here. Not where the grammar forces text
         ahead: the mask then keeps to that text's canonical tokens (`{"` as one token, not
         `{` then `"`), while a token-by-token check would let any spelling of it through."""
-        if self._checks_tokens is None:  # asked twice a step: by required_masks, then the draw
+        if self._checks_tokens is None:  # asked twice a step: by early_masks, then the draw
             self._checks_tokens = not self._matcher.compute_ff_bytes()
         return self._checks_tokens
+
+    def looks_narrow(self) -> bool:
+        """Whether the next mask looks narrow and cheap: none of a few common word pieces
+        ("e", "the", ...) fits. Inside a JSON string or free text they do, the mask walks
+        most of the token trie (the expensive one) and a check of the model's top tokens
+        finds an allowed one; between a schema's strings (keys, commas, numbers) they
+        don't, the mask is quick, and a check usually finds nothing. Only timing rides on
+        this guess, never a token."""
+        return bool(self._probe_ids) and not any(self.allows(t) for t in self._probe_ids)
 
     def allows(self, token: int) -> bool:
         """Whether the next mask would allow `token` (where `checks_tokens()`), asked without
@@ -175,6 +185,22 @@ def mask_in_place(rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill_(~allowed_tokens(bitmask, rows.shape[-1], rows.device), float("-inf"))
 
 
+PROBE_TEXTS = ("e", "a", "s", "the", " the")
+
+
+def probe_tokens(tokenizer) -> tuple[int, ...]:
+    """The ids of PROBE_TEXTS that this vocabulary spells as one token."""
+    ids = set()
+    for text in PROBE_TEXTS:
+        try:
+            spelled = tokenizer.encode(text, add_bos=False, parse_special=False)
+        except Exception:  # noqa: BLE001 - a tokenizer without these texts just probes fewer
+            continue
+        if len(spelled) == 1:
+            ids.add(spelled[0])
+    return tuple(sorted(ids))
+
+
 class Constraints:
     """The engine's side: builds each constrained request's matcher against the model's
     vocabulary, and masks its logits rows."""
@@ -182,6 +208,7 @@ class Constraints:
     def __init__(self, tokenizer, vocab: int):
         self._tokenizer = tokenizer
         self.vocab = vocab
+        self._probe_ids = probe_tokens(tokenizer)
         # How constrained tokens were drawn, for benches and the workbench: rows masked
         # beside the forward, rows masked at their draw, draws settled by checking tokens.
         self.counts = {"masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
@@ -191,25 +218,32 @@ class Constraints:
             return None
         tok = self._tokenizer
         eos = tok.eos_ids or ([tok.eos_id] if tok.eos_id is not None else [])
-        return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos)
+        return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos,
+                               self._probe_ids)
 
-    def required_masks(self, plain_rows, *, masked_logits_wanted: bool = False) -> dict[str, torch.Tensor | Exception]:
-        """The masks (bitmask rows) of the step's plain rows ((request, its row of the
-        logits)) that will read them, or the exception that stops them (Unsatisfiable when
-        no token is left); verification rows are masked along their draft (`mask_along`).
+    def early_masks(self, plain_rows, *, masked_logits_wanted: bool = False,
+                    device_busy: bool = False) -> dict[str, torch.Tensor | Exception]:
+        """The masks (bitmask rows) computed for the step's plain rows ((request, its row of
+        the logits)) before their logits are read, or the exception that stops a row
+        (Unsatisfiable when no token is left); verification rows are masked along their
+        draft (`mask_along`). Called once the forward is queued: on a GPU
+        (`device_busy`) the device is still computing it, so these masks cost the step
+        nothing while they take less than it.
 
-        Those rows are the ones that read their mask whatever they draw (top-k/top-p rows,
-        logprobs, `masked_logits_wanted` for a logits hook) and the ones where the grammar
+        Always the rows that read their mask whatever they draw (top-k/top-p rows,
+        logprobs, `masked_logits_wanted` for a logits hook) and those where the grammar
         forces text ahead, whose token no check can settle (`TokenConstraint.checks_tokens`).
-        The others check candidate tokens at the draw and compute a mask there only if none
-        fits; step_draw.py applies all of them in one launch. Called once the forward is
-        queued: on a GPU the device is still computing it, so these masks cost the step
-        nothing while they take less than it. Masking every row here instead, in case, was
-        measured to cost more than it saved on an H200: the mask that opens a length-bounded
-        string can take 4 ms, longer than the forward it was to hide behind, and a mask
-        thread contended with the step's own work."""
+        Beside a busy device, also the greedy rows whose mask looks narrow
+        (`TokenConstraint.looks_narrow`): a check there would likely find nothing and
+        cost a second device round trip for the mask at the draw. The other rows check
+        candidate tokens at the draw (constrained_draw.py). Masking every row here, in
+        case, was measured to cost more than it saved on an H200: the mask that opens a
+        length-bounded string can take 4 ms, longer than the forward it was to hide
+        behind. Sampled rows check even when narrow, so a seed's tokens never depend on
+        where the step ran."""
         reqs = [req for req, _ in plain_rows if req.constraint is not None and (
-            masked_logits_wanted or mask_always_read(req.params) or not req.constraint.checks_tokens())]
+            masked_logits_wanted or mask_always_read(req.params) or not req.constraint.checks_tokens()
+            or (device_busy and req.params.greedy and req.constraint.looks_narrow()))]
         if not reqs:
             return {}
         try:

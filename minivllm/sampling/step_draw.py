@@ -39,7 +39,7 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
               want_masked: bool) -> dict[str, Drawn | Exception]:
     """`rows`: (request, its logits row) for each plain row of the step. `masks`: request
     id -> its mask computed beside the forward (a bitmask row), or the exception that
-    stopped it (`Constraints.required_masks`). `want_masked`: something reads every
+    stopped it (`Constraints.early_masks`). `want_masked`: something reads every
     constrained row's masked logits (a logits hook). Returns request id -> Drawn, or the
     exception that ends that request (Unsatisfiable when its constraint has no token left)."""
     out: dict[str, Drawn | Exception] = {}

@@ -97,6 +97,25 @@ def test_allows_agrees_with_the_mask_token_by_token(tokenizer_name, padding, req
     assert checked >= 10 and forced >= 3, (checked, forced)  # both kinds of position were met
 
 
+@pytest.mark.parametrize("tokenizer_name", ["smollm2_tokenizer", "qwen_tokenizer"])
+def test_narrow_positions_have_small_masks(tokenizer_name, request):
+    """`looks_narrow` (which greedy rows get their mask beside a GPU's forward) is only a
+    guess about cost, but a guess that must hold where it matters: every mask allowing a
+    tenth of the vocabulary or more (inside strings: the expensive ones) is judged wide,
+    and a position judged narrow allows under 1% of it."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    vocab = tokenizer.vocab_size
+    seen = {"narrow": 0, "wide": 0}
+    for structured, text in TRACES:
+        for _, constraint, _ in _states(tokenizer, vocab, structured, text):
+            allowed = int(_mask_bits(constraint, vocab).sum())
+            narrow = constraint.looks_narrow()
+            seen["narrow" if narrow else "wide"] += 1
+            assert not (allowed >= vocab / 10 and narrow), (structured, allowed)
+            assert not (narrow and allowed >= vocab / 100), (structured, allowed)
+    assert seen["narrow"] >= 20 and seen["wide"] >= 10, seen
+
+
 def _request(constraint, params: SamplingParams, output_ids=(), generator=None, rid="r"):
     return SimpleNamespace(id=rid, constraint=constraint, params=params, all_ids=list(output_ids),
                            output_ids=list(output_ids), generator=generator)
@@ -125,12 +144,13 @@ def _topk_ties_highest_id_first(topk):
     return adversarial
 
 
-@pytest.mark.parametrize("ties", ["cpu", "highest_id_first"])
-def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm2_tokenizer, ties, monkeypatch):
+@pytest.mark.parametrize("ties,busy", [("cpu", False), ("highest_id_first", False), ("cpu", True)])
+def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm2_tokenizer, ties, busy, monkeypatch):
     """At every position of every trace, a step of rows drawn together (step_draw): six
     constrained rows on crafted logits (tied maxima, penalties), one whose mask is already
-    computed, and an unconstrained one. Each token must be the argmax of its own row,
-    masked by llguidance and penalised, computed row by row here."""
+    computed, and an unconstrained one; with `busy`, the masks `early_masks` computes
+    beside a GPU's forward too (the narrow positions'). Each token must be the argmax of
+    its own row, masked by llguidance and penalised, computed row by row here."""
     if ties == "highest_id_first":
         monkeypatch.setattr(torch, "topk", _topk_ties_highest_id_first(torch.topk))
     # Checks cost nothing here: every candidate is tried before a mask, so their order counts.
@@ -164,6 +184,8 @@ def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm
                 if trial == 6:
                     masks[req.id] = constraints.fill_masks([constraint])[0][0]  # computed beside the forward
                 rows.append((req, logits))
+            if busy:
+                masks = {**constraints.early_masks(rows, device_busy=True), **masks}
             drawn = draw_step(rows, masks, constraints, want_masked=False)
             assert {rid: d.token for rid, d in drawn.items()} == expected, structured
             compared += len(rows)
