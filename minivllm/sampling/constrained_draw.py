@@ -17,8 +17,10 @@ the one the masked draw gives, by construction:
   tokens whether or not a mask happened to be ready: the procedure never looks.
 - top-k, top-p, min-p: what the filter keeps depends on the mask, so the mask comes first.
 
-Greedy rows whose mask is ready (computed beside the forward) use it directly: same token.
-step_draw.py runs this for a whole step's rows at once.
+A greedy row first checks its unmasked argmax alone (ties go to the lowest id, as in the
+masked argmax, so an allowed argmax is the masked one), and the top candidates only when
+that is forbidden. Greedy rows whose mask is ready (computed beside the forward) use it
+directly: same token. step_draw.py runs this for a whole step's rows at once.
 """
 
 from __future__ import annotations
@@ -57,16 +59,22 @@ def penalized(requests, rows: list[torch.Tensor]) -> torch.Tensor:
     return stacked
 
 
-def greedy_candidates(requests, rows: list[torch.Tensor]) -> list[list[int]]:
-    """Each greedy row's candidates, best first, as many as its check may try
-    (`greedy_check_limit`): one top-k over the stacked rows, so a step's rows cost one
-    device round trip, not one each."""
-    logits = penalized(requests, rows)
+def launch_greedy_candidates(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The top logits of each (penalized) row, queued on the device: values descending,
+    their ids, and whether that is the whole row. Read with `read_greedy_candidates`."""
     n = min(GREEDY_CANDIDATES, logits.shape[-1])
     values, ids = torch.topk(logits, n, dim=-1)  # sorted=True: values descending
-    complete = n == logits.shape[-1]
-    return [_ranked(v, i, complete, greedy_check_limit(req.constraint))
-            for v, i, req in zip(values.tolist(), ids.tolist(), requests)]
+    return values, ids, n == logits.shape[-1]
+
+
+def read_greedy_candidates(launched, picks: list[int], requests) -> list[list[int]]:
+    """The candidates of rows `picks` of a `launch_greedy_candidates` (one device round
+    trip for all of them), best first, as many as each request's check may try
+    (`greedy_check_limit`)."""
+    values, ids, complete = launched
+    values, ids = values.tolist(), ids.tolist()
+    return [_ranked(values[k], ids[k], complete, greedy_check_limit(req.constraint))
+            for k, req in zip(picks, requests)]
 
 
 def _ranked(values: list[float], ids: list[int], complete: bool, limit: int) -> list[int]:

@@ -4,10 +4,13 @@ Drawn row by row, every token costs a device round trip (an argmax, then `.item(
 a constrained row two or three (candidates, then a mask). At batch 16 on an H200 those
 round trips took about as long as the forward (scripts/profile_structured_step.py). So:
 
-- greedy rows, constrained or not, take one argmax over their stacked logits;
-- constrained rows that check candidates first (constrained_draw.py) get them from one
-  top-k over their stacked logits, queued behind that argmax and the masks computed
-  beside the forward (applied in one launch), so one round trip brings all of it back;
+- the masks computed beside the forward are applied in one launch;
+- greedy rows, constrained or not, take one argmax over their stacked logits: masked
+  where a mask is ready, unmasked for the rows that check their token instead
+  (constrained_draw.py). One round trip brings the tokens back;
+- a checked row whose argmax the constraint forbids tries the top candidates next: one
+  top-k for all such rows, queued on a GPU behind the argmax's copy back, so it runs while
+  the host checks, and is read only in the steps that need it;
 - rows whose check found nothing get their masks computed then, applied in one launch,
   and one more argmax: a second round trip, in the steps that have such rows.
 
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.sampling.constrained_draw import (checks_candidates, first_allowed, greedy_candidates, penalized,
-                                                sampled_candidates)
+from minivllm.sampling.constrained_draw import (checks_candidates, first_allowed, launch_greedy_candidates,
+                                                penalized, read_greedy_candidates, sampled_candidates)
 from minivllm.sampling.sampler import sample
 
 
@@ -35,6 +38,16 @@ class Drawn:
     logits: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Greedy:
+    """A row that takes the argmax of `row`; `checked`: `row` is unmasked and the token
+    stands only if the constraint allows it (else the candidates, then the mask)."""
+    request: object
+    row: torch.Tensor
+    report: torch.Tensor
+    checked: bool = False
+
+
 def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints, *,
               want_masked: bool) -> dict[str, Drawn | Exception]:
     """`rows`: (request, its logits row) for each plain row of the step. `masks`: request
@@ -43,72 +56,103 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
     constrained row's masked logits (a logits hook). Returns request id -> Drawn, or the
     exception that ends that request (Unsatisfiable when its constraint has no token left)."""
     out: dict[str, Drawn | Exception] = {}
-    greedy: list[tuple[object, torch.Tensor, torch.Tensor]] = []  # (request, row to argmax, row to report)
-    sampled, check_greedy, check_sampled = [], [], []
+    greedy: list[_Greedy] = []
+    sampled, check_sampled = [], []
     to_mask = []  # (request, logits row, its bitmask row or None to compute it now, the token if drawn already)
     for req, row in rows:
         p, constraint = req.params, req.constraint
         if constraint is None:
-            (greedy if p.greedy else sampled).append((req, row, row))
+            (greedy.append(_Greedy(req, row, row)) if p.greedy else sampled.append((req, row, row)))
             continue
         mask = masks.get(req.id)
         if isinstance(mask, Exception):
             out[req.id] = mask
         elif checks_candidates(p) and constraint.checks_tokens() and not (p.greedy and mask is not None):
             # Sampled rows check even with a mask ready: a seed's tokens never depend on timing.
-            (check_greedy if p.greedy else check_sampled).append((req, row, mask))
+            (greedy.append(_Greedy(req, row, row, checked=True)) if p.greedy else check_sampled.append((req, row, mask)))
         else:
             to_mask.append((req, row, mask, None))
 
-    # Everything known before the candidates come back goes onto the device first, so one
-    # round trip (the candidates' copy back) brings the greedy tokens too.
+    # Everything known before the tokens come back goes onto the device first: the ready
+    # masks, then one argmax over every greedy row (checked rows unmasked), whose copy back
+    # is queued before the checked rows' candidates, so the candidates' top-k runs while
+    # the host checks the argmax tokens, and is read only if one of them is forbidden.
     if to_mask:
         _masked_draws(to_mask, constraints, greedy, out)
-    argmax = _launch_argmax(greedy)
-    checked = []
-    if check_greedy:
-        reqs = [req for req, _, _ in check_greedy]
-        for (req, row, mask), candidates in zip(check_greedy, greedy_candidates(reqs, [r for _, r, _ in check_greedy])):
-            checked.append((req, row, mask, first_allowed(req.constraint, candidates)))
-    _read_argmax(greedy, argmax, out)
+    late = []  # (request, logits row, its bitmask row or None, the token if drawn already)
+    if greedy:
+        late += _greedy_draws(greedy, constraints, out)
     for req, row, report in sampled:
         out[req.id] = _alone(req, row, report)
     for req, row, mask in check_sampled:
         try:
-            checked.append((req, row, mask, first_allowed(req.constraint, sampled_candidates(req, row))))
+            token = first_allowed(req.constraint, sampled_candidates(req, row))
         except Exception as exc:  # noqa: BLE001 - this row fails, not the step
             out[req.id] = exc
+            continue
+        if token is None or want_masked or req.params.logprobs is not None:
+            late.append((req, row, mask, token))
+        else:
+            constraints.counts["masked_ahead" if mask is not None else "checked"] += 1
+            out[req.id] = Drawn(token, row)
 
     # Rows whose check found no allowed token (or whose report needs the mask): a second
     # round trip, only in steps that have them.
-    late = []
-    for req, row, mask, token in checked:
-        if token is None or want_masked or req.params.logprobs is not None:
-            late.append((req, row, mask, token))
-        elif mask is not None:
-            constraints.counts["masked_ahead"] += 1
-            out[req.id] = Drawn(token, row)
-        else:
-            constraints.counts["checked"] += 1
-            out[req.id] = Drawn(token, row)
     if late:
-        greedy_late: list = []
+        greedy_late: list[_Greedy] = []
         _masked_draws(late, constraints, greedy_late, out)
-        _read_argmax(greedy_late, _launch_argmax(greedy_late), out)
+        if greedy_late:
+            _greedy_draws(greedy_late, constraints, out)
     return out
 
 
-def _launch_argmax(greedy: list) -> torch.Tensor | None:
-    """The greedy rows' tokens, queued on the device (read with `_read_argmax`)."""
-    if not greedy:
-        return None
-    return penalized([req for req, _, _ in greedy], [r for _, r, _ in greedy]).argmax(dim=-1)
+def _greedy_draws(greedy: list[_Greedy], constraints, out: dict) -> list:
+    """The greedy rows' tokens from one argmax; returns the checked rows none of whose
+    candidates the constraint allows, to be masked."""
+    stacked = penalized([g.request for g in greedy], [g.row for g in greedy])
+    read_tokens = _queue_read(stacked.argmax(dim=-1))
+    checked = [k for k, g in enumerate(greedy) if g.checked]
+    # On a GPU the top-k is queued now, behind the argmax's copy; on a CPU it would cost
+    # its full time, so it runs only if some argmax is forbidden.
+    launched = launch_greedy_candidates(stacked[checked]) if checked and stacked.is_cuda else None
+    forbidden = []
+    for k, (g, token) in enumerate(zip(greedy, read_tokens())):
+        if g.checked and not g.request.constraint.allows(token):
+            forbidden.append(k)
+        else:
+            constraints.counts["checked"] += g.checked
+            out[g.request.id] = Drawn(token, g.report)
+    if not forbidden:
+        return []
+    if launched is None:
+        launched, picks = launch_greedy_candidates(stacked[forbidden]), range(len(forbidden))
+    else:
+        picks = [checked.index(k) for k in forbidden]
+    late = []
+    for k, candidates in zip(forbidden, read_greedy_candidates(launched, list(picks), [greedy[k].request for k in forbidden])):
+        g = greedy[k]
+        token = first_allowed(g.request.constraint, candidates)
+        if token is None:
+            late.append((g.request, g.row, None, None))
+        else:
+            constraints.counts["checked"] += 1
+            out[g.request.id] = Drawn(token, g.report)
+    return late
 
 
-def _read_argmax(greedy: list, argmax: torch.Tensor | None, out: dict) -> None:
-    if argmax is not None:
-        for (req, _, report), token in zip(greedy, argmax.tolist()):
-            out[req.id] = Drawn(token, report)
+def _queue_read(tensor: torch.Tensor):
+    """Starts `tensor`'s copy to the host; returns the function that waits for it and
+    gives it as a list. On a GPU, work queued after this call does not delay the read."""
+    if not tensor.is_cuda:
+        return tensor.tolist
+    host = tensor.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list:
+        copied.synchronize()
+        return host.tolist()
+    return read
 
 
 def _masked_draws(to_mask: list, constraints, greedy: list, out: dict) -> None:
@@ -135,7 +179,7 @@ def _masked_draws(to_mask: list, constraints, greedy: list, out: dict) -> None:
         if token is not None:
             out[req.id] = Drawn(token, masked[j])
         elif req.params.greedy:
-            greedy.append((req, masked[j], masked[j]))
+            greedy.append(_Greedy(req, masked[j], masked[j]))
         else:
             out[req.id] = _alone(req, masked[j], masked[j])
 

@@ -59,3 +59,29 @@ def test_speculation_on_the_gpu_keeps_the_constraint(tiny):
     outs = spec.generate(["prompt"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
                                                          structured={"json_schema": SCHEMA}) for s in range(4)])
     assert all(o.finish_reason == "stop" and _valid(o.text) for o in outs), [o.text for o in outs]
+
+
+NAMED = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 24},
+                                          "n": {"type": "integer"}},
+         "required": ["name", "n"], "additionalProperties": False}
+
+
+def test_the_gpu_draw_gives_the_masked_argmax(tiny, monkeypatch):
+    """Greedy rows on the GPU take shortcuts: masks computed beside the forward for narrow
+    positions, the unmasked argmax checked for the others, then the top candidates queued
+    behind its copy. Each row must get the tokens of masking every row before its argmax."""
+    from minivllm.sampling import step_draw
+
+    llm = LLM(str(tiny), device="cuda", dtype="float32", max_model_len=256, progress=False)
+    params = ([SamplingParams(temperature=0, max_tokens=50, structured={"json_schema": NAMED})] * 4
+              + [SamplingParams(temperature=0, max_tokens=40, structured={"json_object": True})] * 2
+              + [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3,
+                                structured={"regex": r"[a-z ]{3,40}\."})] * 2)
+    prompts = [f"prompt {i}" for i in range(len(params))]
+    before = dict(llm.engine.constraints.counts)
+    shortcut = [o.token_ids for o in llm.generate(prompts, params)]
+    counts = {k: v - before[k] for k, v in llm.engine.constraints.counts.items()}
+    assert counts["checked"] > 20 and counts["masked_ahead"] > 20, counts  # both shortcuts were taken
+    monkeypatch.setattr(step_draw, "checks_candidates", lambda p: False)
+    masked_first = [o.token_ids for o in llm.generate(prompts, params)]
+    assert shortcut == masked_first
