@@ -5,7 +5,9 @@ The bench's setup (`minivllm bench structured`): the synthetic Qwen2.5-0.5B, gre
 events recorded at five points of every decode step (its start, around the forward's
 graph replay, after the draw, at its end) give GPU timestamps. Where the GPU is idle an
 event completes when the host reaches it, so an interval between two events is the
-longer of the host's time and the device's. Printed per decode step, as medians (ms):
+longer of the host's time and the device's. Printed per decode step (ms): the whole
+step's median, mean (what throughput follows) and 90th percentile, then each interval's
+mean:
 
     outside   from the last step's end to this one's start (the generate loop)
     prepare   schedule, inputs, up to the graph replay
@@ -85,5 +87,6 @@ for label, schema in (("unconstrained", None), ("bounded strings", LONG_SCHEMA),
     decode = [s for s in steps[1:] if "replay" in s and "end_prev" in s]
     times = {name: [s[b0].elapsed_time(s[b1]) for s in decode] for name, b0, b1 in INTERVALS}
     whole = [sum(t[k] for t in times.values()) for k in range(len(decode))]
-    print(f"{label:16s} {len(decode)} decode steps, median {statistics.median(whole):.3f} ms: " + "  ".join(
-        f"{name} {statistics.median(v):.3f}" for name, v in times.items()))
+    print(f"{label:16s} {len(decode)} decode steps: median {statistics.median(whole):.3f}, "
+          f"mean {statistics.fmean(whole):.3f}, p90 {statistics.quantiles(whole, n=10)[-1]:.3f} ms; means: "
+          + "  ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in times.items()))
