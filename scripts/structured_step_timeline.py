@@ -90,3 +90,6 @@ for label, schema in (("unconstrained", None), ("bounded strings", LONG_SCHEMA),
     print(f"{label:16s} {len(decode)} decode steps: median {statistics.median(whole):.3f}, "
           f"mean {statistics.fmean(whole):.3f}, p90 {statistics.quantiles(whole, n=10)[-1]:.3f} ms; means: "
           + "  ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in times.items()))
+    slowest = sorted(range(len(decode)), key=lambda k: -whole[k])[:6]
+    print("  slowest (step of its batch: intervals):", "; ".join(
+        f"{k % (len(decode) // 3)}: " + " ".join(f"{times[name][k]:.2f}" for name, _, _ in INTERVALS) for k in slowest))
