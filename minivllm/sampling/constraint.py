@@ -23,6 +23,7 @@ import torch
 from minivllm.errors import ConfigError
 from minivllm.sampling.structured import StructuredOutput, llguidance_module, short_text
 from minivllm.sampling.constrained_draw import mask_always_read
+from minivllm.sampling.mask_upload import MaskUpload
 
 BITS = 32
 
@@ -95,13 +96,15 @@ class TokenConstraint:
         return self._checks_tokens
 
     def looks_narrow(self) -> bool:
-        """Whether the next mask looks narrow and cheap: none of a few common word pieces
-        ("e", "the", ...) fits. Inside a JSON string or free text they do, the mask walks
-        most of the token trie (the expensive one) and a check of the model's top tokens
-        finds an allowed one; between a schema's strings (keys, commas, numbers) they
-        don't, the mask is quick, and a check usually finds nothing. Only timing rides on
-        this guess, never a token."""
-        return bool(self._probe_ids) and not any(self.allows(t) for t in self._probe_ids)
+        """Whether a check of the model's top tokens would likely find nothing here, so the
+        mask is worth computing beside the forward: not every one of a few common word
+        pieces ("e", "the", " the", ...) fits. Between a schema's strings (keys, commas,
+        numbers) none does, and the mask is quick. Inside a string or free text all do,
+        most tokens are allowed and the mask is the expensive one (a walk of most of the
+        token trie), so the check does better, except within a few characters of a
+        string's length bound, where the longer pieces no longer fit, few tokens do, and
+        the walk is short again. Only timing rides on this guess, never a token."""
+        return bool(self._probe_ids) and not all(self.allows(t) for t in self._probe_ids)
 
     def allows(self, token: int) -> bool:
         """Whether the next mask would allow `token` (where `checks_tokens()`), asked without
@@ -209,6 +212,7 @@ class Constraints:
         self._tokenizer = tokenizer
         self.vocab = vocab
         self._probe_ids = probe_tokens(tokenizer)
+        self._uploads: dict[torch.device, MaskUpload] = {}
         # How constrained tokens were drawn, for benches and the workbench: rows masked
         # beside the forward, rows masked at their draw, draws settled by checking tokens.
         self.counts = {"masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
@@ -271,8 +275,15 @@ class Constraints:
 
     def apply(self, bitmask_rows: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         """`rows` (stacked for this: overwritten) with row k masked by bitmask_rows[k], in
-        one launch on a GPU."""
-        return mask_in_place(rows, torch.from_numpy(np.stack([r.numpy() for r in bitmask_rows])))
+        one launch on a GPU, whose bitmask is sent beside the forward (mask_upload.py)."""
+        if not rows.is_cuda:
+            return mask_in_place(rows, torch.from_numpy(np.stack([r.numpy() for r in bitmask_rows])))
+        upload = self._uploads.get(rows.device)
+        if upload is None:
+            upload = self._uploads[rows.device] = MaskUpload(rows.device)
+        masked = mask_in_place(rows, upload.send(bitmask_rows))
+        upload.done_reading()
+        return masked
 
     def mask_now(self, constraint: TokenConstraint, row_logits: torch.Tensor) -> torch.Tensor:
         """One row masked here; raises Unsatisfiable when no token is left."""

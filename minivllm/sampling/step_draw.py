@@ -38,7 +38,7 @@ class Drawn:
     logits: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # a few per step: slots make them cheap to build
 class _Greedy:
     """A row that takes the argmax of `row`; `checked`: `row` is unmasked and the token
     stands only if the constraint allows it (else the candidates, then the mask)."""

@@ -47,3 +47,31 @@ def test_a_bitmask_too_short_for_the_row_is_refused(device):
     logits = torch.zeros(2, 100, device=device)
     with pytest.raises(ValueError, match="does not cover"):
         mask_rows_inplace(logits, torch.zeros(2, 3, dtype=torch.int32, device=device))
+
+
+@pytest.mark.cuda
+def test_masks_sent_beside_queued_work_arrive_whole():
+    """MaskUpload (sampling/mask_upload.py) reuses its pinned and device buffers and copies
+    on a side stream while the compute stream is busy: each step's rows must be masked by
+    that step's bits, with steps of different sizes queued back to back, the buffer
+    growing, and nothing synchronized between them but what the class does itself."""
+    from minivllm.sampling.mask_upload import MaskUpload
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    vocab = 5003
+    words = (vocab + 31) // 32
+    upload = MaskUpload(device)
+    busy = torch.randn(2048, 2048, device=device)
+    results = []
+    for n in (3, 16, 1, 24, 7, 16):
+        for _ in range(4):  # work queued ahead, as the forward is
+            busy = busy @ busy / busy.norm()
+        bitmask = torch.randint(-2**31, 2**31 - 1, (n, words), generator=gen, dtype=torch.int64).to(torch.int32)
+        logits = torch.randn(n, vocab, generator=gen)
+        rows = [torch.from_numpy(bitmask.numpy()[k].copy()) for k in range(n)]
+        masked = mask_in_place(logits.to(device), upload.send(rows))
+        upload.done_reading()
+        results.append((masked, _reference(logits, bitmask)))
+    for masked, expected in results:
+        assert torch.equal(masked.cpu(), expected)
