@@ -64,6 +64,15 @@ def llguidance_tokenizer(tokenizer, n_vocab: int):
     return built
 
 
+_executors: list = []  # llguidance's thread pool, made once per process
+
+
+def _executor():
+    if not _executors:
+        _executors.append(llguidance_module().LLExecutor())
+    return _executors[0]
+
+
 class TokenConstraint:
     """One request's matcher. `fill` writes the next-token mask; `advance` takes the token
     that was chosen; `stopped` is true once the output is complete."""
@@ -86,6 +95,31 @@ class TokenConstraint:
         t0 = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         self.mask_cost_s = time.perf_counter() - t0
+
+    @staticmethod
+    def fill_all(constraints: list[TokenConstraint], bitmask: torch.Tensor) -> None:
+        """Row k of `bitmask` (contiguous, numpy-backed) gets constraints[k]'s mask, the
+        rows computed in parallel by llguidance's thread pool, outside the GIL. Rows of
+        a batch often reach the same kind of position in the same step (a schema's
+        strings open together), so masks that cost ~1 ms each come due together; in
+        parallel a step pays about the dearest one, not their sum."""
+        first: dict[int, int] = {}  # a matcher listed twice (one request's rows) is computed once
+        for k, c in enumerate(constraints):
+            first.setdefault(id(c), k)
+        if len(first) == 1:
+            constraints[0].fill(bitmask, 0)
+        else:
+            t0 = time.perf_counter()
+            _executor().unsafe_compute_mask_ptr([(constraints[k]._matcher, k) for k in first.values()],
+                                                bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(),
+                                                bitmask.shape[0])
+            elapsed = time.perf_counter() - t0  # a bound on each row's cost: what its checks may spend next
+            for k in first.values():
+                constraints[k].mask_cost_s = elapsed
+        words = bitmask.numpy()
+        for k, c in enumerate(constraints):
+            if first[id(c)] != k:
+                words[k] = words[first[id(c)]]
 
     def checks_tokens(self) -> bool:
         """Whether `allows` gives the mask's answer here. Not where the grammar forces text
@@ -260,9 +294,9 @@ class Constraints:
         """Each constraint's mask, computed now, as a row of one bitmask; and for each the
         Unsatisfiable that stops it if no token is left, else None."""
         bitmask = new_bitmask(len(constraints), self.vocab)
+        TokenConstraint.fill_all(constraints, bitmask)
         failures: list[Exception | None] = []
         for k, constraint in enumerate(constraints):
-            constraint.fill(bitmask, k)
             failures.append(None)
             try:
                 constraint.check()
