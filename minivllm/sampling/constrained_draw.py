@@ -21,6 +21,11 @@ A greedy row first checks its unmasked argmax alone (ties go to the lowest id, a
 masked argmax, so an allowed argmax is the masked one), and the top candidates only when
 that is forbidden. Greedy rows whose mask is ready (computed beside the forward) use it
 directly: same token. step_draw.py runs this for a whole step's rows at once.
+
+Before any of this: where the grammar forces text, its mask allows one token (the first of
+that text's canonical tokens), so the row's token is known on the host before the forward
+ends, and nothing is computed for it (`draws_forced`). In a step whose rows are all forced
+the host never waits for the device, and queues the next forward right behind this one.
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ def mask_always_read(p: SamplingParams) -> bool:
     """The row reads its masked logits whatever it draws: filters, or logprobs (which
     report the distribution the token was drawn from)."""
     return p.logprobs is not None or not checks_candidates(p)
+
+
+def draws_forced(req, masked_logits_wanted: bool = False) -> bool:
+    """The row's token is the one its grammar forces (`TokenConstraint.forced_token`),
+    drawn without a mask: the masked draw could give no other, greedy or sampled, whatever
+    the penalties and filters. Not for rows that report the masked logits (logprobs, a
+    logits hook), which still get them."""
+    return (not masked_logits_wanted and req.params.logprobs is None
+            and req.constraint.forced_token() is not None)
 
 
 def penalized(requests, rows: list[torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,9 @@ round trips took about as long as the forward (scripts/profile_structured_step.p
 - rows whose check found nothing get their masks computed then, applied in one launch,
   and one more argmax: a second round trip, in the steps that have such rows.
 
+Rows whose token the grammar forces take it with no mask and no argmax
+(`constrained_draw.draws_forced`).
+
 Sampled rows draw alone: each has its own generator, so a seeded request gives the same
 tokens in any batch. The tokens are the ones a row-by-row draw gives: the same logits, the
 same penalties, and an argmax over a row of a stack is the argmax over that row.
@@ -25,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.sampling.constrained_draw import (checks_candidates, first_allowed, launch_greedy_candidates,
-                                                penalized, read_greedy_candidates, sampled_candidates)
+from minivllm.sampling.constrained_draw import (checks_candidates, draws_forced, first_allowed,
+                                                launch_greedy_candidates, penalized, read_greedy_candidates,
+                                                sampled_candidates)
 from minivllm.sampling.sampler import sample
 
 
@@ -63,6 +67,10 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
         p, constraint = req.params, req.constraint
         if constraint is None:
             (greedy.append(_Greedy(req, row, row)) if p.greedy else sampled.append((req, row, row)))
+            continue
+        if draws_forced(req, want_masked):
+            constraints.counts["forced"] += 1
+            out[req.id] = Drawn(constraint.forced_token(), row)
             continue
         mask = masks.get(req.id)
         if isinstance(mask, Exception):

@@ -1,5 +1,6 @@
 """The constrained draw that checks candidate tokens before (or instead of) computing a
-mask gives the masked draw's token: checked against llguidance's own mask token by token,
+mask, or takes the token the grammar forces without one, gives the masked draw's token:
+checked against llguidance's own mask token by token and at every forced position,
 against the masked argmax on crafted logits (ties included) with a step's rows drawn
 together, against the exact masked distribution for temperature sampling (a chi-square
 test), and end to end against the engine with the check turned off."""
@@ -17,6 +18,7 @@ from minivllm.engine.llm import LLM
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
 from minivllm.sampling import constrained_draw, step_draw
+from minivllm.sampling import constraint as constraint_module
 from minivllm.sampling.constraint import Constraints, allowed_tokens, new_bitmask
 from minivllm.sampling.sampler import make_generator, sample
 from minivllm.sampling.sampling_params import SamplingParams
@@ -95,6 +97,47 @@ def test_allows_agrees_with_the_mask_token_by_token(tokenizer_name, padding, req
                                                    else b"<pad>", bool(bits[t])) for t in wrong[:8]])
             checked += 1
     assert checked >= 10 and forced >= 3, (checked, forced)  # both kinds of position were met
+
+
+@pytest.mark.parametrize("tokenizer_name,padding", [("smollm2_tokenizer", 64), ("qwen_tokenizer", 0)])
+def test_a_forced_token_is_the_only_one_the_mask_allows(tokenizer_name, padding, request):
+    """Where `forced_token()` names a token, llguidance's mask allows that token and no
+    other, so the draw can take it without the mask (`draws_forced`); everywhere else the
+    mask allows more than one, or `forced_token()` would have been free to say so."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    vocab = tokenizer.vocab_size + padding
+    forced = free = 0
+    for structured, text in TRACES:
+        for _, constraint, _ in _states(tokenizer, vocab, structured, text):
+            allowed = np.nonzero(_mask_bits(constraint, vocab))[0].tolist()
+            token = constraint.forced_token()
+            if token is None:
+                free += 1
+                continue
+            assert allowed == [token], (structured, token, allowed[:8], len(allowed))
+            forced += 1
+    assert forced >= 8 and free >= 20, (forced, free)
+
+
+def test_forced_rows_never_read_their_logits(smollm2_tokenizer):
+    """A step whose constrained rows are all at forced positions draws with no device
+    work: their logits rows live on torch's meta device here, where reading a value fails.
+    A row that needs a mask or an argmax would raise instead of drawing."""
+    tokenizer = smollm2_tokenizer
+    constraints = Constraints(tokenizer, tokenizer.vocab_size)
+    rows = []
+    # Constraints whose first token is forced, drawn greedy, sampled, and sampled with top-k.
+    forcing = [{"json_schema": RECORDS}, {"regex": "hello [0-9]+"}, {"grammar": 'start: "SELECT " ("id" | "name")'},
+               {"choice": ["maybe so", "maybe not"]}]
+    for k, structured in enumerate(forcing):
+        constraint = constraints.make(StructuredOutput(**structured))
+        assert constraint.forced_token() is not None, structured
+        params = SamplingParams(temperature=0.0 if k % 2 else 0.8, seed=k, top_k=5 * (k % 3))
+        rows.append((_request(constraint, params, rid=f"r{k}", generator=make_generator(params, torch.device("cpu"))),
+                     torch.empty(tokenizer.vocab_size, device="meta")))
+    drawn = draw_step(rows, constraints.early_masks(rows, device_busy=True), constraints, want_masked=False)
+    assert {rid: d.token for rid, d in drawn.items()} == {req.id: req.constraint.forced_token() for req, _ in rows}
+    assert constraints.counts["forced"] == len(rows)
 
 
 @pytest.mark.parametrize("tokenizer_name", ["smollm2_tokenizer", "qwen_tokenizer"])
@@ -231,14 +274,20 @@ def test_sampling_draws_from_the_exact_masked_distribution(smollm2_tokenizer, to
         assert 0.1 * n < fallbacks < 0.25 * n, fallbacks
 
 
-def test_the_engine_gives_the_same_greedy_tokens_with_the_check_off(qwen05_path, monkeypatch):
+def test_the_engine_gives_the_same_greedy_tokens_with_the_shortcuts_off(qwen05_path, monkeypatch):
     """End to end on Qwen2.5-Coder (152k vocabulary) with length-bounded strings, where the
-    check replaces most masks: the same tokens as masking every row before its draw."""
+    check replaces most masks and the grammar forces the keys: the same tokens as masking
+    every row before its draw."""
     llm = LLM(str(qwen05_path), max_model_len=512, progress=False)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"List {k} products as JSON."}])
                for k in ("three", "four")]
     params = SamplingParams(temperature=0, max_tokens=48, structured={"json_schema": RECORDS})
-    checked = [o.token_ids for o in llm.generate(prompts, [params] * 2)]
+    before = dict(llm.engine.constraints.counts)
+    shortcut = [o.token_ids for o in llm.generate(prompts, [params] * 2)]
+    counts = {k: v - before[k] for k, v in llm.engine.constraints.counts.items()}
+    assert counts["checked"] > 10 and counts["forced"] > 10, counts  # both shortcuts were taken
     monkeypatch.setattr(step_draw, "checks_candidates", lambda p: False)
+    monkeypatch.setattr(step_draw, "draws_forced", lambda req, wanted=False: False)
+    monkeypatch.setattr(constraint_module, "draws_forced", lambda req, wanted=False: False)
     masked_first = [o.token_ids for o in llm.generate(prompts, [params] * 2)]
-    assert checked == masked_first
+    assert shortcut == masked_first

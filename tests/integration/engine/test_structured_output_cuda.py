@@ -67,9 +67,11 @@ NAMED = {"type": "object", "properties": {"name": {"type": "string", "minLength"
 
 
 def test_the_gpu_draw_gives_the_masked_argmax(tiny, monkeypatch):
-    """Greedy rows on the GPU take shortcuts: masks computed beside the forward for narrow
-    positions, the unmasked argmax checked for the others, then the top candidates queued
-    behind its copy. Each row must get the tokens of masking every row before its argmax."""
+    """Greedy rows on the GPU take shortcuts: the token the grammar forces taken without a
+    mask (no device round trip), masks computed beside the forward for narrow positions,
+    the unmasked argmax checked for the others, then the top candidates queued behind its
+    copy. Each row must get the tokens of masking every row before its argmax."""
+    from minivllm.sampling import constraint as constraint_module
     from minivllm.sampling import step_draw
 
     llm = LLM(str(tiny), device="cuda", dtype="float32", max_model_len=256, progress=False)
@@ -81,7 +83,10 @@ def test_the_gpu_draw_gives_the_masked_argmax(tiny, monkeypatch):
     before = dict(llm.engine.constraints.counts)
     shortcut = [o.token_ids for o in llm.generate(prompts, params)]
     counts = {k: v - before[k] for k, v in llm.engine.constraints.counts.items()}
-    assert counts["checked"] > 20 and counts["masked_ahead"] > 20, counts  # both shortcuts were taken
+    # Every shortcut was taken: checks, masks beside the forward, tokens the grammar forced.
+    assert counts["checked"] > 20 and counts["masked_ahead"] > 20 and counts["forced"] > 20, counts
     monkeypatch.setattr(step_draw, "checks_candidates", lambda p: False)
+    monkeypatch.setattr(step_draw, "draws_forced", lambda req, wanted=False: False)
+    monkeypatch.setattr(constraint_module, "draws_forced", lambda req, wanted=False: False)
     masked_first = [o.token_ids for o in llm.generate(prompts, params)]
     assert shortcut == masked_first
