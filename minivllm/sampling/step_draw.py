@@ -118,12 +118,15 @@ def _greedy_draws(greedy: list[_Greedy], constraints, out: dict) -> list:
     """The greedy rows' tokens from one argmax; returns the checked rows none of whose
     candidates the constraint allows, to be masked."""
     stacked = penalized([g.request for g in greedy], [g.row for g in greedy])
-    checked = [k for k, g in enumerate(greedy) if g.checked]
+    checked = any(g.checked for g in greedy)
     # On a GPU the top-k is queued now, behind the argmax's copy; on a CPU it would cost
-    # its full time, so it runs only if some argmax is forbidden.
-    queued = bool(checked) and stacked.is_cuda
+    # its full time, so it runs only if some argmax is forbidden. It covers every greedy
+    # row: one top-k runs its rows side by side, so the unchecked ones cost it little,
+    # and picking the checked rows out first would index with a host list, a copy that
+    # waits for the device (the forward) before the top-k is even queued.
+    queued = checked and queues_candidates(stacked)
     read_tokens = _queue_read(stacked.argmax(dim=-1)) if queued else stacked.argmax(dim=-1).tolist
-    launched = launch_greedy_candidates(stacked[checked]) if queued else None
+    launched = launch_greedy_candidates(stacked) if queued else None
     forbidden = []
     for k, (g, token) in enumerate(zip(greedy, read_tokens())):
         if g.checked and not g.request.constraint.allows(token):
@@ -134,11 +137,11 @@ def _greedy_draws(greedy: list[_Greedy], constraints, out: dict) -> list:
     if not forbidden:
         return []
     if launched is None:
-        launched, picks = launch_greedy_candidates(stacked[forbidden]), range(len(forbidden))
+        launched, picks = launch_greedy_candidates(stacked[forbidden]), list(range(len(forbidden)))
     else:
-        picks = [checked.index(k) for k in forbidden]
+        picks = forbidden
     late = []
-    for k, candidates in zip(forbidden, read_greedy_candidates(launched, list(picks), [greedy[k].request for k in forbidden])):
+    for k, candidates in zip(forbidden, read_greedy_candidates(launched, picks, [greedy[k].request for k in forbidden])):
         g = greedy[k]
         token = first_allowed(g.request.constraint, candidates)
         if token is None:
@@ -147,6 +150,12 @@ def _greedy_draws(greedy: list[_Greedy], constraints, out: dict) -> list:
             constraints.counts["checked"] += 1
             out[g.request.id] = Drawn(token, g.report)
     return late
+
+
+def queues_candidates(logits: torch.Tensor) -> bool:
+    """Whether the checked rows' top-k is queued with the argmax, before anyone knows it
+    is needed: where the device works apart from the host (a GPU)."""
+    return logits.is_cuda
 
 
 _readbacks: dict = {}  # device -> (a pinned host buffer, an event), reused step after step

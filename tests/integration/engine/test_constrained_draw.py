@@ -187,15 +187,19 @@ def _topk_ties_highest_id_first(topk):
     return adversarial
 
 
-@pytest.mark.parametrize("ties,busy", [("cpu", False), ("highest_id_first", False), ("cpu", True)])
+@pytest.mark.parametrize("ties,busy", [("cpu", False), ("highest_id_first", False), ("cpu", True),
+                                       ("highest_id_first", True)])
 def test_greedy_draw_equals_the_masked_argmax_ties_and_penalties_included(smollm2_tokenizer, ties, busy, monkeypatch):
     """At every position of every trace, a step of rows drawn together (step_draw): six
     constrained rows on crafted logits (tied maxima, penalties), one whose mask is already
-    computed, and an unconstrained one; with `busy`, the masks `early_masks` computes
-    beside a GPU's forward too (the narrow positions'). Each token must be the argmax of
-    its own row, masked by llguidance and penalised, computed row by row here."""
+    computed, and an unconstrained one; with `busy`, the draw as a GPU runs it: the masks
+    `early_masks` computes beside the forward (the narrow positions'), and the checked
+    rows' top-k queued with the argmax over every greedy row. Each token must be the
+    argmax of its own row, masked by llguidance and penalised, computed row by row here."""
     if ties == "highest_id_first":
         monkeypatch.setattr(torch, "topk", _topk_ties_highest_id_first(torch.topk))
+    if busy:
+        monkeypatch.setattr(step_draw, "queues_candidates", lambda logits: True)
     # Checks cost nothing here: every candidate is tried before a mask, so their order counts.
     monkeypatch.setattr(constrained_draw, "CHECK_COST_S", 1e-12)
     tokenizer = smollm2_tokenizer
