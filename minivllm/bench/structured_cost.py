@@ -1,11 +1,14 @@
 """What structured output costs at decode: batches of 1 and 16 rows, unconstrained, every row
-under a JSON schema, and (at 16) half the rows constrained, on the same model and device.
+under a JSON schema, and (at 16) every row under its own variant of the schema and half
+the rows constrained, on the same model and device.
 
     minivllm bench structured [--model M | --synthetic qwen2.5-0.5b-q4_k_m] [--inference-device gpu]
 
 Every row gets its own short prompt (no prefix sharing) and decodes exactly `max_tokens`
 tokens: unconstrained rows ignore EOS, and the schema (an object holding at least 64 small
-records) cannot be complete sooner. Decode tok/s of a batch = tokens after each row's first
+records) cannot be complete sooner. Under one shared schema the rows reach its keys in
+the same steps; "each row its own" varies the key names and the names' bound per row, so
+they drift apart as a real mix of requests would. Decode tok/s of a batch = tokens after each row's first
 / (last row's end - first token), from the engine's own request metrics, the end pushed
 back by whatever device work was still queued when the batch returned: a step whose rows
 all take tokens the grammar forces never waits for the GPU, so the host may finish ahead
@@ -44,19 +47,38 @@ LONG_SCHEMA = {
 FREE_SCHEMA = {**LONG_SCHEMA, "properties": {"items": {**LONG_SCHEMA["properties"]["items"], "items": {
     **LONG_SCHEMA["properties"]["items"]["items"],
     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "name": {"type": "string"}}}}}}
+
+def row_schema(row: int) -> dict:
+    """Row `row`'s own variant of LONG_SCHEMA: other key names and another bound on the
+    names. Under one shared schema a batch's rows reach the same kind of position (forced
+    keys, numbers, strings) in the same steps; under these they drift apart, as the rows of
+    a real mix of requests do."""
+    id_key, name_key = ("id", "sku", "code", "number")[row % 4], ("name", "title", "label")[row % 3]
+    record = {"type": "object",
+              "properties": {id_key: {"type": "integer", "minimum": 0, "maximum": 999},
+                             name_key: {"type": "string", "minLength": 1, "maxLength": 6 + row % 9}},
+              "required": [id_key, name_key], "additionalProperties": False}
+    return {**LONG_SCHEMA, "properties": {"items": {**LONG_SCHEMA["properties"]["items"], "items": record}}}
+
+
+PER_ROW = "json_schema, each row its own"
 SCHEMAS = {"json_schema, every row": LONG_SCHEMA, "json_schema (free-length strings), every row": FREE_SCHEMA,
            "json_schema, half the rows": LONG_SCHEMA}
 
 
 def modes(batch: int) -> tuple[str, ...]:
     every = ("unconstrained", "json_schema, every row", "json_schema (free-length strings), every row")
-    return every if batch == 1 else every + ("json_schema, half the rows",)
+    return every if batch == 1 else every + (PER_ROW, "json_schema, half the rows")
+
+
+def _schema(mode: str, row: int) -> dict:
+    return row_schema(row) if mode == PER_ROW else SCHEMAS[mode]
 
 
 def _params(mode: str, batch: int, max_tokens: int) -> list[SamplingParams]:
     constrained = 0 if mode == "unconstrained" else batch // 2 if "half" in mode else batch
     return [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                           structured={"json_schema": SCHEMAS[mode]} if i < constrained else None)
+                           structured={"json_schema": _schema(mode, i)} if i < constrained else None)
             for i in range(batch)]
 
 
@@ -139,7 +161,8 @@ def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches
             })
     label = model_label(synthetic or model)
     settings = {"bench": "structured", "model": label, "device": device, "dtype": dtype, "max_tokens": max_tokens,
-                "runs": runs, "batches": list(batches), "engine_options": options, "schemas": SCHEMAS,
+                "runs": runs, "batches": list(batches), "engine_options": options,
+                "schemas": {**SCHEMAS, PER_ROW: [row_schema(i) for i in range(max(batches))]},
                 "sampling": "greedy, ignore_eos"}
     paths = write_results(f"structured-{label}-{device.replace(':', '')}", provenance(device, sha256_file(llm.model_path), settings),
                           rows, ["batch", "mode", "decode_tok_s_median", "decode_tok_s_mean", "decode_tok_s_std",
