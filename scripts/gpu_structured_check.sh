@@ -5,7 +5,9 @@
 # issue 24's GPU row needs.
 #
 # Stage first, here (README.md, "Testing on a GPU"):
-#   WHEELS="gguf platformdirs llguidance" MODELS=smollm2-135m scripts/stage_offline_gpu.sh STAGE
+#   WHEELS="gguf platformdirs llguidance" MODELS= scripts/stage_offline_gpu.sh STAGE
+# (no model file: the tests write a tiny one, the bench a synthetic Qwen2.5-0.5B layout;
+# the whole stage stays far under a device call's 64 MiB)
 # and carry STAGE. There, from STAGE/tree:
 #   source ../env.sh && bash scripts/gpu_structured_check.sh [OUTDIR]
 # OUTDIR (default $OUT, else ./gpu-structured) gets the logs and the bench's JSON and Markdown.

@@ -10,7 +10,7 @@
 #
 # Usage (here, with network):
 #   scripts/stage_offline_gpu.sh DEST
-#     MODELS="smollm2-135m qwen2.5-coder-0.5b"  registered names in the model cache (default smollm2-135m)
+#     MODELS="smollm2-135m qwen2.5-coder-0.5b"  registered names in the model cache (default smollm2-135m; empty: none)
 #     WHEELS="gguf platformdirs"                packages to download as wheels (pip download --no-deps)
 #     PEERS_DIR=../shared/peers/llama-cpp-cuda  where llama.cpp.tar.xz and build_on_gpu.sh are (optional)
 #     PYTHON=.venv/bin/python                   the interpreter whose pip downloads the wheels
@@ -26,7 +26,7 @@ set -euo pipefail
 
 DEST=${1:?usage: scripts/stage_offline_gpu.sh DEST}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-MODELS=${MODELS:-smollm2-135m}
+MODELS=${MODELS-smollm2-135m}  # MODELS= (empty) stages none
 WHEELS=${WHEELS:-gguf platformdirs}
 PEERS_DIR=${PEERS_DIR:-$ROOT/../shared/peers/llama-cpp-cuda}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
