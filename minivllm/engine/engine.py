@@ -476,11 +476,12 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         """Forget warm-up or calibration traffic: `clear_prefix_cache`, then zero the cache's
-        counters and the engine's."""
+        counters, the engine's and the structured draws'."""
         self.clear_prefix_cache()
         self._kv.reset_counters()
-        for key in self.counters:
-            self.counters[key] = 0
+        for counts in (self.counters, self.constraints.counts):
+            for key in counts:
+                counts[key] = 0
 
     @property
     def cuda_graphs_enabled(self) -> bool:

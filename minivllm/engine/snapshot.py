@@ -39,6 +39,9 @@ This is a contract: the widgets, the router and the tests read only this. Schema
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
                    requests_finished, finished_stop, finished_length, finished_abort,
                    finished_error, rejected},
+      "structured": {forced, masked_ahead, masked_at_draw, checked},  # how constrained tokens
+                   # were drawn (sampling/constrained_draw.py): forced by the grammar with no
+                   # mask, masked beside the forward, masked at the draw, settled by a check
     }
 
     request = {id, status, phase ("prefill" | "decode"), prompt_tokens, computed_tokens,
@@ -91,6 +94,7 @@ def build_snapshot(engine, scheduler, kv, requests: dict) -> dict:
         "speculative": describe_speculation(engine, scheduler),
         "kernels": describe_kernels(engine),
         "counters": dict(engine.counters),
+        "structured": dict(engine.constraints.counts),
     }
 
 

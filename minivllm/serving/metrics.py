@@ -4,7 +4,8 @@ Two kinds, kept apart on purpose:
 - per-request latency histograms (TTFT, inter-token latency, e2e) and request/token
   counters, observed by the HTTP layer as each request streams;
 - engine state (running/waiting requests, KV use, worker up) and the engines' own
-  cumulative counters (prefix-cache queries/hits, speculative proposals/acceptances),
+  cumulative counters (prefix-cache queries/hits, speculative proposals/acceptances, how
+  constrained tokens were drawn),
   read from the cluster snapshot at scrape time by a custom collector, so they are never
   stale and the engine needs no knowledge of Prometheus.
 
@@ -61,6 +62,9 @@ class _EngineStateCollector:
         hits = CounterMetricFamily("minivllm_prefix_cache_hits", "Lookups that restored at least one page", labels=["worker"])
         proposed = CounterMetricFamily("minivllm_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=["worker"])
         accepted = CounterMetricFamily("minivllm_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["worker"])
+        structured = CounterMetricFamily("minivllm_structured_draws", "Constrained tokens by how they were drawn: "
+                                         "forced (no mask), masked_ahead, masked_at_draw, checked",
+                                         labels=["worker", "how"])
         snapshot = self.cluster.snapshot()
         ledger = snapshot["requests"]
         open_requests = GaugeMetricFamily("minivllm_requests_open", "Accepted requests without their terminal event yet")
@@ -84,4 +88,6 @@ class _EngineStateCollector:
             spec = snap["speculative"]
             proposed.add_metric([name], spec.get("proposed", 0))
             accepted.add_metric([name], spec.get("accepted", 0))
-        yield from (up, running, waiting, kv, queries, hits, proposed, accepted)
+            for how, n in snap.get("structured", {}).items():
+                structured.add_metric([name, how], n)
+        yield from (up, running, waiting, kv, queries, hits, proposed, accepted, structured)

@@ -631,7 +631,8 @@ def test_run_is_the_one_step_loop(llm, ref):
 
 # -- 10, 13: snapshots and logits rows ----------------------------------------------------------
 
-SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "prefix_cache", "speculative", "counters"}
+SNAPSHOT_KEYS = {"schema", "engine", "queues", "kv", "last_step", "kernels", "prefix_cache", "speculative", "counters",
+                 "structured"}
 PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_pages", "in_use_pages", "cached_tokens",
                "lookups", "hits", "hit_rate", "restored_tokens", "published_pages", "duplicate_pages", "evicted_pages",
                "flights", "released", "flight_counters"}
@@ -648,6 +649,7 @@ ROW_KEYS = {"id", "phase", "tokens", "draft_tokens"}
 COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted",
                 "requests_finished", "finished_stop", "finished_length", "finished_abort", "finished_error",
                 "rejected"}
+STRUCTURED_KEYS = {"forced", "masked_ahead", "masked_at_draw", "checked"}
 REQUEST_KEYS = {"id", "status", "phase", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens",
                 "restored_tokens", "pages", "block_table", "preemptions", "flight", "waiting_on", "speculation"}
 
@@ -670,6 +672,7 @@ def check_schema(snap: dict) -> None:
     for row in snap["last_step"]["rows"]:
         assert set(row) == ROW_KEYS
     assert set(snap["counters"]) == COUNTER_KEYS
+    assert set(snap["structured"]) == STRUCTURED_KEYS
 
 
 def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.serving import Cluster
 from minivllm.serving.http_server import start_server_in_background
@@ -82,6 +84,30 @@ def test_json_schema_outputs_validate(served, sampling):
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_metrics_count_how_constrained_tokens_were_drawn(smol):
+    """`/metrics` carries the engine's structured-draw counters: a JSON-schema reply draws
+    its keys as forced tokens and its values by checks or masks, each counted once per
+    token (they arrive with the worker's periodic snapshot)."""
+    srv, cluster, client = smol
+
+    def draws() -> dict[str, float]:
+        text = httpx.get(srv.url + "/metrics").text
+        return {s.labels["how"]: s.value for family in text_string_to_metric_families(text)
+                if family.name == "minivllm_structured_draws" for s in family.samples if s.name.endswith("_total")}
+
+    before = draws()
+    r = chat(smol, [{"role": "user", "content": "Invent a person: name, age and job."}],
+             response_format=PERSON_FORMAT, max_tokens=80, temperature=0)
+    deadline = time.monotonic() + 30
+    while sum((after := draws()).values()) < sum(before.values()) + r.usage.completion_tokens:
+        assert time.monotonic() < deadline, (before, after, r.usage)
+        time.sleep(0.05)
+    grown = {how: after[how] - before.get(how, 0) for how in after}
+    assert set(grown) == {"forced", "masked_ahead", "masked_at_draw", "checked"}, grown
+    # Every output token was drawn under the constraint, and counted once.
+    assert sum(grown.values()) == r.usage.completion_tokens and grown["forced"] > 0, grown
 
 
 def test_json_object_is_a_json_object(served):
