@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from minivllm.bench.structured_cost import FREE_SCHEMA, LONG_SCHEMA
+from minivllm.bench.structured_cost import FREE_SCHEMA, LONG_SCHEMA, row_schema
 from minivllm.bench.synthetic_model import ensure_synthetic_model
 from minivllm.engine import engine as engine_module
 from minivllm.engine.cuda_graphs import DecodeGraphRunner
@@ -65,19 +65,22 @@ wrap(engine_module.LLMEngine, "_draw", None, "draw_done")
 
 
 def batch(schema, round_no: int) -> None:
+    """`schema`: None (unconstrained), one schema for every row, or a function of the row."""
     params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
-                             structured={"json_schema": schema} if schema else None) for _ in range(16)]
+                             structured={"json_schema": schema(i) if callable(schema) else schema} if schema else None)
+              for i in range(16)]
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Request {round_no}-{i}: JSON."}])
                for i in range(16)]
     llm.generate(prompts, params)
 
 
 for r in range(2):  # warm-up: CUDA graphs, llguidance's vocabulary
-    for schema in (None, LONG_SCHEMA, FREE_SCHEMA):
+    for schema in (None, LONG_SCHEMA, FREE_SCHEMA, row_schema):
         batch(schema, r)
 INTERVALS = (("outside", "end_prev", "start"), ("prepare", "start", "replay"), ("forward", "replay", "forward_done"),
              ("draw", "forward_done", "draw_done"), ("append", "draw_done", "end"))
-for label, schema in (("unconstrained", None), ("bounded strings", LONG_SCHEMA), ("free strings", FREE_SCHEMA)):
+for label, schema in (("unconstrained", None), ("bounded strings", LONG_SCHEMA), ("free strings", FREE_SCHEMA),
+                      ("own schema per row", row_schema)):
     steps.clear()
     for r in range(3):
         batch(schema, 10 + r)
