@@ -436,7 +436,7 @@ class LLMEngine:
         req = self._requests[request_id]
         req.metrics.speculation = req.spec.stats.as_dict() if req.spec is not None else None
         return RequestOutput(req.id, req.prompt, list(req.prompt_ids), list(req.output_ids), req.text,
-                             req.finish_reason, req.metrics)
+                             req.finish_reason, req.metrics, req.error)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         out = self.output(request_id)

@@ -301,16 +301,25 @@ class Constraints:
         length-bounded string can take 4 ms, longer than the forward it was to hide
         behind. Sampled rows check even when narrow, so a seed's tokens never depend on
         where the step ran."""
-        reqs = [req for req, _ in plain_rows if req.constraint is not None and not draws_forced(req, masked_logits_wanted)
-                and (masked_logits_wanted or mask_always_read(req.params) or not req.constraint.checks_tokens()
-                     or (device_busy and req.params.greedy and req.constraint.looks_narrow()))]
+        out: dict[str, torch.Tensor | Exception] = {}
+        reqs = []
+        for req, _ in plain_rows:
+            if req.constraint is None:
+                continue
+            try:
+                if not draws_forced(req, masked_logits_wanted) and (
+                        masked_logits_wanted or mask_always_read(req.params) or not req.constraint.checks_tokens()
+                        or (device_busy and req.params.greedy and req.constraint.looks_narrow())):
+                    reqs.append(req)
+            except Exception as exc:  # noqa: BLE001 - a matcher that fails to answer fails its row
+                out[req.id] = exc
         if not reqs:
-            return {}
+            return out
         try:
             bitmask, failures = self.fill_masks([req.constraint for req in reqs])
         except Exception as exc:  # noqa: BLE001 - these rows fail, not the step
-            return {req.id: exc for req in reqs}
-        return {req.id: failure or bitmask[k] for k, (req, failure) in enumerate(zip(reqs, failures))}
+            return {**out, **{req.id: exc for req in reqs}}
+        return {**out, **{req.id: failure or bitmask[k] for k, (req, failure) in enumerate(zip(reqs, failures))}}
 
     def fill_masks(self, constraints: list[TokenConstraint]) -> tuple[torch.Tensor, list[Exception | None]]:
         """Each constraint's mask, computed now, as a row of one bitmask; and for each the

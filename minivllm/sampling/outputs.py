@@ -60,3 +60,4 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None  # what went wrong, when finish_reason is "error"

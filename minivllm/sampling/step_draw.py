@@ -68,13 +68,12 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
         if constraint is None:
             (greedy.append(_Greedy(req, row, row)) if p.greedy else sampled.append((req, row, row)))
             continue
-        if draws_forced(req, want_masked):
-            constraints.counts["forced"] += 1
-            out[req.id] = Drawn(constraint.forced_token(), row)
-            continue
         mask = masks.get(req.id)
         if isinstance(mask, Exception):
             out[req.id] = mask
+        elif draws_forced(req, want_masked):
+            constraints.counts["forced"] += 1
+            out[req.id] = Drawn(constraint.forced_token(), row)
         elif checks_candidates(p) and constraint.checks_tokens() and not (p.greedy and mask is not None):
             # Sampled rows check even with a mask ready: a seed's tokens never depend on timing.
             (greedy.append(_Greedy(req, row, row, checked=True)) if p.greedy else check_sampled.append((req, row, mask)))

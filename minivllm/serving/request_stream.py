@@ -124,4 +124,4 @@ class RequestStream:
                 if hasattr(metrics, key) and not isinstance(getattr(type(metrics), key, None), property):
                     setattr(metrics, key, value)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), list(self.token_ids),
-                             self.text, self.finish_reason, metrics)
+                             self.text, self.finish_reason, metrics, self.error)

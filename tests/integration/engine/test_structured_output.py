@@ -221,6 +221,31 @@ def test_a_constraint_the_vocabulary_cannot_spell_ends_with_an_error(tmp_path):
     _assert_pages_free(llm)
 
 
+def test_a_matcher_that_fails_mid_step_ends_only_its_request(smollm2, monkeypatch):
+    """llguidance raising while a step asks a matcher what comes next (here: the regex
+    request's, at its first token) ends that request with an error naming the failure; the
+    JSON request in the same steps still completes and validates, and no page stays held."""
+    from minivllm.sampling.constraint import TokenConstraint
+
+    real = TokenConstraint.forced_token
+
+    def failing(self):
+        if self.structured.kind == "regex":
+            raise RuntimeError("matcher exploded")
+        return real(self)
+
+    monkeypatch.setattr(TokenConstraint, "forced_token", failing)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    outs = smollm2.generate([_chat(smollm2, "A number, please."), _chat(smollm2, "A JSON object, please.")],
+                            [SamplingParams(temperature=0, max_tokens=12, structured={"regex": "[0-9]+"}),
+                             SamplingParams(temperature=0, max_tokens=40, structured={"json_schema": schema})])
+    assert outs[0].finish_reason == "error" and "matcher exploded" in outs[0].error, outs[0]
+    assert outs[1].finish_reason == "stop", outs[1]
+    jsonschema.validate(json.loads(outs[1].text), schema)
+    _assert_pages_free(smollm2)
+
+
 @pytest.mark.parametrize("structured, field", [
     ({"regex": "a(b"}, "structured.regex"),
     ({"grammar": "start: missing_rule"}, "structured.grammar"),
