@@ -277,6 +277,8 @@ class LLMEngine:
                 # policy) and end the flight, releasing the followers.
                 self._kv.publish(req)
                 self._release_followers(req.id, self.flights.prefill_done(req.id))
+        if timed and logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the gate weighs device time; forced tokens need not wait
         described["duration_s"] = time.perf_counter() - t0
         if timed:
             self.speculator.record_step_time(timed, described["duration_s"], measured=plan.prefill_tokens == 0)
