@@ -8,12 +8,12 @@ Every row gets its own short prompt (no prefix sharing) and decodes exactly `max
 tokens: unconstrained rows ignore EOS, and the schema (an object holding at least 64 small
 records) cannot be complete sooner. Under one shared schema the rows reach its keys in
 the same steps; "each row its own" varies the key names and the names' bound per row, so
-they drift apart as a real mix of requests would. Decode tok/s of a batch = tokens after each row's first
-/ (last row's end - first token), from the engine's own request metrics, the end pushed
-back by whatever device work was still queued when the batch returned: a step whose rows
-all take tokens the grammar forces never waits for the GPU, so the host may finish ahead
-of it. The modes take turns inside every round, so each ratio compares numbers measured
-next to each other.
+they drift apart as a real mix of requests would. Decode tok/s of a batch = tokens after
+each row's first / (last row's end - first token), from the engine's own request metrics,
+the end pushed back by whatever device work was still queued when the batch returned: a
+step whose rows all take tokens the grammar forces never waits for the GPU, so the host
+may finish ahead of it. The modes take turns inside every round, so each ratio compares
+numbers measured next to each other.
 
 "plain rows in a mixed batch" answers whether a constraint costs the unconstrained rows
 that share its batch anything: their per-row tok/s next to that of an all-plain batch.
@@ -47,6 +47,7 @@ LONG_SCHEMA = {
 FREE_SCHEMA = {**LONG_SCHEMA, "properties": {"items": {**LONG_SCHEMA["properties"]["items"], "items": {
     **LONG_SCHEMA["properties"]["items"]["items"],
     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "name": {"type": "string"}}}}}}
+
 
 def row_schema(row: int) -> dict:
     """Row `row`'s own variant of LONG_SCHEMA: other key names and another bound on the
