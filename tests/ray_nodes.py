@@ -27,6 +27,7 @@ import psutil
 from minivllm.serving.http_server import free_port
 
 TAG = "MINIVLLM_TEST_RAY_TAG"
+NODE_TAG = "MINIVLLM_TEST_RAY_NODE"  # which of the cluster's nodes a process belongs to
 
 
 def ray_cli() -> str:
@@ -46,7 +47,8 @@ class RayNodes:
         self._saved_env = {k: os.environ.get(k) for k in self.auth}
 
     def _start(self, args: list[str], env: dict | None) -> subprocess.Popen:
-        full_env = {**os.environ, TAG: self.tag, "RAY_USAGE_STATS_ENABLED": "0", **self.auth, **(env or {})}
+        full_env = {**os.environ, TAG: self.tag, NODE_TAG: str(len(self.nodes)), "RAY_USAGE_STATS_ENABLED": "0",
+                    **self.auth, **(env or {})}
         proc = subprocess.Popen([ray_cli(), "start", *args, f"--num-cpus={self.cpus}", "--num-gpus=0", "--block",
                                  "--disable-usage-stats"], env=full_env, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -92,10 +94,23 @@ class RayNodes:
                 raise TimeoutError(f"the Ray cluster at {self.address} did not reach {count} nodes in {timeout:g} s")
             time.sleep(0.5)
 
-    def kill_node(self, index: int) -> None:
-        """SIGKILL node `index`'s raylet and everything in its session, as a crash would."""
+    def kill_node(self, index: int) -> int:
+        """SIGKILL everything of node `index` at once, as a host crash would: its raylet's
+        session and the workers it started (sessions of their own, found by the node tag
+        they inherit). Left to notice their raylet's death, the workers took seconds on a
+        loaded machine, long enough to finish the streams a test meant to cut. Returns how
+        many processes outside the raylet's session it killed."""
         os.killpg(self.nodes[index].pid, signal.SIGKILL)
+        killed = 0
+        for proc in self.tagged_processes():
+            try:
+                if proc.environ().get(NODE_TAG) == str(index):
+                    proc.kill()
+                    killed += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
         self.nodes[index].wait(10)
+        return killed
 
     def tagged_processes(self) -> list[psutil.Process]:
         found = []
