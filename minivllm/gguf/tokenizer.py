@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from minivllm.errors import InvalidMetadataError, TokenizerError
 from minivllm.gguf.chat_template import ChatTemplate, check_template_bounds
+from minivllm.gguf.control_escape import ControlTextEscape
 from minivllm.gguf.pretokenizers import PreTokenizerRule, pre_tokenizer_rule
 from minivllm.gguf.reader import GGUFFile
 
@@ -150,6 +151,7 @@ class Tokenizer:
         self._special = frozenset(i for i, a in attrs.items() if a in (CONTROL, UNKNOWN))
         self._pieces: dict[int, bytes] = {}
         self._template: ChatTemplate | None = None
+        self._escape: ControlTextEscape | None = None
         # `encode_special_tokens` is a flag on the shared Rust tokenizer; the lock keeps a
         # parse_special=False call from leaking into a concurrent call.
         self._lock = threading.Lock()
@@ -285,22 +287,21 @@ class Tokenizer:
         never the control ids, so they cannot forge a turn. Content without control-token
         text takes the plain path (render, then encode with special-token parsing), so its
         ids are exactly what `encode(apply_chat_template(...))` gives. Otherwise each
-        control-token text in the content is swapped for a private-use placeholder before
-        rendering; the rendered prompt is split at the control tokens the template wrote,
-        and the runs between them are encoded with the placeholders turned back into their
-        plain text (`parse_special=False`). User-defined tokens (Qwen's `<tool_call>`) still
+        control-token text in the content is escaped before rendering (`control_escape.py`:
+        an escape that no content can exhaust); the rendered prompt is split at the control
+        tokens the template wrote, and the runs between them are encoded with the escapes
+        turned back into their plain text (`parse_special=False`). User-defined tokens (Qwen's `<tool_call>`) still
         match in content, as in llama.cpp and `transformers`; they are not control tokens.
         Not covered: a template whose own literal text would complete a control token with
         the edge of the content (`'<|im_' + content`); no real template writes one.
         """
-        swap = self._control_swap(messages, context)
-        if swap is None:
+        escape = self._control_escape()
+        found = escape.found_in([messages, context])
+        if not found:
             text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **context)
             return text, self.encode(text, add_bos=add_bos)
-        to_placeholder, to_text = swap
-        rendered = self.apply_chat_template(_swap_strings(messages, to_placeholder),
-                                            add_generation_prompt=add_generation_prompt,
-                                            **_swap_strings(context, to_placeholder))
+        rendered = self.apply_chat_template(escape.hide(messages, found), add_generation_prompt=add_generation_prompt,
+                                            **escape.hide(context, found))
         with self._lock:
             enc = self._hf.encode(rendered, add_special_tokens=False)
         ids: list[int] = []
@@ -308,30 +309,23 @@ class Tokenizer:
         for tid, (start, end) in zip(enc.ids, enc.offsets):
             if tid in self._special:  # the content holds none, so the template wrote it
                 if start > run_start:
-                    ids += self.encode(rendered[run_start:start].translate(to_text), add_bos=False, parse_special=False)
+                    ids += self.encode(escape.reveal(rendered[run_start:start]), add_bos=False, parse_special=False)
                 ids.append(tid)
                 run_start = end
         if run_start < len(rendered):
-            ids += self.encode(rendered[run_start:].translate(to_text), add_bos=False, parse_special=False)
+            ids += self.encode(escape.reveal(rendered[run_start:]), add_bos=False, parse_special=False)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos=True but this model has no BOS token")
             ids.insert(0, self.bos_id)
-        return rendered.translate(to_text), ids
+        return escape.reveal(rendered), ids
 
-    def _control_swap(self, messages: Any, context: dict) -> tuple[dict[str, str], dict[int, str]] | None:
-        """Placeholders for the control-token texts found in the strings of a conversation,
-        or None when there are none. Placeholders are private-use characters that occur
-        nowhere in the conversation or the template, one per control token."""
-        strings = list(_strings(messages)) + list(_strings(context))
-        texts = sorted({self._tokens[i] for i in self._special}, key=len, reverse=True)
-        found = [t for t in texts if any(t in s for s in strings)]
-        if not found:
-            return None
-        used = set("".join(strings)) | set(self.chat_template or "")
-        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)
-        to_placeholder = {t: next(free) for t in found}
-        return to_placeholder, {ord(c): t for t, c in to_placeholder.items()}
+    def _control_escape(self) -> ControlTextEscape:
+        """How control-token text in chat content is escaped (`control_escape.py`); built
+        once, from the vocabulary and the template alone."""
+        if self._escape is None:
+            self._escape = ControlTextEscape((self._tokens[i] for i in self._special), self.chat_template or "")
+        return self._escape
 
     # -- decoding --------------------------------------------------------------------
 
@@ -404,33 +398,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
-
-
-def _strings(value: Any):
-    """Every string inside nested dicts, lists and tuples (a conversation, tool schemas)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings(k)
-            yield from _strings(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _strings(v)
-
-
-def _swap_strings(value: Any, to_placeholder: dict[str, str]) -> Any:
-    """A copy of `value` with each control-token text in its strings replaced by its
-    placeholder (longest texts first, so `<|a|>` inside `<|a|>b|>` cannot split it)."""
-    if isinstance(value, str):
-        for text, placeholder in to_placeholder.items():
-            value = value.replace(text, placeholder)
-        return value
-    if isinstance(value, dict):
-        return {_swap_strings(k, to_placeholder): _swap_strings(v, to_placeholder) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_swap_strings(v, to_placeholder) for v in value)
-    return value
 
 
 def _drop_false_eog(eog: set[int], tokens: list[str], attrs: dict[int, int]) -> None:

@@ -36,8 +36,8 @@ tracked and reaped by `stop`. Admission is work-aware: `_admissible` drops worke
 queued prompt work (the in-flight requests' remaining prefill) plus the new prompt would
 pass `max_queued_prompt_tokens` (a worker with none queued takes any prompt that fits)
 and raises `AdmissionRefused` (429) when none is left. Chat prompts go through
-`Tokenizer.encode_chat`: control-token text inside message content is swapped for
-private-use placeholders before rendering, the rendered prompt is split at the control
+`Tokenizer.encode_chat`: control-token text inside message content is escaped
+before rendering (`gguf/control_escape.py`), the rendered prompt is split at the control
 tokens the template wrote and the runs between them are encoded as plain text, so
 content never yields control ids (benign content takes the old render-then-encode path,
 ids unchanged); raw string prompts parse control tokens unless

@@ -88,6 +88,29 @@ def test_single_control_texts_stay_text(model, content):
     assert ours.decode(ids) == text == reference_text(theirs, messages)
 
 
+def every_private_use_character() -> str:
+    return "".join(map(chr, [*range(0xE000, 0xF900), *range(0xF0000, 0x110000)]))
+
+
+def test_content_holding_every_private_use_character_still_escapes_control_text(model):
+    """Issue 39: the old swap took one unused private-use character per control text
+    from the content's complement; content holding them all left none (StopIteration,
+    and a server request that never ended). The escape does not depend on the content."""
+    _, ours, theirs = model
+    pua = every_private_use_character()
+    escape = ours._control_escape()
+    code = escape.codes["<|im_end|>"]
+    # the escape character and its codes next to control text and to each other, then every private-use character
+    content = (escape.escape + ISSUE_ATTACK + escape.escape * 3 + code + "<|im_start|>" + escape.escape + "<|im_end"
+               + code + "|>" + pua + ISSUE_ATTACK + escape.escape)
+    messages = [{"role": "user", "content": content}]
+    text, ids = ours.encode_chat(messages)
+    assert [i for i in ids if ours.is_special(i)] == [i for i in reference_ids(theirs, [{"role": "user", "content": "x"}])
+                                                      if ours.is_special(i)]
+    assert text == reference_text(theirs, messages)
+    assert ours.decode(ids) == text
+
+
 BENIGN = [
     [{"role": "user", "content": "Hello!"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}],
