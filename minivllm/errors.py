@@ -12,6 +12,30 @@ class MinivllmError(Exception):
     """Base class of every error minivllm raises on purpose."""
 
 
+# How much of a client's input an error may quote: a message that names a 500 KB grammar
+# or a 100k-entry choice list must not send it back (issue 39). `quoted` bounds one value,
+# `bounded_message` a whole message (every HTTP error body goes through it).
+QUOTE_LIMIT = 200
+MESSAGE_LIMIT = 1000
+
+
+def quoted(value: object) -> str:
+    """`repr(value)`, cut to QUOTE_LIMIT characters with a note of its full length."""
+    text = repr(value)
+    if len(text) <= QUOTE_LIMIT:
+        return text
+    return f"{text[:QUOTE_LIMIT]}... ({len(text)} characters in all)"
+
+
+def bounded_message(message: str) -> str:
+    """`message`, cut in the middle to MESSAGE_LIMIT characters: its start names the
+    thing and its end usually says the fix, whatever input sits between."""
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    head, tail = MESSAGE_LIMIT * 2 // 3, MESSAGE_LIMIT // 3
+    return f"{message[:head]} ... [{len(message) - head - tail} characters cut] ... {message[-tail:]}"
+
+
 # --- model sources -------------------------------------------------------------------
 
 
@@ -110,7 +134,7 @@ class ConfigError(MinivllmError, ValueError):
     def __init__(self, field: str, value: object, allowed: str):
         self.field = field
         self.value = value
-        super().__init__(f"invalid {field}={value!r}: {allowed}")
+        super().__init__(f"invalid {field}={quoted(value)}: {allowed}")
 
 
 class DeviceError(MinivllmError):

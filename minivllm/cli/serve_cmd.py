@@ -51,6 +51,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="repeatable; without --api-key, a Host name (besides loopback and the bind address) that "
+                        "clients may use; other Host values and cross-site browser requests get a 403")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -85,7 +88,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from minivllm.serving.http_server import serve
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it (clients must "
+              "use the bind address or a --allowed-host as the Host)", file=sys.stderr)
 
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_concurrent_requests=args.max_concurrent_requests,
                           header_timeout_s=args.header_timeout, max_connections=args.max_connections)
@@ -101,5 +105,6 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"[{w['name']}] ready: prefill {r.get('prefill_tps') or 0:.1f} tok/s, decode "
                   + ", ".join(f"batch {b}: {v:.1f}" for b, v in (r.get("decode_tps") or {}).items()) + " tok/s",
                   file=sys.stderr)
-        serve(cluster, host=args.host, port=args.port, api_key=args.api_key, limits=limits)
+        serve(cluster, host=args.host, port=args.port, api_key=args.api_key, limits=limits,
+              allowed_hosts=tuple(args.allowed_host))
     return 0

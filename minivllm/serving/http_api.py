@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,8 +42,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.serving.cluster import AdmissionRefused
-from minivllm.serving.http_guards import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit, ServerLimits
+from minivllm.serving.http_guards import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit, ServerLimits, error_body
+from minivllm.serving.http_origin import LocalOnlyGuard
 from minivllm.serving.metrics import ServingMetrics
+from minivllm.serving.off_loop import in_thread, thread_future
 from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import NoWorkerAvailable
@@ -51,14 +55,29 @@ from minivllm.serving.tool_calls import ToolRequest
 CHAT_DEFAULT_MAX_TOKENS = 256
 CONSTRAINT_FAILED = "the structured output ("  # how the engine's error for an unsatisfiable constraint begins
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+HIDDEN = "(hidden: set --api-key to see file paths)"
+
+logger = logging.getLogger("minivllm.http")
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> Response:
-    # ASCII-escaped JSON: an error quoting the client's bad input may hold lone surrogates,
-    # which JSONResponse's UTF-8 encoding would turn into a 500.
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}})
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
+    return Response(error_body(message, kind, param), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def without_file_paths(value, directories: list[str]):
+    """A snapshot for clients without a key: every `*_path` value and every mention of
+    the model files' directories hidden (a web page must not learn where they live)."""
+    if isinstance(value, dict):
+        return {k: (HIDDEN if isinstance(k, str) and k.endswith("_path") and v is not None
+                    else without_file_paths(v, directories)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_file_paths(v, directories) for v in value]
+    if isinstance(value, str):
+        for d in directories:
+            value = value.replace(d, HIDDEN)
+    return value
 
 
 def timing_extension(stream: RequestStream) -> dict:
@@ -76,7 +95,9 @@ def usage(stream: RequestStream) -> dict:
 
 
 def create_app(cluster, *, api_key: str | None = None, served_model_name: str | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """`allowed_hosts`: without `api_key`, the Host names besides loopback that may call
+    (`http_origin.py`); with a key they are not needed."""
     limits = limits or ServerLimits()
     app = FastAPI(title="minivllm", version="0.1.0",
                   description="OpenAI-compatible API over minivllm's device workers and router.")
@@ -91,6 +112,18 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, on_reject=reject,
                        timeout_s=limits.header_timeout_s)
     app.add_middleware(ApiKeyGuard, api_key=api_key, on_reject=reject)
+    if api_key is None:
+        app.add_middleware(LocalOnlyGuard, allowed_hosts=tuple(allowed_hosts), on_reject=reject)
+    model_dirs = sorted({str(Path(p).parent) for p in (cluster.model_path, getattr(cluster, "draft_model_path", None))
+                         if p is not None}, key=len, reverse=True)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        # A bug, not the client's fault: a 500 in the API shape (the traceback goes to the
+        # log), and the middlewares' finally blocks still give back what the request held.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal error ({type(exc).__name__}: {exc}); the server's log has the "
+                                   "traceback", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -128,7 +161,8 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
     @app.get("/v1/cluster/snapshot")
     async def cluster_snapshot(fresh: bool = False):
         """`fresh=true` asks every worker for a new engine snapshot instead of its latest one."""
-        return await asyncio.to_thread(cluster.snapshot, fresh)
+        snap = await in_thread(cluster.snapshot, fresh)
+        return snap if api_key is not None else without_file_paths(snap, model_dirs)
 
     @app.post("/v1/cluster/workers/{name}/restart")
     async def restart_worker(name: str):
@@ -139,14 +173,14 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             return error_response(404, f"no worker named {name!r}; workers: {', '.join(cluster.workers)}",
                                   "invalid_request_error", "name")
         try:
-            await asyncio.wrap_future(cluster.restart_worker_async(name))
+            await thread_future(cluster.restart_worker_async(name), f"the restart of worker {name!r}")
         except MinivllmError as exc:
             return error_response(503, str(exc), "service_unavailable")
         return cluster.health()
 
     @app.get("/metrics")
     async def prometheus():
-        body = await asyncio.to_thread(metrics.render)
+        body = await in_thread(metrics.render)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def start(request: Request, body, *, prompt=None, messages=None, tools: ToolRequest | None = None,
@@ -164,7 +198,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                 params = body.sampling_params(default_max_tokens, tools)
                 return cluster.submit(prompt, params, messages=messages, chat_context=context, loop=loop)
 
-            stream = await asyncio.to_thread(submit)
+            stream = await in_thread(submit)
         except ConfigError as exc:
             metrics.rejected.labels("invalid").inc()
             return error_response(400, str(exc), "invalid_request_error", exc.field)
@@ -267,9 +301,8 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                 while True:
                     if event.finished:
                         if event.finish_reason == "error":
-                            err = {"error": {"message": event.error or "generation failed", "type": "server_error",
-                                             "param": None, "code": None}}
-                            yield f"data: {json.dumps(err)}\n\n"
+                            err = error_body(event.error or "generation failed", "server_error").decode()
+                            yield f"data: {err}\n\n"
                         elif splitter is None:
                             yield chunk(event.text, event.finish_reason, first_chunk)
                         else:

@@ -10,9 +10,13 @@ on uvicorn's own h11 protocol class (`uvicorn.Config(http=...)` takes a class):
   within this many seconds, or the server answers 408 and closes it. Its body then gets
   as long again (`http_guards.BodySizeLimit`, same 408 and close); a response, however
   long it streams, is not limited.
-- `max_connections`: a connection accepted while this many are open gets a 503 with
-  Retry-After and is closed at once, before anything is read from it, so a flood of
-  idle sockets cannot exhaust file descriptors or starve the event loop.
+- `max_connections`: a connection accepted while this many are open first evicts the
+  connection that has waited longest for a request (a kept-alive one between requests,
+  or one whose headers are still incomplete), closed silently as a keep-alive timeout
+  closes it; only when every open connection is busy with a request does the new one
+  get a 503 with Retry-After, closed at once before anything is read from it. A flood
+  of idle sockets can thus neither exhaust file descriptors nor lock new clients out
+  (issue 39: 512 idle keep-alive sockets got /health itself a 503 for up to 10 s).
 
 The counters (`stats`) say how many connections each guard closed.
 """
@@ -45,13 +49,14 @@ class GuardedH11Protocol(H11Protocol):
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    stats: dict[str, int] = {"header_timeouts": 0, "refused": 0}
+    stats: dict[str, int] = {"header_timeouts": 0, "refused": 0, "evicted": 0}
 
     _header_timer: asyncio.TimerHandle | None = None
     _refused = False
+    waiting_since: float | None = None  # loop time since which it waits for a request's headers
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
+        if len(self.connections) >= self.max_connections and not self._evict_idle():
             self._refused = True
             self.transport = transport  # connection_lost closes it again
             self.stats["refused"] += 1
@@ -69,6 +74,25 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the request's headers are in
             self._cancel_header_timer()
+            self.waiting_since = None
+
+    def waiting_for_request(self) -> bool:
+        return (self.waiting_since is not None and not self.transport.is_closing()
+                and self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE)
+
+    def _evict_idle(self) -> bool:
+        """Close the open connection that has waited longest for a request; False if none waits."""
+        idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.waiting_for_request()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.waiting_since)
+        oldest.waiting_since = None
+        oldest._cancel_header_timer()
+        oldest.transport.close()  # leaves `connections` in its connection_lost
+        self.stats["evicted"] += 1
+        logger.info("closed an idle connection from %s to admit a new one (--max-connections %d)",
+                    oldest.client, self.max_connections)
+        return True
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -81,6 +105,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
+        self.waiting_since = self.loop.time()
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
     def _cancel_header_timer(self) -> None:
@@ -106,4 +131,4 @@ def guarded_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     """A protocol class for `uvicorn.Config(http=...)` with these limits and fresh counters."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {
         "header_timeout_s": float(header_timeout_s), "max_connections": int(max_connections),
-        "stats": {"header_timeouts": 0, "refused": 0}})
+        "stats": {"header_timeouts": 0, "refused": 0, "evicted": 0}})

@@ -17,6 +17,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from minivllm.errors import bounded_message
+
 # Connection guards (enforced in http_connections.py, which needs uvicorn; the defaults live
 # here so that the CLI can show them without the [serve] extra installed).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -51,8 +53,16 @@ class ServerLimits:
             raise ConfigError("max_connections", self.max_connections, "must be an integer >= 1")
 
 
+def error_body(message: str, kind: str, param: str | None = None) -> bytes:
+    """An error in OpenAI's shape. Every HTTP error body is made here, so none quotes
+    more than `bounded_message` lets through of a client's input; ASCII-escaped JSON, so
+    a lone surrogate quoted from bad input cannot fail its encoding."""
+    return json.dumps({"error": {"message": bounded_message(message), "type": kind, "param": param,
+                                 "code": None}}).encode()
+
+
 async def send_error(send, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    body = error_body(message, kind)
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
@@ -61,7 +71,8 @@ async def send_error(send, status: int, message: str, kind: str, headers: dict[s
 
 class ApiKeyGuard:
     """Every HTTP route but /health needs `Authorization: Bearer <key>`, the OpenAPI
-    schema and the docs included (they are routes too)."""
+    schema and the docs included (they are routes too); a request with two Authorization
+    headers is refused on every route, key or not."""
 
     def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...] = OPEN_PATHS, on_reject=None):
         self.app = app
@@ -70,6 +81,14 @@ class ApiKeyGuard:
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and sum(name == b"authorization" for name, _ in scope.get("headers") or []) > 1:
+            # Proxies and servers disagree on which of two wins; answering either would let
+            # one of them see a request the other checked under another identity.
+            if self.on_reject:
+                self.on_reject("auth")
+            await send_error(send, 400, "the request has more than one Authorization header; send one",
+                             "invalid_request_error")
+            return
         if scope["type"] == "http" and self.expected is not None and scope["path"] not in self.open_paths:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):

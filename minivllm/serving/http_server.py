@@ -7,6 +7,8 @@
 The background server runs uvicorn with its own event loop on its own thread, so it
 does not touch the notebook kernel's loop. Loopback is the default bind: serving on
 other interfaces is an explicit choice (`--host 0.0.0.0`), ideally with `--api-key`.
+Without a key, only loopback Host names, the bind address and `allowed_hosts` are
+answered, and cross-site browser requests are refused (`http_origin.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uvicorn
 from minivllm.serving.http_api import create_app
 from minivllm.serving.http_connections import guarded_protocol
 from minivllm.serving.http_guards import ServerLimits
+from minivllm.serving.http_origin import allowed_hosts_for
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -31,25 +34,27 @@ def free_port(host: str = DEFAULT_HOST) -> int:
 
 
 def serve(cluster, *, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
-          limits: ServerLimits | None = None, log_level: str = "info") -> None:
+          limits: ServerLimits | None = None, log_level: str = "info", allowed_hosts: tuple[str, ...] = ()) -> None:
     """Serve until interrupted (Ctrl-C); the caller owns the cluster."""
-    app = create_app(cluster, api_key=api_key, limits=limits)
+    app = create_app(cluster, api_key=api_key, limits=limits, allowed_hosts=allowed_hosts_for(host, allowed_hosts))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                 http=connection_guards(limits))
 
 
 def connection_guards(limits: ServerLimits | None) -> type:
-    """uvicorn's h11 protocol with the header-read timeout and the connection cap."""
+    """uvicorn's h11 protocol with the header-read timeout and the connection cap (which
+    evicts idle connections first)."""
     limits = limits or ServerLimits()
     return guarded_protocol(limits.header_timeout_s, limits.max_connections)
 
 
 class BackgroundServer:
     def __init__(self, cluster, *, host: str = DEFAULT_HOST, port: int = 0, api_key: str | None = None,
-                 limits: ServerLimits | None = None, log_level: str = "warning"):
+                 limits: ServerLimits | None = None, log_level: str = "warning", allowed_hosts: tuple[str, ...] = ()):
         self.host = host
         self.port = port or free_port(host)
-        self.app = create_app(cluster, api_key=api_key, limits=limits)
+        self.app = create_app(cluster, api_key=api_key, limits=limits,
+                              allowed_hosts=allowed_hosts_for(host, allowed_hosts))
         self.protocol = connection_guards(limits)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5,
                                 http=self.protocol)
@@ -89,5 +94,7 @@ class BackgroundServer:
 
 
 def start_server_in_background(cluster, *, host: str = DEFAULT_HOST, port: int = 0, api_key: str | None = None,
-                               limits: ServerLimits | None = None, log_level: str = "warning") -> BackgroundServer:
-    return BackgroundServer(cluster, host=host, port=port, api_key=api_key, limits=limits, log_level=log_level).start()
+                               limits: ServerLimits | None = None, log_level: str = "warning",
+                               allowed_hosts: tuple[str, ...] = ()) -> BackgroundServer:
+    return BackgroundServer(cluster, host=host, port=port, api_key=api_key, limits=limits, log_level=log_level,
+                            allowed_hosts=allowed_hosts).start()
