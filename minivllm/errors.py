@@ -16,7 +16,7 @@ class MinivllmError(Exception):
 # or a 100k-entry choice list must not send it back (issue 39). `quoted` bounds one value,
 # `bounded_message` a whole message (every HTTP error body goes through it).
 QUOTE_LIMIT = 200
-MESSAGE_LIMIT = 1000
+MESSAGE_LIMIT = 600
 
 
 def quoted(value: object) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.errors import ConfigError
+from minivllm.errors import ConfigError, quoted
 from minivllm.sampling.structured import StructuredOutput
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -76,7 +76,7 @@ def build_structured(field: str, kwargs: dict) -> StructuredOutput:
 
 def reason(exc: ConfigError) -> str:
     """The 'allowed' part of a ConfigError's message (after "invalid field=value: ")."""
-    text, prefix = str(exc), f"invalid {exc.field}={exc.value!r}: "
+    text, prefix = str(exc), f"invalid {exc.field}={quoted(exc.value)}: "
     return text[len(prefix):] if text.startswith(prefix) else text
 
 
