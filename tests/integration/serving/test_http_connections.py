@@ -8,7 +8,8 @@ asserted are events: each slow or silent connection gets the 408 and EOF from th
 after the timeout (never before it, and within a generous margin after it), its headers
 were never complete, and completions sent meanwhile over the official `openai` client
 succeed. The cap is checked on a second server over the same cluster with a long
-timeout, so only the cap can close anything there.
+timeout, so only the cap can close anything there: idle connections are evicted to
+admit a new one, and only when every connection is busy does the new one get a 503.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -155,12 +157,34 @@ def test_a_body_sent_slowly_gets_a_408_and_the_connection_is_closed(cluster):
         srv.stop()
 
 
-def test_connections_over_the_cap_get_a_503_and_are_closed(cluster):
+async def busy_connection(port: int):
+    """A connection in the middle of a request: complete headers, a body still to come."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{")
+    await writer.drain()
+    return reader, writer
+
+
+async def kept_alive_connection(port: int):
+    """A connection that has had one answer and now waits, kept alive, for its next request."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    await reader.readexactly(length)
+    return reader, writer
+
+
+def test_connections_over_the_cap_get_a_503_when_all_are_busy(cluster):
     cap = 8
     srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=600.0, max_connections=cap))
     try:
         async def drill():
-            held = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(cap)]
+            held = [await busy_connection(srv.port) for _ in range(cap)]
+            await asyncio.sleep(0.2)  # let the server read every request's headers
             over = await slow_client(srv.port, 0.05, False)
             for _, writer in held:
                 writer.close()
@@ -169,9 +193,43 @@ def test_connections_over_the_cap_get_a_503_and_are_closed(cluster):
         over = asyncio.run(drill())
         assert over["received"].startswith(b"HTTP/1.1 503 "), over["received"][:200]
         assert b"--max-connections" in over["received"] and b"retry-after: 1" in over["received"].lower()
-        assert srv.connection_stats == {"header_timeouts": 0, "refused": 1}
+        assert srv.connection_stats == {"header_timeouts": 0, "refused": 1, "evicted": 0}
         # Once the held sockets are closed, requests are served again.
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=5, timeout=120)
         assert client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
+
+
+def test_idle_connections_are_evicted_before_the_cap_refuses_a_new_one(cluster):
+    """Issue 39: with every slot taken by idle sockets (kept alive after a request, or
+    silent since they connected), new clients, /health included, got a 503 for up to the
+    header timeout. Now the longest-waiting idle connection makes room; busy ones stay."""
+    cap = 8
+    srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=600.0, max_connections=cap))
+    try:
+        async def drill():
+            busy = [await busy_connection(srv.port) for _ in range(2)]
+            kept = [await kept_alive_connection(srv.port) for _ in range(3)]
+            silent = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(cap - 5)]
+            await asyncio.sleep(0.2)
+            # new clients that stay connected: each one evicts the longest-waiting idle connection
+            new = [await kept_alive_connection(srv.port) for _ in range(cap - 2)]  # asserts each got its 200
+            async with httpx.AsyncClient(timeout=60) as client:  # and one more, through a client library
+                health = (await client.get(srv.url + "/health")).status_code
+            evicted = [await reader.read() for reader, _ in kept + silent]  # closed by the server: EOF
+            # the busy requests were never cut: their connections still take their bodies
+            for reader, writer in busy:
+                writer.write(b'"prompt": "Hi", "max_tokens": 2}'.ljust(99))
+                await writer.drain()
+            answers = [await reader.readuntil(b"\r\n") for reader, _ in busy]
+            for _, writer in busy + kept + silent + new:
+                writer.close()
+            return health, evicted, answers
+
+        health, evicted, answers = asyncio.run(drill())
+        assert health == 200 and evicted == [b""] * (cap - 2)
+        assert all(a.startswith(b"HTTP/1.1 200 ") for a in answers), answers
+        assert srv.connection_stats == {"header_timeouts": 0, "refused": 0, "evicted": cap - 1}, srv.connection_stats
     finally:
         srv.stop()
