@@ -18,6 +18,8 @@ import secrets
 from dataclasses import dataclass
 
 from minivllm.errors import bounded_message
+from minivllm.serving.memory_release import release_freed_memory, worth_releasing
+from minivllm.serving.off_loop import in_thread
 
 # Connection guards (enforced in http_connections.py, which needs uvicorn; the defaults live
 # here so that the CLI can show them without the [serve] extra installed).
@@ -104,7 +106,9 @@ class BodySizeLimit:
     """Reads a request body up to `max_bytes` before the app sees it; a larger body
     (declared or actually sent, chunked or not) gets a 413 without being parsed. A body
     that has not all arrived `timeout_s` after its headers gets a 408 and the connection
-    is closed (the header-read timeout's counterpart for clients that dribble a body)."""
+    is closed (the header-read timeout's counterpart for clients that dribble a body).
+    Once a large request has ended, the heap it freed goes back to the OS
+    (`memory_release.py`)."""
 
     def __init__(self, app, max_bytes: int, on_reject=None, timeout_s: float | None = None):
         self.app = app
@@ -151,16 +155,20 @@ class BodySizeLimit:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        chunks.clear()
         replayed = False
 
         async def replay():
-            nonlocal replayed
+            nonlocal replayed, body
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                message, body = {"type": "http.request", "body": body, "more_body": False}, b""
+                return message
             return await receive()  # from here on: disconnect notices, passed through
 
         await self.app(scope, replay, send)
+        if worth_releasing(size):  # the request's memory is free now, but glibc would keep it
+            await in_thread(release_freed_memory)
 
 
 class ConcurrencyLimit:
