@@ -9,11 +9,14 @@
     POST /v1/cluster/workers/{name}/restart   replace one worker; the others keep serving
     GET  /metrics                Prometheus text format
 
-Every route but /health needs the API key when one is set; bodies over the size limit get
+Every route but /health needs the API key when one is set; without one, only loopback or
+allowed Host names and no cross-site browser requests get in (`http_origin.py`, a 403 or
+415), and the snapshot hides file paths. Bodies over the size limit get
 a 413 and generation requests over the concurrency limit a 429 (`http_guards.py`), as do
 requests no worker has room for under its queued-prompt-token limit (`Cluster._admissible`).
 Connections are guarded below the app (`http_connections.py`): a header-read timeout and
-a cap on open connections.
+a cap on open connections. Work run off the event loop goes through `off_loop.py`, so any
+exception there (StopIteration included) is a 500 that gives back its slot.
 
 Streams follow OpenAI's SSE format: one `data: {chunk}` per token event, a last chunk
 with finish_reason, an optional usage chunk (stream_options.include_usage), then

@@ -10,6 +10,8 @@ issue's probe used; a second server over the same cluster has a key.
   concurrency limit allows all succeed (no slot left held).
 - Chat content holding every private-use code point (it exhausted the old control-token
   swap) is answered; three at once leave every slot free.
+- Streams closed after one chunk and clients that give up before the answer free their
+  slots.
 - Without a key: a cross-origin `text/plain` POST to the restart route is refused (403;
   415 without an Origin), the worker keeps its pid; a foreign Host (DNS rebinding) gets a
   403, a configured one is served; the snapshot names no file path. With a key: as before.
@@ -160,6 +162,38 @@ def test_content_holding_every_private_use_character_is_answered(servers):
     for r in asyncio.run(three()):
         assert_error(r, 400, "max_model_len")  # encoded whole, then refused for its length
     assert at_the_limit(srv) == [200] * LIMIT
+
+
+def test_clients_that_leave_early_give_back_their_slots(servers):
+    """Streams closed after their first chunk, and plain requests whose client gives up
+    before the answer, LIMIT of each at once (the request runs on: 100 tokens on one
+    CPU thread takes seconds)."""
+    srv, _, _ = servers
+    long = {"prompt": "Count slowly:", "max_tokens": 100, "ignore_eos": True}
+
+    async def leave_streams():
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            async def one():
+                async with client.stream("POST", srv.url + "/v1/completions", json={**long, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            return  # leaving the block closes the connection mid-stream
+            await asyncio.gather(*(one() for _ in range(LIMIT)))
+
+    async def give_up():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE_S, read=0.3)) as client:
+            async def one():
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post(srv.url + "/v1/completions", json=long)
+            await asyncio.gather(*(one() for _ in range(LIMIT)))
+
+    asyncio.run(leave_streams())
+    asyncio.run(give_up())
+    deadline = time.monotonic() + DEADLINE_S  # the server learns of each disconnect within its poll interval
+    while (statuses := at_the_limit(srv)) != [200] * LIMIT and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert statuses == [200] * LIMIT
 
 
 # -- browsers stay out without a key ---------------------------------------------------------------------------
