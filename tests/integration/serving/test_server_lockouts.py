@@ -88,7 +88,7 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
 
 def test_the_http_layer_offloads_only_through_off_loop():
     """The failure injection below covers every offloaded call only if none bypasses the helper."""
-    import minivllm.serving.http_api as http_api
+    from minivllm.serving import http_api
 
     source = Path(http_api.__file__).read_text()
     for raw in ("to_thread(", "wrap_future(", "run_in_executor("):
@@ -239,7 +239,7 @@ def test_the_unauthenticated_snapshot_names_no_file_path(servers, smollm2_path):
 
 
 def test_with_a_key_the_browser_rules_do_not_apply(servers):
-    _, keyed, cluster = servers
+    _, keyed, _ = servers
     auth = {"Authorization": f"Bearer {KEY}"}
     r = httpx.get(keyed.url + "/v1/cluster/snapshot", headers={**auth, "Host": "anything.example",
                                                                  "Origin": "http://other.example"})
