@@ -58,7 +58,7 @@ from minivllm.serving.tool_calls import ToolRequest
 CHAT_DEFAULT_MAX_TOKENS = 256
 CONSTRAINT_FAILED = "the structured output ("  # how the engine's error for an unsatisfiable constraint begins
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-HIDDEN = "(hidden: set --api-key to see file paths)"
+HIDDEN = "<hidden path>"  # what unauthenticated clients see of a file path
 
 logger = logging.getLogger("minivllm.http")
 
@@ -153,7 +153,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
 
     @app.get("/health")
     async def health():
-        h = cluster.health()
+        h = without_file_paths(cluster.health(), model_dirs)  # open to all, key or not: a worker's error may name a file
         return JSONResponse(h, status_code=200 if h["status"] != "down" else 503)
 
     @app.get("/v1/models")

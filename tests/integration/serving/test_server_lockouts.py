@@ -233,9 +233,19 @@ def test_the_unauthenticated_snapshot_names_no_file_path(servers, smollm2_path):
     srv, keyed, _ = servers
     text = httpx.get(srv.url + "/v1/cluster/snapshot", params={"fresh": "true"}).text
     assert str(smollm2_path.parent) not in text and smollm2_path.name not in text
-    assert json.loads(text)["model_path"].startswith("(hidden")
+    assert json.loads(text)["model_path"] == "<hidden path>"
     keyed_snap = httpx.get(keyed.url + "/v1/cluster/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert keyed_snap["model_path"] == str(smollm2_path)  # with a key, as before
+
+
+def test_health_names_no_file_path_key_or_not(servers, smollm2_path, monkeypatch):
+    """/health never needs a key; a worker's error (a load failure, say) may name a file."""
+    srv, keyed, cluster = servers
+    monkeypatch.setattr(cluster.workers["cpu"], "error", f"could not map {smollm2_path}: injected")
+    for server in (srv, keyed):
+        body = httpx.get(server.url + "/health").json()
+        assert body["workers"][0]["error"] == "could not map <hidden path>/" \
+                                              f"{smollm2_path.name}: injected", body
 
 
 def test_with_a_key_the_browser_rules_do_not_apply(servers):
