@@ -380,9 +380,7 @@ class Cluster:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
-            bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError("stop_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
+            params.check_token_ids(vocab)
         if limit is not None and len(prompt_ids) >= limit:
             raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>", f"the prompt must be shorter than "
                               f"max_model_len={limit}; shorten it or start the cluster with a larger max_model_len")

@@ -66,6 +66,10 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="ids in [0, vocabulary size)")
     ignore_eos: bool = False
+    # Keys are token ids as strings (JSON object keys); SamplingParams checks the ids, the
+    # [-100, 100] range and the 300-entry bound, the cluster the vocabulary.
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100], "
+                                                "at most 300 entries")
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -112,7 +116,7 @@ class _SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
                               stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                              structured=structured,
+                              structured=structured, logit_bias=self.logit_bias,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens)
 
     @property
