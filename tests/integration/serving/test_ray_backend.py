@@ -194,6 +194,8 @@ def test_two_nodes_stream_route_by_prefix_and_survive_a_node_crash(nodes, smollm
 
         # 4. The cluster restarts cpu#2 by itself (worker_recovery.py, through the same
         # transport interface as a local process) once a node has the resources: a new one.
+        # add_node counts alive nodes before and after: wait for Ray to count the dead one out.
+        wait_for(lambda: second_id not in nodes.alive(), 120, "Ray to mark the killed node dead")
         third_id = nodes.add_node()
         wait_for(lambda: cluster.health()["status"] == "ok", 300, "cpu#2 to restart by itself on the new node")
         assert cluster.health()["workers"][1]["restarts"]["automatic"] >= 1
