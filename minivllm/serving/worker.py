@@ -90,6 +90,7 @@ class Worker:
             self.rates = load_profile(config["rates_profile"], self.name)
         elif config.get("rates"):  # a restart: the rates the worker it replaces measured here
             self.rates = WorkerRates.from_dict(config["rates"])
+            self.rates.source = "predecessor"
         elif config.get("calibrate", True):
             endpoint.send({"op": "loading", "stage": "calibration"})
             self.rates = calibrate(self.engine)

@@ -4,11 +4,13 @@ One one-thread CPU worker (SmolLM2-135M) loads a copy of the model file; the cop
 then deleted and the worker killed, so every replacement fails to load. With
 `max_worker_restarts=2` the cluster tries exactly twice (after 0.5 s, then 1 s), gives up,
 and says so in `/health`; nothing is left running or unreaped; a restart by hand, once the
-file is back, brings the worker back and clears the count.
+file is back, brings the worker back and clears the count. And a calibrated worker that
+restarts by itself takes its predecessor's rates (no calibration stage while it loads).
 
 References: the process table (psutil: this process's children running
 `minivllm.serving.worker`, zombies included), the supervisor's threads, and the worker's
-own error from its failed loads (the missing file).
+own error from its failed loads (the missing file), the loading stages each worker
+reports, and the rates the killed worker last reported.
 """
 
 from __future__ import annotations
@@ -92,3 +94,21 @@ def test_a_worker_that_cannot_start_is_not_restarted_forever(smollm2_path, tmp_p
         again = cluster.submit("Name a colour:", SamplingParams(temperature=0.0, max_tokens=3))
         assert again.result(60).finish_reason in ("stop", "length") and again.error is None
     assert worker_processes() - baseline == set()
+
+
+def test_a_restarted_worker_takes_its_predecessors_rates_instead_of_calibrating(smollm2_path):
+    stages: list[tuple[str, str]] = []
+    with Cluster(str(smollm2_path), ["cpu:1"], max_model_len=256,
+                 on_progress=lambda name, state, stage: stages.append((state, stage))) as cluster:
+        assert ("starting", "calibration") in stages
+        before = cluster.workers["cpu"]
+        assert before.rates.known and before.rates_wire["source"] == "calibration"
+        measured = [before.rates.prefill_rate()] + [before.rates.decode_rate(b) for b in (1, 4)]
+        stages.clear()
+        os.kill(before.transport.pid, signal.SIGKILL)
+        wait_for(lambda: cluster.workers["cpu"] is not before and cluster.health()["status"] == "ok",
+                 "the worker to restart by itself")
+        after = cluster.workers["cpu"]
+        assert ("starting", "calibration") not in stages and ("ready", "ready") in stages, stages
+        assert after.rates_wire["source"] == "predecessor"
+        assert [after.rates.prefill_rate()] + [after.rates.decode_rate(b) for b in (1, 4)] == pytest.approx(measured)

@@ -108,3 +108,13 @@ def test_zero_turns_automatic_restarts_off_and_stop_ends_a_waiting_healer():
     wait_for(lambda: not [t for t in threading.enumerate() if t.name == "minivllm-heal-cpu"])
     assert not fake.calls
     assert sup.worker_down("cpu", "gone again") == "the cluster is stopping"
+
+
+def test_serve_declares_the_bound_once():
+    from minivllm.cli.main import build_parser
+    from minivllm.cli.serve_cmd import cluster_kwargs
+    from minivllm.serving.worker_recovery import DEFAULT_MAX_WORKER_RESTARTS
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).max_worker_restarts == DEFAULT_MAX_WORKER_RESTARTS == 5
+    assert cluster_kwargs(parser.parse_args(["serve", "--max-worker-restarts", "0"]))["max_worker_restarts"] == 0
