@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_ENTRIES, SamplingParams
 from minivllm.sampling.structured import StructuredOutput
 from minivllm.errors import ConfigError
 from minivllm.serving.structured_request import structured_from_request
@@ -67,9 +67,14 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, description="ids in [0, vocabulary size)")
     ignore_eos: bool = False
     # Keys are token ids as strings (JSON object keys); SamplingParams checks the ids, the
-    # [-100, 100] range and the 300-entry bound, the cluster the vocabulary.
-    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100], "
-                                                "at most 300 entries")
+    # range and the entry bound (a 400 naming them), the cluster the vocabulary. The schema
+    # states the same for clients and fuzzers.
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description=f"token id -> bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], at most "
+                                  f"{LOGIT_BIAS_MAX_ENTRIES} entries, ids in the model's vocabulary",
+        json_schema_extra={"maxProperties": LOGIT_BIAS_MAX_ENTRIES, "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
+                           "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                                    "maximum": LOGIT_BIAS_LIMIT}})
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
