@@ -172,7 +172,7 @@ class WorkerSupervisor:
         with self._lock:
             rec.manual += 1
             rec.recent.clear()
-            if rec.state in ("gave_up", "waiting"):
+            if rec.state == "gave_up":  # a healer still waiting finds the worker ready and ends
                 rec.state = "up"
             rec.last_error = None
 
