@@ -12,6 +12,8 @@ from minivllm.serving.cluster import DEFAULT_MAX_QUEUED_PROMPT_TOKENS
 from minivllm.serving.http_guards import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_CONNECTIONS,
                                           DEFAULT_MAX_REQUEST_BYTES)
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
+from minivllm.serving.worker_recovery import (BACKOFF_FIRST_S, BACKOFF_MAX_S, DEFAULT_MAX_WORKER_RESTARTS,
+                                              RESTART_WINDOW_S)
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                    help="seconds a worker's step loop may stay stuck while its heartbeat goes on before it is "
                         f"declared hung and killed (default {DEFAULT_STALL_TIMEOUT_S:g})")
+    p.add_argument("--max-worker-restarts", type=int, default=DEFAULT_MAX_WORKER_RESTARTS,
+                   help="a worker that dies or is killed as hung restarts by itself, after a backoff "
+                        f"({BACKOFF_FIRST_S:g} s, doubling to {BACKOFF_MAX_S:g} s), at most this many times in "
+                        f"{RESTART_WINDOW_S:g} s; then it stays down until restarted by hand (0: never "
+                        f"automatically; default {DEFAULT_MAX_WORKER_RESTARTS})")
     p.add_argument("--max-queued-prompt-tokens", type=int, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
                    help="per worker: prompt tokens still to prefill for its requests; a request that would pass it "
                         "goes to another worker or gets a 429 (a worker with none queued takes any prompt that "
@@ -79,6 +86,7 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
             "backend": args.backend, "ray_address": None if args.ray_address == "local" else args.ray_address,
             "draft_model": args.draft_model, "rates_profile": args.rates_profile,
             "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout,
+            "max_worker_restarts": args.max_worker_restarts,
             "max_queued_prompt_tokens": args.max_queued_prompt_tokens or None, **engine_options_from_args(args)}
 
 

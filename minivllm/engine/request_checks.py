@@ -20,6 +20,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, request_id: 
     bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
+    params.check_token_ids(vocab)
     if len(prompt_ids) >= max_model_len:
         raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>",
                           f"the prompt must be shorter than max_model_len={max_model_len}; "

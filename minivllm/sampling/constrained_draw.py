@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.sampling.sampler import apply_penalties, filtered_probs
+from minivllm.sampling.sampler import adjusts_logits, apply_penalties, filtered_probs
 from minivllm.sampling.sampling_params import SamplingParams
 
 GREEDY_CANDIDATES = 32  # inside a string most of the vocabulary is allowed: the top few suffice
@@ -64,11 +64,11 @@ def draws_forced(req, masked_logits_wanted: bool = False) -> bool:
 
 
 def penalized(requests, rows: list[torch.Tensor]) -> torch.Tensor:
-    """The rows stacked into a new tensor, each with its request's penalties applied."""
+    """The rows stacked into a new tensor, each with its request's logit_bias and penalties applied."""
     stacked = torch.stack(rows)
     for k, req in enumerate(requests):
         p = req.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if adjusts_logits(p):
             apply_penalties(stacked[k], req.all_ids, req.output_ids, p)  # in place, on the copy
     return stacked
 

@@ -1,6 +1,7 @@
 """Turn one row of logits into one token, following a request's `SamplingParams`.
 
-Order of operations (same as vLLM/llama.cpp): penalties on raw logits, then
+Order of operations (same as vLLM/llama.cpp): the request's logit_bias on raw logits,
+then penalties, then
 temperature, then the top-k / top-p / min-p filters, then a draw from the request's
 own generator. A per-request generator is what makes a seed reproduce the same
 tokens whatever else shares the batch.
@@ -13,7 +14,27 @@ import torch
 from minivllm.sampling.sampling_params import SamplingParams
 
 
+def adjusts_logits(p: SamplingParams) -> bool:
+    """Whether `apply_penalties` changes a row for these params (a bias or a penalty)."""
+    return bool(p.logit_bias) or p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Add the request's logit_bias to its tokens' logits, in place. Ids past the row's
+    end (a draft's shorter shared vocabulary) have no logit here and are left out."""
+    if p.logit_bias:
+        n = logits.shape[-1]
+        pairs = [(t, b) for t, b in p.logit_bias.items() if t < n]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+            logits[ids] += torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], p: SamplingParams) -> torch.Tensor:
+    """The logit_bias, then the repetition / presence / frequency penalties, in place: every
+    draw (plain, batched, constrained, speculative verification and drafts) goes through here."""
+    apply_logit_bias(logits, p)
     if p.repetition_penalty != 1.0 and context_ids:
         window = context_ids[-p.repetition_window:] if p.repetition_window else context_ids
         ids = torch.tensor(sorted(set(window)), device=logits.device)

@@ -22,8 +22,11 @@ read-only lookup) and a heartbeat thread reports the loop's age. `WorkerHandle` 
 controller's side: a reader thread turning messages into `RequestStream` events, the
 in-flight ledger (prompt size, routing-time cache estimate, budget, tokens so far) and
 death detection (closed pipe, dead process, heartbeat silence, or a step loop stalled
-while the heartbeat goes on; a hung worker is killed), which fails every in-flight
-request with an error naming the worker. `Cluster.inject_fault` runs the crash / freeze
+while the heartbeat goes on; a hung worker is killed, a dead one reaped), which fails every
+in-flight request with an error naming the worker. `worker_recovery.py`'s
+`WorkerSupervisor` restarts a dead worker by itself, through the same serialised restart
+as `restart_worker`, after a backoff and at most `max_worker_restarts` times in 10
+minutes, and counts restarts per worker (snapshot, health, metrics). `Cluster.inject_fault` runs the crash / freeze
 / hang drills. `Router` holds the policies and a ring buffer of decisions with every
 candidate's inputs and terms; `worker_rates.py` is the rate model (aggregate prefill
 tok/s and decode tok/s per batch size, corrected online per batch size from each step).

@@ -40,6 +40,7 @@ from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
+from minivllm.serving.worker_recovery import DEFAULT_MAX_WORKER_RESTARTS, WorkerSupervisor
 
 SCHEMA = "minivllm.cluster.snapshot/1"
 PREFIX_QUERY_TIMEOUT_S = 2.0
@@ -67,6 +68,7 @@ class Cluster:
                  fault_injection: bool = False, on_progress=None, progress: bool = False,
                  prompt_special_tokens: bool = True,
                  max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+                 max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
                  backend: str = "local", ray_address: str | None = "auto", **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
         `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
@@ -76,7 +78,9 @@ class Cluster:
         a raw string prompt becomes control ids (True, the default, as in llama.cpp and vLLM:
         the prompt is the client's own, template and all) or stays plain text (False: for
         servers whose raw prompts carry untrusted text). `max_queued_prompt_tokens` bounds
-        each worker's queued prompt work (see `_admissible`; None: no bound). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        each worker's queued prompt work (see `_admissible`; None: no bound). A worker that
+        dies or is killed as hung restarts by itself, after a backoff, at most
+        `max_worker_restarts` times in 10 minutes (0: never; worker_recovery.py). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it). `backend` is
         "local" (one child process per worker, the default) or "ray" (one Ray actor per
@@ -133,6 +137,8 @@ class Cluster:
         self._restarts: dict[str, Future] = {}
         self._closing = False
         self.restart_counters = {"started": 0, "joined": 0, "failed": 0}
+        self.supervisor = WorkerSupervisor(lambda name: self.restart_worker_async(name, automatic=True),
+                                           lambda name: self._worker(name).healthy, max_worker_restarts)
         self._route_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
@@ -142,10 +148,14 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _new_handle(self, device) -> WorkerHandle:
+    def _new_handle(self, device, rates: dict | None = None) -> WorkerHandle:
+        """`rates`: a replaced worker's measured rates, which its successor (same device, same
+        model) takes instead of calibrating again, so it is back sooner."""
         factory = {} if self._ray is None else {"transport_factory": self._ray.transport_factory(device)}
-        handle = WorkerHandle(device, self.worker_config, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                              stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress, **factory)
+        config = self.worker_config if rates is None else {**self.worker_config, "rates": rates}
+        handle = WorkerHandle(device, config, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                              stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress,
+                              on_down=self._worker_down, **factory)
         with self._lifecycle:
             if self._closing:
                 raise WorkerStartError(f"worker {device.name} was not started: the cluster is stopping")
@@ -161,6 +171,7 @@ class Cluster:
         if self._ray is not None:
             self._ray.ensure_connected()
         self._closing = False
+        self.supervisor.resume()
         self.workers = {d.name: self._new_handle(d) for d in self.devices}
         for handle in self.workers.values():
             handle.start()
@@ -179,6 +190,7 @@ class Cluster:
         """Shut every worker down; requests still running end with an error event. Every
         process this cluster started (replaced ones and those of a restart still loading
         included) is waited for, and killed if it does not exit."""
+        self.supervisor.stop()
         with self._lifecycle:
             self._closing = True
             handles = list(self._spawned)
@@ -197,9 +209,10 @@ class Cluster:
         another process. A call after it ended restarts again."""
         self.restart_worker_async(name).result()
 
-    def restart_worker_async(self, name: str) -> Future:
+    def restart_worker_async(self, name: str, *, automatic: bool = False) -> Future:
         """`restart_worker` without waiting: the restart in progress for `name`, or a new one
-        on its own thread. The HTTP API awaits this, so joined calls hold no thread."""
+        on its own thread. The HTTP API awaits this, so joined calls hold no thread.
+        `automatic`: the supervisor's (a restart by hand also resets its count)."""
         self._worker(name)
         with self._lifecycle:
             pending = self._restarts.get(name)
@@ -211,11 +224,16 @@ class Cluster:
             # whose asyncio wrapper cancels it) cannot cancel the restart the others joined.
             pending.set_running_or_notify_cancel()
             self.restart_counters["started"] += 1
-        threading.Thread(target=self._run_restart, args=(name, pending), name=f"minivllm-restart-{name}",
+        threading.Thread(target=self._run_restart, args=(name, pending, automatic), name=f"minivllm-restart-{name}",
                          daemon=True).start()
         return pending
 
-    def _run_restart(self, name: str, pending: Future) -> None:
+    def _worker_down(self, handle: WorkerHandle, cause: str) -> str | None:
+        """A handle's death notice (worker_handle.on_down): the supervisor schedules the
+        restart; a handle that is no longer the worker's current one is only reaped."""
+        return self.supervisor.worker_down(handle.name, cause) if self.workers.get(handle.name) is handle else None
+
+    def _run_restart(self, name: str, pending: Future, automatic: bool = False) -> None:
         try:
             self._replace_worker(name)
         except BaseException as exc:  # noqa: BLE001 - handed to every caller through the future
@@ -226,6 +244,8 @@ class Cluster:
         else:
             with self._lifecycle:
                 self._restarts.pop(name, None)
+            if not automatic:
+                self.supervisor.restarted_by_hand(name)
             pending.set_result(None)
 
     def _replace_worker(self, name: str) -> None:
@@ -234,7 +254,7 @@ class Cluster:
         with self._lifecycle:
             if old in self._spawned:
                 self._spawned.remove(old)  # stopped and reaped: nothing left to account for
-        handle = self._new_handle(old.device)
+        handle = self._new_handle(old.device, old.rates_wire if old.rates.known else None)
         self.workers[name] = handle
         handle.start()
         if not handle.wait_ready(self.ready_timeout_s) or handle.state != "ready":
@@ -380,9 +400,7 @@ class Cluster:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
-            bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError("stop_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
+            params.check_token_ids(vocab)
         if limit is not None and len(prompt_ids) >= limit:
             raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>", f"the prompt must be shorter than "
                               f"max_model_len={limit}; shorten it or start the cluster with a larger max_model_len")
@@ -413,7 +431,8 @@ class Cluster:
     def health(self) -> dict:
         workers = [{"name": h.name, "device": h.device.torch_device, "state": h.state, "error": h.error,
                     "pid": h.transport.pid if h.transport else None,
-                    "node": (h.transport.location if h.transport else {}).get("node_ip")} for h in self.workers.values()]
+                    "node": (h.transport.location if h.transport else {}).get("node_ip"),
+                    "restarts": self.supervisor.describe(h.name)} for h in self.workers.values()]
         up = sum(w["state"] == "ready" for w in workers)
         status = "ok" if up == len(workers) and up else "degraded" if up else "down"
         return {"status": status, "workers": workers}
@@ -433,7 +452,7 @@ class Cluster:
                 "router": self.router.snapshot(), "health": self.health()["status"],
                 "requests": self.accounting.as_dict(), "restarts": dict(self.restart_counters),
                 "admission": {"max_queued_prompt_tokens": self.max_queued_prompt_tokens, **self.admission_counters},
-                "workers": [h.describe() for h in handles]}
+                "workers": [{**h.describe(), "restarts": self.supervisor.describe(h.name)} for h in handles]}
 
     def rates_profile(self) -> dict:
         """The workers' current (calibrated and corrected) rates, in the profile-file format."""

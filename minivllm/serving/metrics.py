@@ -65,6 +65,8 @@ class _EngineStateCollector:
         structured = CounterMetricFamily("minivllm_structured_draws", "Constrained tokens by how they were drawn: "
                                          "forced (no mask), masked_ahead, masked_at_draw, checked",
                                          labels=["worker", "how"])
+        restarts = CounterMetricFamily("minivllm_worker_restarts", "Worker restarts: automatic (after a death or a "
+                                       "hang; failed ones included) and by hand", labels=["worker", "kind"])
         snapshot = self.cluster.snapshot()
         ledger = snapshot["requests"]
         open_requests = GaugeMetricFamily("minivllm_requests_open", "Accepted requests without their terminal event yet")
@@ -76,6 +78,8 @@ class _EngineStateCollector:
         for w in snapshot["workers"]:
             name = w["name"]
             up.add_metric([name], 1.0 if w["state"] == "ready" else 0.0)
+            restarts.add_metric([name, "automatic"], w["restarts"]["automatic"])
+            restarts.add_metric([name, "manual"], w["restarts"]["manual"])
             snap = w["snapshot"]
             if snap is None:
                 continue
@@ -90,4 +94,4 @@ class _EngineStateCollector:
             accepted.add_metric([name], spec.get("accepted", 0))
             for how, n in snap.get("structured", {}).items():
                 structured.add_metric([name, how], n)
-        yield from (up, running, waiting, kv, queries, hits, proposed, accepted, structured)
+        yield from (up, restarts, running, waiting, kv, queries, hits, proposed, accepted, structured)

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.sampling.sampling_params import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_ENTRIES, SamplingParams
 from minivllm.sampling.structured import StructuredOutput
 from minivllm.errors import ConfigError
 from minivllm.serving.structured_request import structured_from_request
@@ -66,6 +66,15 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="ids in [0, vocabulary size)")
     ignore_eos: bool = False
+    # Keys are token ids as strings (JSON object keys); SamplingParams checks the ids, the
+    # range and the entry bound (a 400 naming them), the cluster the vocabulary. The schema
+    # states the same for clients and fuzzers.
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description=f"token id -> bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], at most "
+                                  f"{LOGIT_BIAS_MAX_ENTRIES} entries, ids in the model's vocabulary",
+        json_schema_extra={"maxProperties": LOGIT_BIAS_MAX_ENTRIES, "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
+                           "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                                    "maximum": LOGIT_BIAS_LIMIT}})
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -112,7 +121,7 @@ class _SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
                               stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                              structured=structured,
+                              structured=structured, logit_bias=self.logit_bias,
                               max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens)
 
     @property

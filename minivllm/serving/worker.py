@@ -88,6 +88,9 @@ class Worker:
         warm_up(self.engine)
         if config.get("rates_profile"):
             self.rates = load_profile(config["rates_profile"], self.name)
+        elif config.get("rates"):  # a restart: the rates the worker it replaces measured here
+            self.rates = WorkerRates.from_dict(config["rates"])
+            self.rates.source = "predecessor"
         elif config.get("calibrate", True):
             endpoint.send({"op": "loading", "stage": "calibration"})
             self.rates = calibrate(self.engine)

@@ -7,8 +7,11 @@ process is frozen: SIGSTOP, swap death, a deadlock holding the GIL), or a step l
 has not turned for `stall_timeout_s` while the heartbeat thread still talks (a kernel or
 a step that never returns) marks the worker dead, and every request it held ends at once
 with an error event naming the worker and the cause. A hung worker is also killed, so it
-cannot come back and answer for requests already failed. The router skips dead workers
-from then on, and `Cluster.restart_worker` replaces them.
+cannot come back and answer for requests already failed, and a dead one is reaped at once
+(no zombie waits for a restart). `on_down(handle, cause)` is told first (the cluster's
+`WorkerSupervisor` schedules the restart there) and what it returns ("restarting it
+automatically in 0.5 s") ends the requests' error. The router skips dead workers from
+then on, until a replacement handle is ready.
 
 The ledger (`in_flight`) is what the cost router reads: per request the prompt size,
 the cache estimate it was routed with, its budget and how many tokens it has produced.
@@ -47,13 +50,15 @@ class InFlight:
 
 class WorkerHandle:
     def __init__(self, device: InferenceDevice, config: dict, *, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, on_progress=None, transport_factory=ProcessTransport):
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, on_progress=None, on_down=None,
+                 transport_factory=ProcessTransport):
         self.device = device
         self.name = device.name
         self.config = {**config, "device": device.as_dict()}
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.on_progress = on_progress
+        self.on_down = on_down
         self.transport_factory = transport_factory
         self.transport: WorkerTransport | None = None
         self.state = "starting"
@@ -192,6 +197,20 @@ class WorkerHandle:
     # -- the reader thread ----------------------------------------------------------------------------
 
     def _read(self) -> None:
+        self._watch()
+        if not self._stopping:
+            self._reap()
+
+    def _reap(self) -> None:
+        """Wait for the dead process (killed first if it still runs), so it is never left a
+        zombie; `stop` does the same for a worker asked to exit."""
+        try:
+            self.transport.kill()
+            self.transport.close(5.0)
+        except Exception:  # noqa: BLE001 - reaping is best effort; stop() tries again
+            pass
+
+    def _watch(self) -> None:
         while True:
             try:
                 msg = self.transport.recv(0.5)
@@ -286,6 +305,13 @@ class WorkerHandle:
                 self.error = reason
             flights = list(self.in_flight.values())
             self.in_flight.clear()
+        if state == "dead" and self.on_down is not None:
+            try:
+                note = self.on_down(self, reason)
+            except Exception as exc:  # noqa: BLE001 - the requests must still end
+                note = f"its restart could not be scheduled: {type(exc).__name__}: {exc}"
+            if note:
+                reason = f"{reason}; {note}"
         for done, _ in list(self._replies.values()):
             done.set()
         self._ready.set()

@@ -145,7 +145,8 @@ def test_worker_killed_mid_stream(smollm2_path, reference, tmp_path):
     # heartbeat_timeout_s: the survivor's process is held with SIGSTOP below, and a held
     # worker must not be declared dead for its silence meanwhile.
     with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="cost", max_model_len=MAX_MODEL_LEN,
-                 rates_profile=str(profile), batch_invariant=True, heartbeat_timeout_s=600.0) as cluster:
+                 rates_profile=str(profile), batch_invariant=True, heartbeat_timeout_s=600.0,
+                 max_worker_restarts=0) as cluster:  # the dead worker stays dead until restart_worker
         assert all(h.rates.known and h.rates_wire["source"] == "profile" for h in cluster.workers.values())
         victim = cluster.submit(PROMPTS[0], long, worker="cpu")
         survivor = cluster.submit(PROMPTS[1], long, worker="cpu#2")

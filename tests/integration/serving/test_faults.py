@@ -1,17 +1,20 @@
 """Fault drills against real worker processes (SmolLM2-135M, two one-thread CPU workers).
 
-- `kill -9` of one worker in the middle of a burst of HTTP streams: the dead worker's
-  streams end with an error chunk within 5 s, every other stream finishes normally,
-  `/health` says which worker is dead, the router sends nothing more to it, and the
-  restart route brings it back while the survivor keeps serving.
-- A frozen process (SIGSTOP: no heartbeat) and a hung step loop (heartbeat still going)
-  are both detected by their timeouts, their requests fail naming the cause, and the
-  hung process is killed.
+- `kill -9` of one worker in the middle of a burst of HTTP streams (automatic restarts
+  off): the dead worker's streams end with an error chunk within 5 s, every other stream
+  finishes normally, `/health` says which worker is dead, the router sends nothing more
+  to it, and the restart route brings it back while the survivor keeps serving.
+- Self-healing: a worker killed with SIGKILL, a frozen process (SIGSTOP: no heartbeat)
+  and a hung step loop (heartbeat still going) are detected (the last two by their
+  timeouts), their requests fail naming the worker, the cause and the restart, the dead
+  process is reaped, new requests go to the other worker meanwhile, and the worker is
+  back by itself within 30 s, counted in the snapshot and on /metrics, and routed to again.
 
 References: the request ledger (`Cluster.snapshot()["requests"]`: one terminal event per
-request, none open) and the survivors' own fresh engine snapshots (no running request,
-every page free or cached-idle). Time limits are the issue's targets (5 s) or liveness
-deadlines.
+request, none open), the survivors' own fresh engine snapshots (no running request,
+every page free or cached-idle), the process table (/proc), the router's own decision
+records (which candidates were healthy) and the Prometheus text. Time limits are the
+issue's targets (5 s, 30 s) or liveness deadlines.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pytest
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
 from minivllm.serving.http_server import start_server_in_background
+from minivllm.serving.metrics import ServingMetrics
 
 KEY = "drill-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -106,7 +110,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_token
 ], ids=["cpu-cpu", "cpu-cuda"])
 def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path, devices, survivor_name, victim_name, max_tokens):
     with Cluster(str(smollm2_path), devices, router="round-robin", max_model_len=max(MAX_MODEL_LEN, max_tokens + 64),
-                 rates_profile=profile_file(tmp_path, (survivor_name, victim_name))) as cluster:
+                 rates_profile=profile_file(tmp_path, (survivor_name, victim_name)), max_worker_restarts=0) as cluster:
         srv = start_server_in_background(cluster, api_key=KEY)
         try:
             prompts = [f"Story number {i}: once upon a time" for i in range(8)]
@@ -129,6 +133,7 @@ def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path, devices, survivor_na
                 if rid in holding[victim_name] and ending[0] == "error":
                     errors += 1
                     assert victim_name in ending[1] and "killed by SIGKILL" in ending[1], ending
+                    assert "automatic restarts are off" in ending[1], ending
                     assert ended_at - killed_at < 5.0, f"{rid} got its error {ended_at - killed_at:.1f} s after the kill"
                 else:
                     # A survivor's stream, or a victim's that completed before the kill landed
@@ -167,10 +172,11 @@ def survivor_budget(cluster, worker: str, outlast_s: float, max_tokens: int) -> 
     return int(min(max_tokens, max(200, 3 * rate * outlast_s)))
 
 
-@pytest.mark.parametrize("fault, cause", [("freeze", "sent nothing"), ("hang", "step loop has not turned")])
-def test_a_hung_worker_is_detected_killed_and_replaced(smollm2_path, tmp_path, fault, cause):
+@pytest.mark.parametrize("fault, cause", [("crash", "killed by SIGKILL"), ("freeze", "sent nothing"),
+                                          ("hang", "step loop has not turned")])
+def test_a_dead_or_hung_worker_restarts_by_itself(smollm2_path, tmp_path, fault, cause):
     timeout_s = 3.0
-    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="cost", max_model_len=SURVIVOR_MAX_MODEL_LEN,
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=SURVIVOR_MAX_MODEL_LEN,
                  rates_profile=profile_file(tmp_path), heartbeat_timeout_s=timeout_s, stall_timeout_s=timeout_s,
                  fault_injection=True) as cluster:
         # Outlast the detection (the timeout plus a heartbeat or two) and the kill.
@@ -180,21 +186,55 @@ def test_a_hung_worker_is_detected_killed_and_replaced(smollm2_path, tmp_path, f
         victim = cluster.submit("The history of the telescope", LONG, worker="cpu#2")
         wait_for(lambda: victim.token_ids and survivor.token_ids, 60, "first tokens")
         pid = cluster.workers["cpu#2"].transport.pid
-        cluster.inject_fault("cpu#2", fault)
+        if fault == "crash":
+            os.kill(pid, signal.SIGKILL)
+        else:
+            cluster.inject_fault("cpu#2", fault)
         faulted_at = time.monotonic()
         survivor_at_fault = len(survivor.token_ids)
         out = victim.result(30.0)
         detected_after = time.monotonic() - faulted_at
         assert out.finish_reason == "error" and cause in victim.error and "cpu#2" in victim.error, victim.error
-        # Never before the timeout; the upper bound is a liveness deadline, not a speed test.
-        assert timeout_s - 0.5 < detected_after < timeout_s + 10.0, detected_after
-        assert cluster.health()["workers"][1]["state"] == "dead"
-        wait_for(lambda: not _alive(pid), 10, "the hung process to be killed")
+        assert "restarting it automatically" in victim.error, victim.error
+        # Never before the timeout; the upper bounds are liveness deadlines, not speed tests.
+        if fault == "crash":
+            assert detected_after < 5.0, detected_after
+        else:
+            assert timeout_s - 0.5 < detected_after < timeout_s + 10.0, detected_after
+        # Reaped: not even a zombie is left of it, whatever comes next.
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the dead process to be reaped")
 
-        cluster.restart_worker("cpu#2")
-        assert cluster.health()["status"] == "ok" and cluster.workers["cpu#2"].transport.pid != pid
-        again = cluster.submit("Name three rivers:", SamplingParams(temperature=0.0, max_tokens=4), worker="cpu#2")
-        assert again.result(60).finish_reason in ("stop", "length")
+        # While it is down or loading, round-robin sends everything to the survivor.
+        meanwhile = [cluster.submit(f"Name {i} animals:", SamplingParams(temperature=0.0, max_tokens=4)) for i in range(2)]
+        skipped = 0
+        for stream in meanwhile:
+            healthy = {c["worker"]: c["healthy"] for c in stream.decision["candidates"]}
+            if not healthy["cpu#2"]:
+                skipped += 1
+                assert stream.worker == "cpu", stream.decision
+        assert skipped >= 1, "the worker was back before any request could be routed around it"
+        assert all(s.result(120).finish_reason in ("stop", "length") and s.error is None for s in meanwhile)
+
+        def restarts():
+            return next(w["restarts"] for w in cluster.snapshot()["workers"] if w["name"] == "cpu#2")
+
+        wait_for(lambda: cluster.health()["status"] == "ok", 30.0 - (time.monotonic() - faulted_at),
+                 "the worker to be back within 30 s of the fault")
+        back_after = time.monotonic() - faulted_at
+        print(f"{fault}: detected after {detected_after:.1f} s, back after {back_after:.1f} s")
+        wait_for(lambda: restarts()["state"] == "up", 10, "the supervisor to see it back")
+        assert cluster.workers["cpu#2"].transport.pid != pid
+        counted = restarts()
+        assert (counted["state"], counted["automatic"], counted["failed"], counted["manual"]) == ("up", 1, 0, 0)
+        assert cause in counted["last_cause"]
+        metrics = ServingMetrics(cluster).render().decode()
+        assert 'minivllm_worker_restarts_total{kind="automatic",worker="cpu#2"} 1.0' in metrics
+        assert 'minivllm_worker_restarts_total{kind="automatic",worker="cpu"} 0.0' in metrics
+
+        # Routed to again once it is back.
+        again = [cluster.submit(f"Name {i} rivers:", SamplingParams(temperature=0.0, max_tokens=4)) for i in range(2)]
+        assert {s.worker for s in again} == {"cpu", "cpu#2"}
+        assert all(s.result(60).finish_reason in ("stop", "length") and s.error is None for s in again)
         # The survivor was not disturbed: no error, tokens still arriving after the fault,
         # and its full length at the end.
         done = survivor.result(300)
@@ -213,15 +253,3 @@ def test_hang_needs_fault_injection(smollm2_path, tmp_path):
         with pytest.raises(ConfigError, match="crash, freeze, hang"):
             cluster.inject_fault("cpu", "meteor")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed child stays a zombie until reaped; /proc says which.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
