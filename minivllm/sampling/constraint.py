@@ -26,6 +26,7 @@ from minivllm.sampling.constrained_draw import draws_forced, mask_always_read
 from minivllm.sampling.mask_upload import MaskUpload
 
 BITS = 32
+READY = "prepared_matcher"  # where `Constraints.prepare` leaves a matcher on its StructuredOutput
 
 
 class Unsatisfiable(Exception):
@@ -272,9 +273,27 @@ class Constraints:
         # draws settled by checking tokens.
         self.counts = {"forced": 0, "masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
 
+    def prepare(self, structured: StructuredOutput | None) -> None:
+        """Build `structured`'s matcher now, for the `make` that follows. A worker calls it
+        on its receiver thread: llguidance compiles without the GIL (up to ~1 s for the
+        largest grammars constraint_limits.py lets through), so its step loop never waits
+        on one request's grammar. A failure is kept and raised by `make`."""
+        if structured is None or READY in structured.__dict__:
+            return
+        try:
+            ready: TokenConstraint | ConfigError = self.make(structured)
+        except ConfigError as exc:
+            ready = exc
+        structured.__dict__[READY] = ready
+
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
             return None
+        ready = structured.__dict__.pop(READY, None)  # taken once: a reused StructuredOutput builds anew
+        if isinstance(ready, ConfigError):
+            raise ready
+        if ready is not None:
+            return ready
         tok = self._tokenizer
         eos = tok.eos_ids or ([tok.eos_id] if tok.eos_id is not None else [])
         return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos,

@@ -128,8 +128,21 @@ class Worker:
                 return
             if msg.get("op") == "prefix_query":
                 self._send({"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}})
+            elif msg.get("op") == "submit":
+                self.inbox.put(self._prepared(msg))
             else:
                 self.inbox.put(msg)
+
+    def _prepared(self, msg: dict) -> dict:
+        """A submission with its params parsed and its constraint's matcher built here, on
+        the receiver thread, so the step loop never waits on a grammar compile. Errors are
+        left for `_submit` to report."""
+        try:
+            params = params_from_wire(msg["params"])
+            self.engine.constraints.prepare(params.structured)
+        except Exception:  # noqa: BLE001 - _submit parses again and rejects the request
+            return msg
+        return {**msg, "parsed_params": params}
 
     def _heartbeat(self) -> None:
         while not self.stopping.wait(self.heartbeat_s):
@@ -187,7 +200,7 @@ class Worker:
     def _submit(self, msg: dict) -> None:
         rid = msg["request_id"]
         try:
-            params = params_from_wire(msg["params"])
+            params = msg.get("parsed_params") or params_from_wire(msg["params"])
             self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid)
         except ConfigError as exc:
             self._send({"op": "rejected", "request_id": rid, "field": exc.field, "error": str(exc)})
