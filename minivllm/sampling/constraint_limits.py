@@ -254,7 +254,7 @@ def _lark_tokens(field: str, text: str) -> list[tuple[str, str, bool]]:
     return tokens
 
 
-def _lark_rules(field: str, text: str) -> dict[str, set[str]]:
+def lark_rules(field: str, text: str) -> dict[str, set[str]]:
     """Each rule or terminal of a Lark grammar -> the names its definition mentions."""
     tokens = _lark_tokens(field, text)
     rules: dict[str, set[str]] = {}
@@ -276,7 +276,7 @@ def _lark_rules(field: str, text: str) -> dict[str, set[str]]:
     return rules
 
 
-def _gbnf_rules(text: str) -> dict[str, set[str]]:
+def gbnf_rules(text: str) -> dict[str, set[str]]:
     """Each rule of a GBNF grammar -> the names its definition mentions."""
     rules: dict[str, list[str]] = {}
     current, last_name, i = None, None, 0
@@ -318,7 +318,7 @@ def check_grammar(field: str, text: str, is_lark: bool) -> None:
     """The bounds on a grammar's text: size, and the depth of its rule chains (and of its
     embedded %json schemas)."""
     check_size(field, len(text.encode("utf-8", "surrogatepass")))
-    depth = rule_depth(_lark_rules(field, text) if is_lark else _gbnf_rules(text))
+    depth = rule_depth(lark_rules(field, text) if is_lark else gbnf_rules(text))
     if depth > MAX_RULE_DEPTH:
         raise ConfigError(field, f"<grammar whose rules chain {depth} deep>",
                           f"chains rules too deeply: the limit is {MAX_RULE_DEPTH} rules, each referring to the next")
