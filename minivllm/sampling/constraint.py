@@ -29,6 +29,14 @@ BITS = 32
 READY = "prepared_matcher"  # where `Constraints.prepare` leaves a matcher on its StructuredOutput
 
 
+def first_line(error: str, limit: int = 300) -> str:
+    """llguidance's error, short: its verbose errors go on to dump the parser's state and
+    the grammar (200 KB for a large one), which no client error should carry."""
+    lines = error.strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 class Unsatisfiable(Exception):
     """No token can extend the output within the constraint."""
 
@@ -90,7 +98,7 @@ class TokenConstraint:
         self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"structured.{structured.kind}", short_text(getattr(structured, structured.kind)),
-                              f"does not compile for this model's vocabulary: {self._matcher.get_error()}")
+                              f"does not compile for this model's vocabulary: {first_line(self._matcher.get_error())}")
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]
@@ -172,7 +180,7 @@ class TokenConstraint:
         into an error state and allows only end-of-sequence, which would end the request
         as if its output were complete.)"""
         if self._matcher.is_error():
-            reason = self._matcher.get_error().strip().splitlines()[0]
+            reason = first_line(self._matcher.get_error())
             if reason == "NoExtensionBias":
                 reason = "no token of this model's vocabulary can continue it"
             raise Unsatisfiable(reason)
@@ -186,7 +194,7 @@ class TokenConstraint:
         self._moved()
         if not self._matcher.consume_token(token):
             raise Unsatisfiable(f"token {token} does not fit the {self.structured.kind} constraint: "
-                                f"{self._matcher.get_error() or 'rejected'}")
+                                f"{first_line(self._matcher.get_error()) or 'rejected'}")
 
     def try_advance(self, token: int) -> bool:
         """Take `token` if it fits (for a look-ahead along a draft), leaving the matcher as

@@ -189,7 +189,6 @@ def check_schema(field: str, schema: Any) -> None:
 
 # -- grammars ---------------------------------------------------------------------------
 
-_NAME = re.compile(r"[A-Za-z0-9_]+")
 _GBNF_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _JSON = json.JSONDecoder()
 
@@ -202,77 +201,47 @@ def _skip_quoted(text: str, at: int, close: str) -> int:
             i += 2
         elif text[i] == close:
             return i + 1
-        elif close == "/" and text[i] == "\n":  # a Lark regex never spans lines
-            return i
         else:
             i += 1
     return i
 
 
-def _lark_tokens(field: str, text: str) -> list[tuple[str, str, bool]]:
-    """(kind, text, at_line_start) for the names and punctuation of a Lark grammar, with
-    strings, regexes, comments and %directive JSON skipped. A `%json` schema is checked
-    against the schema bounds here."""
-    tokens, i, line_start = [], 0, True
-    while i < len(text):
-        ch = text[i]
-        if ch == "\n":
-            tokens.append(("nl", ch, False))
-            line_start, i = True, i + 1
-            continue
-        if ch.isspace():
-            i += 1
-            continue
-        if text.startswith("//", i) or ch == "#":
-            end = text.find("\n", i)
-            i = len(text) if end < 0 else end
-            continue
-        if ch in "\"/":
-            i = _skip_quoted(text, i, ch)
-        elif ch == "%":
-            m = _NAME.match(text, i + 1)
-            directive = m.group(0) if m else ""
-            i = m.end() if m else i + 1
-            while i < len(text) and text[i] in " \t":
-                i += 1
-            if i < len(text) and text[i] == "{":
-                try:
-                    value, i = _JSON.raw_decode(text, i)
-                except (ValueError, RecursionError):  # llguidance reports the bad JSON
-                    i += 1
-                    continue
-                if directive == "json":
-                    check_schema(f"{field} (a %json schema)", value)
-        elif ch.isalnum() or ch == "_":
-            m = _NAME.match(text, i)
-            tokens.append(("name", m.group(0), line_start))
-            i = m.end()
-        else:
-            tokens.append(("punct", ch, line_start))
-            i += 1
-        line_start = False
-    return tokens
+# One pass over a Lark grammar, with no token list (a grammar of thousands of rules would
+# otherwise leave tens of thousands of tuples for the controller's garbage collector):
+# comments, strings and regexes are skipped whole; a name followed by ":" at a line's start
+# (after ? or !, a .priority or [attributes]) defines a rule; any other name is a reference.
+_LARK_SCAN = re.compile(r"""
+    (?P<skip> //[^\n]* | \#[^\n]* | "(?:\\.|[^"\\\n])*" | '(?:\\.|[^'\\\n])*' | /(?:\\.|[^/\\\n])+/ )
+  | (?P<directive> %[A-Za-z_]+ )
+  | (?P<define> ^[ \t]*[?!]?(?P<defined>[A-Za-z_][A-Za-z0-9_]*)[ \t]*(?:\.[ \t]*-?[0-9]+[ \t]*)?(?:\[[^\]\n]*\][ \t]*)?:(?!:) )
+  | (?P<name> [A-Za-z_][A-Za-z0-9_]* )
+""", re.VERBOSE | re.MULTILINE)
 
 
 def lark_rules(field: str, text: str) -> dict[str, set[str]]:
-    """Each rule or terminal of a Lark grammar -> the names its definition mentions."""
-    tokens = _lark_tokens(field, text)
+    """Each rule or terminal of a Lark grammar -> the names its definition mentions. A
+    `%json` schema inside it is checked against the schema bounds here."""
     rules: dict[str, set[str]] = {}
-    current = None
-    for k, (kind, value, line_start) in enumerate(tokens):
-        if kind == "name" and (line_start or (k and tokens[k - 1][1] in "?!" and tokens[k - 1][2])):
-            j = k + 1
-            if j + 1 < len(tokens) and tokens[j][1] == ".":  # a priority: name.2:
-                j += 2
-            if j < len(tokens) and tokens[j][1] == "[":  # attributes: name[capture]:
-                while j < len(tokens) and tokens[j][1] != "]":
-                    j += 1
-                j += 1
-            if j < len(tokens) and tokens[j][1] == ":":
-                current = rules.setdefault(value, set())
-                continue
-        if kind == "name" and current is not None:
-            current.add(value)
+    current: set[str] | None = None
+    at = 0
+    while (m := _LARK_SCAN.search(text, at)) is not None:
+        at = m.end()
+        if m.group("define"):
+            current = rules.setdefault(m.group("defined"), set())
+        elif m.group("name"):
+            if current is not None:
+                current.add(m.group("name"))
+        elif m.group("directive"):
+            brace = at
+            while brace < len(text) and text[brace] in " \t":
+                brace += 1
+            if brace < len(text) and text[brace] == "{":  # %json {...} or %llguidance {...}
+                try:
+                    value, at = _JSON.raw_decode(text, brace)
+                except (ValueError, RecursionError):  # llguidance reports the bad JSON
+                    continue
+                if m.group("directive") == "%json":
+                    check_schema(f"{field} (a %json schema)", value)
     return rules
 
 
