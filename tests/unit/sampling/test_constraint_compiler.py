@@ -45,3 +45,31 @@ def test_a_compile_past_the_budget_is_a_config_error():
     with pytest.raises(ConfigError, match="took longer than the 0.01 s compile budget"):
         compile_constraint("guided_grammar", "grammar", slow, "x", budget_s=0.01)
     assert compile_constraint("g", "regex", "[0-9]+", "x")
+
+
+class _Bytes:  # a byte-level vocabulary: token i is byte i, 256 is end-of-sequence
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text):
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+def _matches(grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes())), grammar, log_level=0)
+    data = list(text.encode())
+    return matcher.try_consume_tokens(data) == len(data) and matcher.is_accepting() and not matcher.is_error()
+
+
+def test_a_long_choice_list_matches_exactly_its_entries():
+    """2,500 choices: llguidance's own choice grammar puts them in one Earley row, which
+    holds at most 2,000 items, and fails at the first byte; as one terminal they work."""
+    choices = [f"option {i}" for i in range(2500)] + ['a "quoted" \\ one', "ünïcode"]
+    grammar = compile_constraint("guided_choice", "choice", choices, "x")
+    for text in ("option 0", "option 1234", "option 2499", 'a "quoted" \\ one', "ünïcode"):
+        assert _matches(grammar, text), text
+    for text in ("option 2500", "option", "option 12345", ""):
+        assert not _matches(grammar, text), text
+    assert not _matches(llguidance.grammar_from("choice", json.dumps(choices)), "option 1234")  # the row limit
