@@ -100,8 +100,8 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail and isinstance(exc.__cause__, RecursionError):
             # Valid JSON that nests deeper than Python's parser can follow (~900 levels).
-            detail = (f"the request body nests JSON too deeply for the parser; objects and arrays in a request may "
-                      f"nest at most {MAX_JSON_DEPTH} levels")
+            detail = (f"the request body nests JSON deeper than the parser can follow; schemas, grammars' %json, "
+                      f"tools and tool-call arguments may nest at most {MAX_JSON_DEPTH} levels of objects and arrays")
         elif exc.status_code == 400 and "parsing the body" in detail:
             detail = "the request body is not valid JSON in UTF-8; send a JSON object with Content-Type: application/json"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
