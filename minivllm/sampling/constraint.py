@@ -283,9 +283,10 @@ class Constraints:
 
     def prepare(self, structured: StructuredOutput | None) -> None:
         """Build `structured`'s matcher now, for the `make` that follows. A worker calls it
-        on its receiver thread: llguidance compiles without the GIL (up to ~1 s for the
-        largest grammars constraint_limits.py lets through), so its step loop never waits
-        on one request's grammar. A failure is kept and raised by `make`."""
+        on a thread of its own (serving/matcher_builds.py): llguidance compiles without the
+        GIL (up to ~1 s for the largest grammars constraint_limits.py lets through), so its
+        step loop never waits on one request's grammar. A failure is kept and raised by
+        `make`."""
         if structured is None or READY in structured.__dict__:
             return
         try:
