@@ -34,6 +34,7 @@ from minivllm.errors import ConfigError
 COMPILE_BUDGET_S = 1.5  # so a refusal for time still comes within 2 s
 POOL_SIZE = 2
 CHILD_STACK_BYTES = 2 << 20
+CHILD_NICENESS = 10
 # Compact JSON ("," and ":" with no whitespace around them): a model asked for JSON cannot
 # then spend its whole budget on whitespace, a known failure of free-whitespace JSON modes.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -176,6 +177,10 @@ def compile_constraint(field: str, kind: str, value, shown: str, budget_s: float
 def _serve() -> None:
     """The child's loop. Each compile runs on a thread with a small stack (see above)."""
     threading.stack_size(CHILD_STACK_BYTES)
+    try:
+        os.nice(CHILD_NICENESS)  # a compile yields the CPU to the workers' step loops
+    except OSError:
+        pass
     out = sys.stdout.buffer
     for line in sys.stdin.buffer:
         request = json.loads(line)

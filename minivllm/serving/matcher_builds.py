@@ -22,12 +22,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from minivllm.serving.protocol import params_from_wire
 
 BUILD_THREADS = 1  # builds are CPU-bound: one at a time leaves the other cores to the step loop
+BUILD_NICENESS = 10  # and below the step loops' priority, so a busy host serves the streams first
+
+
+def _lower_priority() -> None:
+    """Linux schedules threads one by one: this lowers only the build thread's priority."""
+    import os
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: same priority as the rest
+        pass
 
 
 class MatcherBuilds:
     def __init__(self, constraints):
         self._constraints = constraints
-        self._pool = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="minivllm-worker-matchers")
+        self._pool = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="minivllm-worker-matchers",
+                                        initializer=_lower_priority)
         self._held: dict[str, dict] = {}  # request id -> its submission, in arrival order
 
     def start(self, msg: dict) -> dict:
