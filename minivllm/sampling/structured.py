@@ -67,7 +67,9 @@ class StructuredOutput:
                    "choice": "must be a non-empty list of non-empty strings"}
         kind = chosen[0]
         if not checks[kind](getattr(self, kind)):
-            raise ConfigError(f"structured.{kind}", getattr(self, kind), allowed[kind])
+            value = getattr(self, kind)  # shown short: a 100k-entry list must not come back in the error
+            raise ConfigError(f"structured.{kind}", short_text(value) if isinstance(value, (str, list)) else value,
+                              allowed[kind])
         if self.compiled is None:
             field, value = f"structured.{kind}", getattr(self, kind)
             self._check_bounds(field, value)
@@ -112,5 +114,5 @@ class StructuredOutput:
 
 
 def short_text(value: Any, limit: int = 80) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -102,3 +102,9 @@ def test_a_grammar_under_the_bounds_still_compiles():
         check_grammar("g", value, value.startswith("start"))
         assert StructuredOutput(grammar=value).compiled
     assert StructuredOutput(json_schema=ref_objects(60)).compiled
+
+
+def test_a_refused_value_is_shown_short():
+    with pytest.raises(ConfigError) as info:
+        StructuredOutput(choice=["a"] * 100_000 + [""])
+    assert "non-empty strings" in str(info.value) and len(str(info.value)) < 400
