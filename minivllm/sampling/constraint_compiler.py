@@ -174,6 +174,10 @@ def compile_constraint(field: str, kind: str, value, shown: str, budget_s: float
     return answer["grammar"]
 
 
+def _compile_into(answer: dict, kind: str, value) -> None:
+    answer.update(compile_here(kind, value))
+
+
 def _serve() -> None:
     """The child's loop. Each compile runs on a thread with a small stack (see above)."""
     threading.stack_size(CHILD_STACK_BYTES)
@@ -185,7 +189,7 @@ def _serve() -> None:
     for line in sys.stdin.buffer:
         request = json.loads(line)
         answer: dict = {}
-        worker = threading.Thread(target=lambda: answer.update(compile_here(request["kind"], request["value"])))
+        worker = threading.Thread(target=_compile_into, args=(answer, request["kind"], request["value"]))
         worker.start()
         worker.join()
         out.write(json.dumps(answer, ensure_ascii=False).encode("utf-8") + b"\n")
