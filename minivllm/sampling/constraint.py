@@ -26,6 +26,15 @@ from minivllm.sampling.constrained_draw import draws_forced, mask_always_read
 from minivllm.sampling.mask_upload import MaskUpload
 
 BITS = 32
+READY = "prepared_matcher"  # where `Constraints.prepare` leaves a matcher on its StructuredOutput
+
+
+def first_line(error: str, limit: int = 300) -> str:
+    """llguidance's error, short: its verbose errors go on to dump the parser's state and
+    the grammar (200 KB for a large one), which no client error should carry."""
+    lines = error.strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 class Unsatisfiable(Exception):
@@ -89,7 +98,7 @@ class TokenConstraint:
         self._matcher = llg.LLMatcher(ll_tokenizer, structured.grammar_text(), log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"structured.{structured.kind}", short_text(getattr(structured, structured.kind)),
-                              f"does not compile for this model's vocabulary: {self._matcher.get_error()}")
+                              f"does not compile for this model's vocabulary: {first_line(self._matcher.get_error())}")
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]
@@ -171,7 +180,7 @@ class TokenConstraint:
         into an error state and allows only end-of-sequence, which would end the request
         as if its output were complete.)"""
         if self._matcher.is_error():
-            reason = self._matcher.get_error().strip().splitlines()[0]
+            reason = first_line(self._matcher.get_error())
             if reason == "NoExtensionBias":
                 reason = "no token of this model's vocabulary can continue it"
             raise Unsatisfiable(reason)
@@ -185,7 +194,7 @@ class TokenConstraint:
         self._moved()
         if not self._matcher.consume_token(token):
             raise Unsatisfiable(f"token {token} does not fit the {self.structured.kind} constraint: "
-                                f"{self._matcher.get_error() or 'rejected'}")
+                                f"{first_line(self._matcher.get_error()) or 'rejected'}")
 
     def try_advance(self, token: int) -> bool:
         """Take `token` if it fits (for a look-ahead along a draft), leaving the matcher as
@@ -272,9 +281,28 @@ class Constraints:
         # draws settled by checking tokens.
         self.counts = {"forced": 0, "masked_ahead": 0, "masked_at_draw": 0, "checked": 0}
 
+    def prepare(self, structured: StructuredOutput | None) -> None:
+        """Build `structured`'s matcher now, for the `make` that follows. A worker calls it
+        on a thread of its own (serving/matcher_builds.py): llguidance compiles without the
+        GIL (up to ~1 s for the largest grammars constraint_limits.py lets through), so its
+        step loop never waits on one request's grammar. A failure is kept and raised by
+        `make`."""
+        if structured is None or READY in structured.__dict__:
+            return
+        try:
+            ready: TokenConstraint | ConfigError = self.make(structured)
+        except ConfigError as exc:
+            ready = exc
+        structured.__dict__[READY] = ready
+
     def make(self, structured: StructuredOutput | None) -> TokenConstraint | None:
         if structured is None:
             return None
+        ready = structured.__dict__.pop(READY, None)  # taken once: a reused StructuredOutput builds anew
+        if isinstance(ready, ConfigError):
+            raise ready
+        if ready is not None:
+            return ready
         tok = self._tokenizer
         eos = tok.eos_ids or ([tok.eos_id] if tok.eos_id is not None else [])
         return TokenConstraint(structured, llguidance_tokenizer(tok, self.vocab), min(tok.vocab_size, self.vocab), eos,

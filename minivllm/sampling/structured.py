@@ -4,10 +4,14 @@ a grammar (Lark, or llama.cpp's GBNF) or one of a list of strings.
     SamplingParams(structured=StructuredOutput(json_schema={"type": "object", ...}))
     SamplingParams(structured={"regex": r"\\d{3}-\\d{4}"})        # a dict works too
 
-Exactly one kind is set. The constraint itself is compiled by llguidance (the engine vLLM,
-SGLang and llama.cpp use), once here to check it, so a schema or grammar that does not
-compile is a `ConfigError` naming the field when the request is made, not an error
-mid-generation; and again in the engine, against the model's vocabulary (constraint.py).
+Exactly one kind is set. The constraint is checked against static bounds
+(constraint_limits.py: sizes, nesting, $ref and rule-chain depth) and compiled by
+llguidance (the engine vLLM, SGLang and llama.cpp use) once here, in a child process with
+a time budget (constraint_compiler.py), so a schema or grammar that does not compile, or
+would crash or stall the compiler, is a `ConfigError` naming the field when the request is
+made, not an error mid-generation. The text llguidance accepted is kept in `compiled`;
+it is what crosses the wire to a worker, which builds its matcher from it against the
+model's vocabulary (constraint.py) without converting or vetting it again.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from minivllm.errors import ConfigError
+from minivllm.sampling.constraint_compiler import compile_constraint
+from minivllm.sampling.constraint_limits import (check_choices, check_grammar, check_schema, check_size,
+                                                 loads_client_json)
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-# Compact JSON ("," and ":" with no whitespace around them): a model asked for JSON cannot
-# then spend its whole budget on whitespace, a known failure of free-whitespace JSON modes.
-JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def llguidance_module():
@@ -39,6 +43,10 @@ class StructuredOutput:
     regex: str | None = None  # the whole output matches it
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
     choice: list[str] | None = None  # the whole output is one of these
+    # The llguidance grammar the constraint compiled to, set once it passed the bounds and
+    # the compile; a StructuredOutput that arrives with it (from the controller, over the
+    # wire) is trusted and not compiled again.
+    compiled: str | None = None
 
     def __post_init__(self) -> None:
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -46,10 +54,7 @@ class StructuredOutput:
             raise ConfigError("structured", chosen or "nothing",
                               f"set exactly one of {', '.join(KINDS)}")
         if isinstance(self.json_schema, str):
-            try:
-                self.json_schema = json.loads(self.json_schema)
-            except ValueError as exc:
-                raise ConfigError("structured.json_schema", self.json_schema[:80], f"is not valid JSON: {exc}") from exc
+            self.json_schema = loads_client_json("structured.json_schema", self.json_schema)
         checks = {
             "json_schema": lambda v: isinstance(v, dict),
             "json_object": lambda v: v is True,
@@ -62,13 +67,26 @@ class StructuredOutput:
                    "choice": "must be a non-empty list of non-empty strings"}
         kind = chosen[0]
         if not checks[kind](getattr(self, kind)):
-            raise ConfigError(f"structured.{kind}", getattr(self, kind), allowed[kind])
-        try:
-            error = llguidance_module().LLMatcher.validate_grammar(self.grammar_text())
-        except ValueError as exc:  # llguidance's converters refuse some inputs outright
-            error = str(exc) or type(exc).__name__
-        if error and not error.startswith("WARNING"):
-            raise ConfigError(f"structured.{kind}", short_text(getattr(self, kind)), f"does not compile: {error.strip()}")
+            value = getattr(self, kind)  # shown short: a 100k-entry list must not come back in the error
+            raise ConfigError(f"structured.{kind}", short_text(value) if isinstance(value, (str, list)) else value,
+                              allowed[kind])
+        if self.compiled is None:
+            field, value = f"structured.{kind}", getattr(self, kind)
+            self._check_bounds(field, value)
+            self.compiled = compile_constraint(field, kind, value, short_text(value))
+
+    def _check_bounds(self, field: str, value: Any) -> None:
+        kind = self.kind
+        if kind == "json_schema":
+            check_schema(field, value)
+        elif kind == "regex":
+            check_size(field, len(value.encode("utf-8", "surrogatepass")))
+        elif kind == "grammar":
+            from llguidance.gbnf_to_lark import is_lark_syntax  # how llguidance tells Lark from GBNF
+
+            check_grammar(field, value, is_lark_syntax(value))
+        elif kind == "choice":
+            check_choices(field, value)
 
     @classmethod
     def coerce(cls, value: Any) -> "StructuredOutput | None":
@@ -88,23 +106,13 @@ class StructuredOutput:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def grammar_text(self) -> str:
-        """The llguidance grammar this constraint compiles to."""
-        llg = llguidance_module()
-        kind = self.kind
-        if kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_OPTIONS)
-        if kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        if kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(self.regex)
-        if kind == "grammar":
-            return llg.grammar_from("grammar", self.grammar)  # Lark, or GBNF (told apart by llguidance)
-        return llg.grammar_from("choice", json.dumps(self.choice))
+        """The llguidance grammar this constraint compiled to."""
+        return self.compiled
 
     def describe(self) -> str:
         return f"{self.kind}: {short_text(getattr(self, self.kind))}"
 
 
 def short_text(value: Any, limit: int = 80) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -52,7 +52,8 @@ from minivllm.serving.off_loop import in_thread, thread_future
 from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import NoWorkerAvailable
-from minivllm.serving.tool_call_parser import ToolCallStream, parse_tool_calls
+from minivllm.sampling.constraint_limits import MAX_JSON_DEPTH
+from minivllm.serving.tool_call_parser import ToolCallStream, reply_calls
 from minivllm.serving.tool_calls import ToolRequest
 
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -133,7 +134,11 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         # FastAPI's own refusals (a body that is not JSON or not UTF-8, an unknown route,
         # a wrong method) in the same error shape as ours.
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        if exc.status_code == 400 and "parsing the body" in detail:
+        if exc.status_code == 400 and "parsing the body" in detail and isinstance(exc.__cause__, RecursionError):
+            # Valid JSON that nests deeper than Python's parser can follow (~900 levels).
+            detail = (f"the request body nests JSON deeper than the parser can follow; schemas, grammars' %json, "
+                      f"tools and tool-call arguments may nest at most {MAX_JSON_DEPTH} levels of objects and arrays")
+        elif exc.status_code == 400 and "parsing the body" in detail:
             detail = "the request body is not valid JSON in UTF-8; send a JSON object with Content-Type: application/json"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, detail, kind)
@@ -242,9 +247,9 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                                   "server_error")
         message, finish = {"role": "assistant", "content": stream.text}, stream.finish_reason
         if tools is not None and tools.parses_output:
-            content, calls = parse_tool_calls(stream.text, tools.names)
+            content, calls, finish = reply_calls(stream.text, finish, tools.names, tools.forced)
             if calls:
-                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
         choice = ({"index": 0, "message": message, "finish_reason": finish, "logprobs": None} if chat else
                   {"index": 0, "text": stream.text, "finish_reason": finish, "logprobs": None})
         return {"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
@@ -280,7 +285,7 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             created_at = int(time.time())
 
             # Tool calls: content streams until a call may start, each call goes out whole at the end.
-            splitter = ToolCallStream(tools.names) if tools is not None and tools.parses_output else None
+            splitter = ToolCallStream(tools.names, tools.forced) if tools is not None and tools.parses_output else None
 
             def chunk(text: str | None, finish: str | None, first_chunk: bool = False,
                       tool_calls: list[dict] | None = None) -> str:
@@ -310,11 +315,11 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
                             yield chunk(event.text, event.finish_reason, first_chunk)
                         else:
                             text = splitter.feed(event.text)
-                            rest, calls = splitter.finish()
+                            rest, calls, finish = splitter.finish(event.finish_reason)
                             if calls:
                                 yield chunk(text + rest, None, first_chunk,
                                             [{"index": k, **call} for k, call in enumerate(calls)])
-                                yield chunk(None, "tool_calls")
+                                yield chunk(None, finish)
                             else:
                                 yield chunk(text + rest, event.finish_reason, first_chunk)
                         break

@@ -14,11 +14,11 @@ and `tool_choice` on chat completions (tool_calls.py); messages may carry the as
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.sampling.constraint_limits import check_json_depth, loads_client_json
 from minivllm.sampling.sampling_params import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_ENTRIES, SamplingParams
 from minivllm.sampling.structured import StructuredOutput
 from minivllm.errors import ConfigError
@@ -200,15 +200,15 @@ class ChatMessage(BaseModel):
 
 
 def _template_call(field: str, call: dict) -> dict:
+    check_json_depth(field, call)  # the chat template walks it recursively
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ConfigError(f"{field}.function", fn, 'must be {"name": ..., "arguments": "<JSON text>"}')
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
-        try:
-            args = json.loads(checked_text(f"{field}.function.arguments", args) or "{}")
-        except ValueError as exc:
-            raise ConfigError(f"{field}.function.arguments", args[:80], f"is not valid JSON: {exc}") from None
+        args = loads_client_json(f"{field}.function.arguments", checked_text(f"{field}.function.arguments", args) or "{}")
+    else:
+        check_json_depth(f"{field}.function.arguments", args)
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
 
 

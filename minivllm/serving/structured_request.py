@@ -8,7 +8,7 @@ Three ways of asking, as in OpenAI's API and vLLM's:
     "guided_choice": ["yes", "no"]
     "structured_outputs": {"json": ... | "regex": ... | "grammar": ... | "choice": [...] | "json_object": true}
 
-A request uses one source; two (say response_format and guided_regex, or a schema and a
+`strict: true` closes the schema's objects (strict_schema.py). A request uses one source; two (say response_format and guided_regex, or a schema and a
 forced tool call) are a ConfigError naming both. Every error names the request's own
 field (`response_format.json_schema.schema`, `guided_regex`, `structured_outputs.grammar`),
 so a schema or grammar that does not compile is a 400 pointing at what the client sent.
@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm.errors import ConfigError, quoted
+from minivllm.sampling.constraint_limits import check_json_depth
 from minivllm.sampling.structured import StructuredOutput
+from minivllm.serving.strict_schema import strict_schema
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # structured_outputs keys (vLLM's StructuredOutputsParams) -> StructuredOutput fields.
@@ -100,7 +102,10 @@ def _response_format(value: dict) -> dict | None:
     if not isinstance(schema, (dict, bool)):
         raise ConfigError("response_format.json_schema.schema", schema, "give the JSON schema (an object) the "
                           "output must match")
-    return {"json_schema": schema}  # always enforced exactly, whatever `strict` says
+    if spec.get("strict") is True:  # closed objects, as OpenAI's strict mode reads them
+        check_json_depth("response_format.json_schema.schema", schema)
+        schema = strict_schema(schema)
+    return {"json_schema": schema}
 
 
 def _structured_outputs(value: dict) -> tuple[str, dict]:

@@ -14,6 +14,7 @@ A call must be a JSON object with a string "name" (one of the request's tools) a
 nothing the model wrote is lost. Calls come back in OpenAI's shape, arguments as JSON text:
     {"id": "call_...", "type": "function", "function": {"name": ..., "arguments": "{...}"}}
 The content is the text outside the calls, None when that is only whitespace.
+A forced call cut by max_tokens still comes back as a call (`reply_calls`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def as_call(value: object, names: Collection[str] | None) -> dict | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # model output nested past the parser's reach is text too
             return None
     if not isinstance(args, dict):
         return None
@@ -59,7 +60,7 @@ def _tagged(text: str, names: Collection[str] | None) -> tuple[str, list[dict]]:
     for m in _BLOCK.finditer(text):
         try:
             call = as_call(json.loads(m.group(1)), names)
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             continue  # left in the content, as written
@@ -76,7 +77,7 @@ def _bare(text: str, names: Collection[str] | None) -> list[dict]:
     while at < len(text):
         try:
             value, at = _DECODER.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         values += value if isinstance(value, list) else [value]
         while at < len(text) and (text[at].isspace() or text[at] == ";"):
@@ -96,6 +97,41 @@ def parse_tool_calls(text: str, names: Collection[str] | None = None) -> tuple[s
     return (outside if outside.strip() else None), calls
 
 
+_CUT_NAME = re.compile(r'"name":\s*"([^"]*)')
+_CUT_ARGUMENTS = re.compile(r'"(?:arguments|parameters)":\s*(.*)\Z', re.DOTALL)
+
+
+def cut_call(text: str, names: Collection[str]) -> dict | None:
+    """The call a forced tool call's output was writing when max_tokens cut it: its name
+    (the one tool whose name the written part begins), its arguments as far as written
+    (JSON text that does not parse). None if not even the name's first letters came out,
+    or they fit several tools."""
+    m = _CUT_NAME.search(text)
+    if m is None:
+        return None
+    fits = [n for n in names if n.startswith(m.group(1))]
+    if len(fits) != 1:
+        return None
+    args = _CUT_ARGUMENTS.search(text, m.end())
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": fits[0], "arguments": args.group(1) if args else ""}}
+
+
+def reply_calls(text: str, finish_reason: str | None, names: Collection[str] | None,
+                forced: bool = False) -> tuple[str | None, list[dict], str | None]:
+    """(content, calls, finish_reason) of a reply: "tool_calls" when the output holds
+    calls. A forced call (tool_choice "required" or a named function) that max_tokens cut
+    is still a call, with its arguments as far as written, and finish_reason "length"."""
+    content, calls = parse_tool_calls(text, names)
+    if calls:
+        return content, calls, "tool_calls"
+    if forced and finish_reason == "length":
+        call = cut_call(text, names or ())
+        if call is not None:
+            return None, [call], "length"
+    return content, [], finish_reason
+
+
 class ToolCallStream:
     """Streamed text split into content to send now and calls sent at the end.
 
@@ -105,8 +141,9 @@ class ToolCallStream:
     parses the whole text as `parse_tool_calls` does and returns the content not sent yet
     and the calls, so the streamed content adds up to the non-streamed one."""
 
-    def __init__(self, names: Collection[str] | None = None):
+    def __init__(self, names: Collection[str] | None = None, forced: bool = False):
         self.names = names
+        self.forced = forced  # the output is a forced call: see `reply_calls`
         self.text = ""
         self.sent = 0
         self.held_from: int | None = None
@@ -125,9 +162,9 @@ class ToolCallStream:
         out, self.sent = self.text[self.sent:end], end
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        content, calls = parse_tool_calls(self.text, self.names)
-        return (content or "")[self.sent:], calls
+    def finish(self, finish_reason: str | None = None) -> tuple[str, list[dict], str | None]:
+        content, calls, finish_reason = reply_calls(self.text, finish_reason, self.names, self.forced)
+        return (content or "")[self.sent:], calls, finish_reason
 
 
 def _partial_tag(text: str) -> int:

@@ -14,7 +14,8 @@ they do to generation.
   when the template mentions <tool_call> (Qwen, Hermes), otherwise the bare JSON object
   (`"parameters"` instead of `"arguments"` where the template says so, as Llama 3.1's does).
   The grammar is Lark, each tool's call embedded as a JSON schema (llguidance's `%json`),
-  so the arguments match that tool's parameters schema.
+  so the arguments match that tool's parameters schema, read strictly (strict_schema.py:
+  no property the tool did not declare, as OpenAI's strict mode and vLLM do).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import re
 from dataclasses import dataclass
 
 from minivllm.errors import ConfigError
+from minivllm.sampling.constraint_limits import check_json_depth
 from minivllm.sampling.structured import StructuredOutput
+from minivllm.serving.strict_schema import strict_schema
 from minivllm.serving.structured_request import build_structured
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
@@ -66,6 +69,11 @@ class ToolRequest:
         return [t["function"]["name"] for t in self.tools]
 
     @property
+    def forced(self) -> bool:
+        """The output is constrained to one call."""
+        return self.choice in ("required", "function")
+
+    @property
     def parses_output(self) -> bool:
         return self.choice != "none" and self.read_calls
 
@@ -74,7 +82,7 @@ class ToolRequest:
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar of one call (of the named function, or of any tool), or None."""
-        if self.choice not in ("required", "function"):
+        if not self.forced:
             return None
         rules, alternatives = [], []
         for i, tool in enumerate(self.tools):
@@ -90,8 +98,10 @@ class ToolRequest:
     def call_schema(self, i: int) -> dict:
         """The JSON schema of a call of tool `i`: {"name": <its name>, "arguments": <its parameters>}."""
         fn = self.tools[i]["function"]
-        params = dict(fn.get("parameters") or NO_ARGUMENTS)
-        build_structured(f"tools[{i}].function.parameters", {"json_schema": params})  # on its own: errors name the tool
+        field = f"tools[{i}].function.parameters"
+        check_json_depth(field, fn.get("parameters"))
+        params = strict_schema(fn.get("parameters") or NO_ARGUMENTS)  # no arguments the tool did not declare
+        build_structured(field, {"json_schema": params})  # on its own: errors name the tool
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, self.format.arguments_key: params},
                   "required": ["name", self.format.arguments_key], "additionalProperties": False,
                   "x-guidance": CALL_JSON}
@@ -131,6 +141,7 @@ def _checked_tool(i: int, tool: object) -> dict:
         raise ConfigError(f"tools[{i}].function.description", fn["description"], "must be a string")
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
         raise ConfigError(f"tools[{i}].function.parameters", fn["parameters"], "must be a JSON schema (an object)")
+    check_json_depth(f"tools[{i}]", tool)  # before anything walks it recursively (json, the chat template)
     try:  # JSON can carry lone surrogates, which no tokenizer can encode
         json.dumps(tool, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

@@ -15,7 +15,9 @@ Threads inside the worker:
   lookup, so routing never waits for a long prefill step) and queues everything else for
   the step loop. When the controller goes away it stops the worker;
 - a heartbeat thread says "alive, and the step loop last turned N seconds ago", so the
-  controller can tell a dead or wedged worker from a busy one.
+  controller can tell a dead or wedged worker from a busy one;
+- a matcher thread builds constrained requests' llguidance matchers; such a request
+  reaches the engine once its matcher is ready (matcher_builds.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 import traceback
 
 from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.matcher_builds import MatcherBuilds
 from minivllm.serving.protocol import event_to_wire, params_from_wire
 from minivllm.serving.transport import Endpoint, TransportClosed
 from minivllm.serving.worker_rates import WorkerRates, load_profile
@@ -97,6 +100,7 @@ class Worker:
         else:
             self.rates = WorkerRates()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.matcher_builds = MatcherBuilds(self.engine.constraints)  # constrained submissions wait there
         self.stopping = threading.Event()
         self.last_loop = time.monotonic()
         self._last_running: dict[str, int] = {}
@@ -119,6 +123,7 @@ class Worker:
             pass  # the controller is gone; nothing left to report to
         finally:
             self.stopping.set()
+            self.matcher_builds.close()
 
     def _receive(self) -> None:
         while not self.stopping.is_set():
@@ -131,6 +136,8 @@ class Worker:
                 return
             if msg.get("op") == "prefix_query":
                 self._send({"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}})
+            elif msg.get("op") == "submit":
+                self.inbox.put(self.matcher_builds.start(msg))
             else:
                 self.inbox.put(msg)
 
@@ -158,6 +165,10 @@ class Worker:
         if now - self._last_state >= self.state_interval:
             self._send({"op": "state", "snapshot": self.engine.snapshot(), "rates": self.rates.as_dict()})
             self._last_state = now
+        for msg in self.matcher_builds.done():
+            self._submit(msg)
+            if msg.get("aborted"):
+                self._handle({"op": "abort", "request_id": msg["request_id"]})
         try:
             msg = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
             while True:
@@ -172,7 +183,10 @@ class Worker:
     def _handle(self, msg: dict) -> str | None:
         op = msg.get("op")
         if op == "submit":
-            self._submit(msg)
+            if not self.matcher_builds.hold(msg):
+                self._submit(msg)
+        elif op == "abort" and self.matcher_builds.abort(msg["request_id"]):
+            pass  # still building its matcher: aborted once it is in
         elif op == "abort":
             event = self.engine.abort(msg["request_id"])
             if event is not None:
@@ -190,7 +204,7 @@ class Worker:
     def _submit(self, msg: dict) -> None:
         rid = msg["request_id"]
         try:
-            params = params_from_wire(msg["params"])
+            params = msg.get("parsed_params") or params_from_wire(msg["params"])
             self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid)
         except ConfigError as exc:
             self._send({"op": "rejected", "request_id": rid, "field": exc.field, "error": str(exc)})

@@ -273,3 +273,59 @@ def test_a_template_without_tool_tags_gets_a_bare_json_call(smol):
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert check_call(choice.message.tool_calls[0])[0] == "get_weather"
+
+
+# --- strict forced calls on the default model (issue 39) ------------------------------------
+
+CITY_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+                   "required": ["city"]}}}
+WEATHER_QUESTIONS = ["What's the weather in Paris?", "What's the weather in Tokyo?", "Is it raining in London?",
+                     "How hot is it in Cairo today?", "Weather forecast for New York?"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_calls_on_the_default_model_are_calls_with_only_declared_arguments(smol, tool_choice):
+    """The parameters schema leaves additionalProperties unset; strict mode closes it, so
+    SmolLM2 can no longer ramble in made-up keys until max_tokens (0/5 calls before)."""
+    closed = {**CITY_WEATHER["function"]["parameters"], "additionalProperties": False}
+    for question in WEATHER_QUESTIONS:
+        r = chat(smol, [{"role": "user", "content": question}], tools=[CITY_WEATHER], tool_choice=tool_choice,
+                 temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (question, choice)
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), closed)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(smol, stream):
+    srv, cluster, _ = smol
+    body = {"model": cluster.model_name, "messages": ASK_WEATHER, "tools": [CITY_WEATHER], "tool_choice": "required",
+            "temperature": 0, "max_tokens": 12, "stream": stream}
+    if not stream:
+        choice = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        finish, calls = choice["finish_reason"], choice["message"]["tool_calls"]
+    else:
+        finish, calls = None, []
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    delta_choice = json.loads(line[6:])["choices"][0]
+                    calls += delta_choice["delta"].get("tool_calls") or []
+                    finish = delta_choice["finish_reason"] or finish
+    assert finish == "length" and len(calls) == 1, (finish, calls)
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert '{"city": "Paris"}'.startswith(calls[0]["function"]["arguments"]), calls  # as far as it was written
+
+
+def test_a_long_guided_choice_answers_one_of_its_entries(smol):
+    """2,500 entries were a 400 after the first token (llguidance's 2,000-item row limit)
+    and 100,000 took 19.6 s to get there; now the list is one terminal."""
+    options = [f"option {i}" for i in range(2500)]
+    r = chat(smol, [{"role": "user", "content": "Pick one."}], max_tokens=12, temperature=0,
+             extra_body={"guided_choice": options})
+    assert r.choices[0].message.content in options, r.choices[0]

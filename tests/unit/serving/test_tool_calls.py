@@ -105,7 +105,7 @@ def test_a_malformed_block_stays_beside_a_good_one():
 def test_streamed_content_adds_up_to_the_whole_text_parse(text, piece):
     splitter = ToolCallStream(NAMES)
     sent = "".join(splitter.feed(text[i:i + piece]) for i in range(0, len(text), piece))
-    rest, calls = splitter.finish()
+    rest, calls, _ = splitter.finish()
     content, whole_calls = parse_tool_calls(text, NAMES)
     assert sent + rest == (content or "")
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
@@ -129,6 +129,8 @@ SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required"
 @pytest.mark.parametrize("fields, kind, value", [
     ({"response_format": {"type": "json_object"}}, "json_object", True),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     "json_schema", {**SCHEMA, "additionalProperties": False}),  # strict: closed
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
      "json_schema", SCHEMA),
     ({"guided_json": SCHEMA}, "json_schema", SCHEMA),
     ({"guided_json": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
