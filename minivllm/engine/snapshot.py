@@ -118,7 +118,7 @@ def describe_speculation(engine, scheduler) -> dict:
     spec = engine.speculator
     if spec is None:
         return {"enabled": False}
-    return spec.snapshot(scheduler.running + scheduler.waiting)
+    return spec.snapshot(scheduler.running + scheduler.waiting, engine.runner.draft)
 
 
 def describe_kernels(engine) -> dict:

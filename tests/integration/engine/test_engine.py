@@ -689,8 +689,8 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     asked = []
     forward_batch = llm.model.forward_batch
 
-    def spy(token_ids, positions, kv, logits_rows=None):
-        logits = forward_batch(token_ids, positions, kv, logits_rows)
+    def spy(token_ids, positions, kv, logits_rows=None, **options):
+        logits = forward_batch(token_ids, positions, kv, logits_rows, **options)
         asked.append((token_ids.shape[0], None if logits_rows is None else logits_rows.tolist(), logits.shape[0]))
         return logits
 
