@@ -15,6 +15,7 @@ import torch
 from minivllm.devices import check_dtype_supported, describe_device, dtype_name, resolve_device, resolve_dtype
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.request_checks import is_token_ids
 from minivllm.sampling.outputs import RequestOutput, TokenEvent
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
@@ -86,7 +87,7 @@ class LLM:
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        if is_token_ids(prompt):
             return None, list(prompt)
         raise ConfigError("prompt", type(prompt).__name__, "expected a string or a list of token ids")
 

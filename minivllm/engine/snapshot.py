@@ -15,7 +15,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
       },
       "kv": {page_size, total_pages, free_pages, available_pages (free + cached-idle), used_pages, bytes,
              reserved_pages (the engine's own, e.g. the CUDA graphs' scratch page),
-             "page_states": ["free" | "owned" | "cached-idle" | "shared", ...],  # one per page
+             "page_states": ["free" | "owned" | "cached-idle" | "cached-in-use" | "shared", ...],  # one per page
              "ref_counts": [int, ...]},          # one per page; the prefix cache holds one
       "prefix_cache": {enabled, publication, single_flight,
                        cached_pages, idle_pages, in_use_pages, cached_tokens,
@@ -55,8 +55,9 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                                                   speculative_tokens_per_s, pauses,
                                                   next_pause_tokens}}}
 
-page_states: free = no holder; owned = one request; shared = cached and in use, or used
-by several requests; cached-idle = held by the prefix cache alone, evicted LRU on demand.
+page_states (cache/page_pool.PAGE_STATES): free = no holder; owned = one request, not
+cached; cached-idle = held by the prefix cache alone, evicted LRU on demand; cached-in-use
+= cached and used by one request; shared = used by two or more requests.
 """
 
 from __future__ import annotations
