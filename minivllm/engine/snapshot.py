@@ -33,7 +33,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                       last_error},
       "last_step": {index, rows: [{id, phase, tokens, draft_tokens}], prefill_tokens, decode_rows,
                     logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
-      "kernels": {gemv_max_rows, dequant_cache, batch_invariant,
+      "kernels": {<kernel settings>,
                   cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why}},
                   weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
@@ -63,8 +63,20 @@ cached; cached-idle = held by the prefix cache alone, evicted LRU on demand; cac
 from __future__ import annotations
 
 import time
+from dataclasses import fields
+
+from minivllm.kernels.kernel_options import KernelSettings
 
 SCHEMA = "minivllm.engine.snapshot/1"
+
+
+def schema_doc(template: str) -> str:
+    """The schema above with the kernel settings listed from their declarations."""
+    return template.replace("<kernel settings>", ", ".join(f.name for f in fields(KernelSettings)))
+
+
+DOC_TEMPLATE = __doc__
+__doc__ = schema_doc(DOC_TEMPLATE)
 
 
 def build_snapshot(engine, scheduler, kv, requests: dict) -> dict:
