@@ -5,6 +5,11 @@
     for events in engine.run(): ...                           # or engine.step() by hand
     output = engine.pop_output(rid)
 
+A step is three calls: `Scheduler.schedule` plans it, `ModelRunner.execute` runs it
+(the only code that runs a model) and returns plain data, `Scheduler.update` applies it
+(the only place requests advance and KV tables change). Submission, abort and outputs
+stay here.
+
 Single-threaded by design. `run()` is the one step loop (`LLM`, the serving worker and
 debug.compare use it); a host taking submissions from elsewhere applies them in its
 `between_steps` hook. Callers get `add_request`, `abort`, `release`, `step`/`run`,

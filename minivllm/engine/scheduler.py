@@ -294,7 +294,8 @@ class Scheduler:
                 timed.append((req, None))
             event = self._take_token(req, result)
             events.append(event)
-            if first and not event.finished and req.id in self.flight_logits and self.flights.release == "after_prefill":
+            if (first and not event.finished and req.id in self.flight_logits
+                    and self.flights.release == "after_prefill"):
                 # The prompt is computed: publish its pages (whatever the publication
                 # policy) and end the flight, releasing the followers.
                 self.kv.publish(req)
@@ -366,7 +367,8 @@ class Scheduler:
 
     def _failed(self, req: Request, error: RowError) -> TokenEvent:
         if error.kind == "constraint":
-            return self.finish(req, "error", token=-1, text=req.stops.flush(), error=constraint_error(req, error.message))
+            return self.finish(req, "error", token=-1, text=req.stops.flush(),
+                               error=constraint_error(req, error.message))
         return self.finish(req, "error", token=-1, text="", error=error.message)
 
     def _release_followers(self, leader_id: str, followers: list[str]) -> None:
