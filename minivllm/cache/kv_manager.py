@@ -38,7 +38,6 @@ from __future__ import annotations
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 
-
 # The methods that change block tables, the pool or the prefix index.
 MUTATORS = frozenset({"admit", "allocate_slots", "truncate", "free", "publish", "computed", "clear_cache"})
 

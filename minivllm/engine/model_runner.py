@@ -193,7 +193,7 @@ class ModelRunner:
             out.logits = [logits[r] for r in result.logit_rows]
             want = req.params.logprobs
             out.logprobs = [top_logprobs(logits[r], t, want) if want is not None else None
-                            for t, r in zip(result.tokens, result.logit_rows)]
+                            for t, r in zip(result.tokens, result.logit_rows, strict=True)]
         except Unsatisfiable as exc:
             out.round, out.error = None, RowError("constraint", str(exc))
         except Exception as exc:  # noqa: BLE001

@@ -113,7 +113,7 @@ def _logits_run(llms, params, *, interleave: bool) -> list[list[tuple[str, torch
 
 
 def _same(a, b) -> bool:
-    return len(a) == len(b) and all(ra == rb and torch.equal(la, lb) for (ra, la), (rb, lb) in zip(a, b))
+    return len(a) == len(b) and all(ra == rb and torch.equal(la, lb) for (ra, la), (rb, lb) in zip(a, b, strict=True))
 
 
 def test_forks_stepping_in_turn_give_the_bits_each_gives_alone(llm):
@@ -126,7 +126,7 @@ def test_forks_stepping_in_turn_give_the_bits_each_gives_alone(llm):
     # The two option sets take different kernels whose logits differ in their bits, so a
     # fork running under the other's options would show.
     assert not _same(alone[0], alone[1])
-    assert all(_same(a, b) for a, b in zip(alone, _logits_run([gemv, gemm], params, interleave=True)))
+    assert all(_same(a, b) for a, b in zip(alone, _logits_run([gemv, gemm], params, interleave=True), strict=True))
     # Nothing an engine ran changed the model's own defaults (the GEMM fork stepped last).
     assert torch.equal(llm.model.forward(torch.tensor(row), 0, _cache(llm, len(row))), before)
 
@@ -147,7 +147,7 @@ def test_forks_in_two_threads_give_the_bits_each_gives_alone(llm):
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert all(_same(a, b) for a, b in zip(alone, together))
+    assert all(_same(a, b) for a, b in zip(alone, together, strict=True))
 
 
 def _cache(llm, n: int):
