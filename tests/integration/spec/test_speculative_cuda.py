@@ -50,8 +50,8 @@ def perturbed_copy(path, device, dtype, noise: float):
     g = torch.Generator(device="cpu").manual_seed(0)
     noisy = w + noise * w.std() * torch.randn(w.shape, generator=g).to(w.device)
     head._dense = noisy.to(head.compute_dtype)  # GEMM reads the dense copy
-    head._triton_ok = False  # and GEMV must too: the row-wise path over the same dense copy
-    head.options = type(head.options)(gemv_max_rows=0)
+    head._triton_ok = False  # and GEMV must too: the row-wise path over the same dense copy,
+    head._repacked = None  # which the repacked kernel (the file's weights) would bypass
     return draft
 
 
