@@ -19,15 +19,15 @@ available: allocating one evicts the least recently used. Single-flight follower
 in the waiting queue until their flight releases them.
 
 Speculative decoding: after every decode row has its page, decode rows whose request
-wants to speculate (`draft_len`) grow to 1 + k tokens, k capped by the step budget and
-by the pages free right now — speculation never preempts and never evicts a decode.
-Those extra tokens come before prefill chunks, like any running request's work.
+wants to speculate (`Speculator.wanted_tokens`) grow to 1 + k tokens, k capped by the
+step budget, by the target pages free right now and by the draft pool's — speculation
+never preempts and never evicts a decode. Those extra tokens come before prefill
+chunks, like any running request's work.
 
 Applying a step (`update`): the scheduler is also the one place requests advance. It
 takes the model runner's `RunnerOutput` (engine/runner_output.py) and appends tokens,
-verifies nothing itself but applies verification results, finishes requests, releases
-single-flight followers, publishes pages and feeds the speculation gate its figures. It
-is the only caller of `KVManager`'s mutators, on the target's manager and on the draft
+applies verified rounds, finishes requests, releases single-flight followers, publishes
+pages and feeds the speculation gate its figures. It is the only caller of `KVManager`'s mutators, on the target's manager and on the draft
 pool's (spec/drafter.py): tests/unit/test_kv_writers.py checks that on the source.
 
 Policies:
