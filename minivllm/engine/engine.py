@@ -25,7 +25,6 @@ finish_reason "error" and frees their pages; nothing a request does can leak a p
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -168,10 +167,9 @@ class LLMEngine:
         forward, draws, verification), the scheduler applies the output. Returns the token events."""
         scheduler = self._scheduler
         with trace_scope("step", scheduler.counters["steps"]):
-            t0 = time.perf_counter()
             plan = scheduler.schedule()
             output = self.runner.execute(plan) if plan.rows else None
-            return scheduler.update(plan, output, t0)
+            return scheduler.update(plan, output)
 
     @property
     def logits_hook(self):

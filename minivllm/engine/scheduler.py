@@ -27,8 +27,9 @@ chunks, like any running request's work.
 Applying a step (`update`): the scheduler is also the one place requests advance. It
 takes the model runner's `RunnerOutput` (engine/runner_output.py) and appends tokens,
 applies verified rounds, finishes requests, releases single-flight followers, publishes
-pages and feeds the speculation gate its figures. It is the only caller of `KVManager`'s mutators, on the target's manager and on the draft
-pool's (spec/drafter.py): tests/unit/test_kv_writers.py checks that on the source.
+pages and feeds the speculation gate its figures. It is the only caller of `KVManager`'s
+mutators, on the target's manager and on the draft pool's (spec/drafter.py):
+tests/unit/test_kv_writers.py checks that on the source.
 
 Policies:
   fcfs                    arrival order;
@@ -70,6 +71,7 @@ class ScheduledRow:
 class ScheduledStep:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)  # when the step began (its scheduling included)
 
     @property
     def prefill_tokens(self) -> int:
@@ -249,14 +251,14 @@ class Scheduler:
 
     # -- applying a step -------------------------------------------------------------------
 
-    def update(self, plan: ScheduledStep, output: RunnerOutput | None, t0: float) -> list[TokenEvent]:
+    def update(self, plan: ScheduledStep, output: RunnerOutput | None) -> list[TokenEvent]:
         """Apply the runner's output for `plan` (None when nothing ran); the step's token
-        events, then those of followers released since the last step. `t0`: when the
-        step began. The order below is load-bearing: K/V first counts as computed (and
-        is published) for every plain row, then each row's tokens are appended in row
-        order; a speculating row's plain step is counted before its token (which may
-        finish it and move its figures to the totals)."""
-        counters = self.counters
+        events, then those of followers released since the last step. The order below is
+        load-bearing: K/V first counts as computed (and is published) for every plain row,
+        then each row's tokens are appended in row order; a speculating row's plain step
+        is counted before its token (which may finish it and move its figures to the
+        totals)."""
+        counters, t0 = self.counters, plan.started
         counters["preemptions"] += len(plan.preempted)
         if not plan.rows:
             self.last_step = describe_step(counters["steps"], plan, t0, logits_rows=0)

@@ -173,7 +173,7 @@ def test_execute_changes_no_request_and_update_applies_the_output(llm):
         assert fields == [(r.request.status, list(r.request.output_ids), r.request.num_computed,
                            list(r.request.block_table), r.request.text, r.request.finish_reason) for r in plan.rows]
         drawn = {rid: row.tokens for rid, row in output.rows.items()}
-        scheduler.update(plan, output, 0.0)
+        scheduler.update(plan, output)
         for row in plan.rows:
             if row.needs_logits:
                 assert row.request.output_ids[-1:] == drawn[row.request.id]
