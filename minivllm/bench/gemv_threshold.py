@@ -115,8 +115,8 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     prompt_ids = [tok.encode(t) for t in texts]
     base = dict(kv_mode="paged", page_size=page_size, max_batched_tokens=max_batched_tokens,
                 max_active_requests=n_max, max_model_len=max(map(len, prompt_ids)) + max_tokens + 1)
-    # One engine per mode over the one model: an engine applies its own kernel options
-    # before every forward (see LLMEngine.kernel_options).
+    # One engine per mode over the one model: an engine passes its own kernel options
+    # with every forward (see LLMEngine.kernel_options).
     configs: dict[str, tuple[dict, bool]] = {  # name -> (kernel options, batched)
         "sequential": ({}, False),  # the device default
         "gemm": ({"gemv_max_rows": 0}, True),

@@ -48,7 +48,11 @@ class PagedBatchKV:
     runner may replace them with static buffers holding the same values (block tables
     padded to any width)."""
 
-    def __init__(self, pool: PagePool, segments: list[Segment], *, invariant: bool = False):
+    def __init__(self, pool: PagePool, segments: list[Segment], *, invariant: bool = False,
+                 index: tuple[torch.Tensor, ...] | None = None):
+        """`index`: (write_slots, block_tables, row_seq, row_pos) already on the pool's
+        device, with the values described below (the model runner fills them into
+        persistent buffers, engine/step_inputs.py); built here from `segments` if None."""
         self.pool = pool
         self.segments = segments
         self.invariant = invariant
@@ -60,24 +64,29 @@ class PagedBatchKV:
         row = 0
         for i, seg in enumerate(segments):
             end = seg.start + seg.n
-            pos = torch.arange(seg.start, end)
-            table = torch.tensor(seg.block_table, dtype=torch.long)
-            write.append(table[pos // ps] * ps + pos % ps)
+            if index is None:
+                pos = torch.arange(seg.start, end)
+                table = torch.tensor(seg.block_table, dtype=torch.long)
+                write.append(table[pos // ps] * ps + pos % ps)
+                row_seq += [i] * seg.n
+                row_pos += range(seg.start, end)
             self._reads.append(_runs(seg.block_table, ps, end))
             self._rows.append(slice(row, row + seg.n))
-            row_seq += [i] * seg.n
-            row_pos += range(seg.start, end)
             row += seg.n
         self.n_rows = row
-        self.write_slots = torch.cat(write).to(device)  # flat pool slot of each row's K/V
-        # Paged-attention metadata (int32, on the pool's device): each segment's block
-        # table padded with page 0 (never read: a row reads only pages up to its
-        # position), and each row's segment and absolute position.
-        width = max((len(seg.block_table) for seg in segments), default=1)
-        self.block_tables = torch.tensor([seg.block_table + [0] * (width - len(seg.block_table)) for seg in segments],
-                                         dtype=torch.int32).to(device)
-        self.row_seq = torch.tensor(row_seq, dtype=torch.int32).to(device)
-        self.row_pos = torch.tensor(row_pos, dtype=torch.int32).to(device)
+        if index is not None:
+            self.write_slots, self.block_tables, self.row_seq, self.row_pos = index
+        else:
+            self.write_slots = torch.cat(write).to(device)  # flat pool slot of each row's K/V
+            # Paged-attention metadata (int32, on the pool's device): each segment's block
+            # table padded with page 0 (never read: a row reads only pages up to its
+            # position), and each row's segment and absolute position.
+            width = max((len(seg.block_table) for seg in segments), default=1)
+            self.block_tables = torch.tensor(
+                [seg.block_table + [0] * (width - len(seg.block_table)) for seg in segments],
+                dtype=torch.int32).to(device)
+            self.row_seq = torch.tensor(row_seq, dtype=torch.int32).to(device)
+            self.row_pos = torch.tensor(row_pos, dtype=torch.int32).to(device)
         self._paged_attention = triton_paged_attention(pool, invariant)
         # Rows the kernel handles in a mixed step (decode rows), when not all rows are.
         self._kernel_rows = None

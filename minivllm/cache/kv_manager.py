@@ -25,6 +25,10 @@ Invariants (tests/engine_invariants.py recomputes them after every step):
 - every way out of the engine (finish, abort, error, preemption) ends in `free`, so no
   page outlives its request.
 
+Who may call: the mutators (`MUTATORS`: every method that takes, drops or indexes pages)
+are called by engine/scheduler.py alone, on the target's manager and on the draft pool's
+(tests/unit/test_kv_writers.py checks the source); the rest read.
+
 Single-flight needs nothing here: a follower is simply not admitted (the scheduler's
 decision) until its leader has published the prompt's pages, which `admit` restores.
 """
@@ -33,6 +37,9 @@ from __future__ import annotations
 
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
+
+# The methods that change block tables, the pool or the prefix index.
+MUTATORS = frozenset({"admit", "allocate_slots", "truncate", "free", "publish", "computed", "clear_cache"})
 
 
 class KVManager:

@@ -24,8 +24,9 @@ class OutOfPagesError(MinivllmError):
     checks `num_free` first, so seeing this means a scheduler bug, not user error."""
 
 
-# Per-page states reported in snapshots.
-FREE, OWNED, CACHED_IDLE, SHARED = "free", "owned", "cached-idle", "shared"
+# Per-page states reported in snapshots (what the notebook's page map draws).
+FREE, OWNED, CACHED_IDLE, CACHED_IN_USE, SHARED = "free", "owned", "cached-idle", "cached-in-use", "shared"
+PAGE_STATES = (FREE, OWNED, CACHED_IDLE, CACHED_IN_USE, SHARED)
 
 
 class PagePool:
@@ -117,15 +118,17 @@ class PagePool:
     # -- inspection ------------------------------------------------------------------
 
     def page_states(self) -> list[str]:
-        """free: no holder. owned: one request, not cached. shared: cached and in use, or
-        used by several requests. cached-idle: held by the prefix cache alone (evictable)."""
+        """One of PAGE_STATES per page, by its request holders (its ref count less the
+        prefix cache's one): free = no holder; owned = one request, not cached;
+        cached-idle = the prefix cache alone (evictable); cached-in-use = cached and one
+        request; shared = two or more requests."""
         cache = self.cache
         states = []
         for p, r in enumerate(self.refcount):
             cached = cache is not None and cache.holds(p)
             users = r - cached
-            states.append(FREE if r == 0 else CACHED_IDLE if users == 0 else
-                          SHARED if cached or users > 1 else OWNED)
+            states.append(FREE if r == 0 else SHARED if users > 1 else
+                          (CACHED_IN_USE if users else CACHED_IDLE) if cached else OWNED)
         return states
 
     def snapshot(self) -> dict:

@@ -258,8 +258,9 @@ def _machine(sides: dict) -> dict:
     from minivllm.kernels import cpu_gemv
 
     machine = cpu_fingerprint()
-    # minivllm's own compiled f32 GEMV picks its ISA from the CPU flags, like MKL does.
-    machine["cpu_gemv"] = cpu_gemv.isa() or f"torch ({cpu_gemv.unavailable_reason()})"
+    # minivllm's own compiled f32 GEMV picks its ISA from the CPU flags, like MKL does (named
+    # apart from the engine option cpu_gemv, which says what a GEMV runs).
+    machine["cpu_gemv_isa"] = cpu_gemv.isa() or f"torch ({cpu_gemv.unavailable_reason()})"
     gpus = sorted({describe_device(s.device) for s in sides.values() if s.device.type == "cuda"})
     if gpus:
         machine["gpu"] = ", ".join(gpus)

@@ -56,7 +56,7 @@ def engine_replay(llm, token_ids: list[int], n_prompt: int) -> Iterator[ReplayCh
     for start, n in engine_forward_schedule(n_prompt, len(token_ids), llm.engine.config.max_batched_tokens):
         hidden: list[torch.Tensor] = []
         # `using` is entered per call, not around the loop: the other side's replay runs
-        # between our calls and switches the shared model to its own options.
+        # between our calls, under its own options.
         with model.using(options):
             logits = model.forward(ids[start:start + n], start, cache, hidden_states=hidden)
         yield ReplayChunk(start, torch.stack(hidden), logits)

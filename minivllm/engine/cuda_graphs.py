@@ -40,30 +40,23 @@ def buckets_for(max_rows: int) -> list[int]:
     return out + [max_rows]
 
 
-def graph_runner_for(model, pool: PagePool, config, max_model_len: int, invariant: bool):
-    """The engine's runner: decode steps replay CUDA graphs on a GPU (None elsewhere)."""
-    if model.device.type != "cuda":
-        return None
-    return decode_graph_runner(model, pool, max_rows=config.max_active_requests, max_model_len=max_model_len,
-                               invariant=invariant)
-
-
 def decode_graph_runner(model, pool: PagePool, *, max_rows: int, max_model_len: int,
-                        invariant: bool) -> "DecodeGraphRunner | None":
-    """A graph runner for decode steps of `model` over `pool`, or None where graphs cannot
-    run (not CUDA, no Triton kernel for this cache dtype, no room for the scratch page):
-    steps are then eager. The engine makes one for its target and hands this factory to
-    the speculator for the draft, so spec/ needs nothing from engine/."""
+                        options) -> "DecodeGraphRunner | None":
+    """A graph runner for decode steps of `model` over `pool` under the kernel `options`
+    (captured into the graphs), or None where graphs cannot run (not CUDA, no Triton
+    kernel for this cache dtype, no room for the scratch page): steps are then eager. The
+    model runner makes one for the target and one for the draft."""
     if model.device.type != "cuda" or pool.num_pages < 2 or triton_paged_attention(pool, False) is None:
         return None
-    return DecodeGraphRunner(model, pool, max_rows=max_rows, max_model_len=max_model_len, invariant=invariant)
+    return DecodeGraphRunner(model, pool, max_rows=max_rows, max_model_len=max_model_len, options=options)
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, pool: PagePool, *, max_rows: int, max_model_len: int, invariant: bool):
+    def __init__(self, model, pool: PagePool, *, max_rows: int, max_model_len: int, options):
         self.model = model
         self.pool = pool
-        self.invariant = invariant
+        self.options = options
+        self.invariant = options.batch_invariant
         self.buckets = buckets_for(max_rows)
         device = model.device
         self.max_pages = -(-max_model_len // pool.page_size)
@@ -110,10 +103,11 @@ class DecodeGraphRunner:
     def _forward(self, bucket: int) -> torch.Tensor:
         kv = PagedBatchKV.static_decode(self.pool, self.write_slots[:bucket], self.block_tables[:bucket],
                                         self.row_seq[:bucket], self.row_pos[:bucket], invariant=self.invariant)
-        return self.model.forward_batch(self.token_ids[:bucket], self.positions[:bucket], kv, None)
+        return self.model.forward_batch(self.token_ids[:bucket], self.positions[:bucket], kv, None,
+                                        options=self.options)
 
     def _capture(self, bucket: int) -> None:
-        counts = self.model.kernel_options.path_counts
+        counts = self.options.path_counts
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -142,7 +136,7 @@ class DecodeGraphRunner:
                 return None
         self.graphs[bucket].replay()
         self.replays += 1
-        counts = self.model.kernel_options.path_counts
+        counts = self.options.path_counts
         counts.clear()
         counts.update({f"{path} (graph)": n for path, n in self.path_counts[bucket].items()})
         return self.outputs[bucket][:len(segments)]

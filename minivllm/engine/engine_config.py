@@ -13,7 +13,16 @@ KV_MODES = ("paged", "contiguous")
 POLICIES = ("fcfs", "shortest-prefill-first", "round-robin")
 PUBLICATIONS = ("at_completion", "incremental")
 SINGLE_FLIGHT = ("off", "at_completion", "after_prefill")
+PREFIX_CACHE_KV_MODES = ("paged",)  # where a page can be shared: contiguous pages hold whole sequences
 _CPU_KV_CAP = 1 << 30
+
+
+def settle_cache_options(kv_mode: str, prefix_cache: bool, single_flight: str) -> dict:
+    """Cache controls set independently (the notebook's launcher form), settled by the
+    rules `EngineConfig` checks instead of refused: no prefix cache where pages cannot be
+    shared, no single flight without a prefix cache (followers restore from it)."""
+    enabled = bool(prefix_cache) and kv_mode in PREFIX_CACHE_KV_MODES
+    return {"prefix_cache": enabled, "single_flight": single_flight if enabled else "off"}
 
 
 @dataclass
@@ -72,7 +81,7 @@ class EngineConfig(KernelSettings):
             raise ConfigError("enforce_eager", self.enforce_eager, "must be True or False")
         if self.prefix_cache not in (None, True, False):
             raise ConfigError("prefix_cache", self.prefix_cache, "must be True, False or None (on in paged mode)")
-        if self.prefix_cache and self.kv_mode == "contiguous":
+        if self.prefix_cache and self.kv_mode not in PREFIX_CACHE_KV_MODES:
             raise ConfigError("prefix_cache", self.prefix_cache, "needs kv_mode='paged': a contiguous KV page holds a "
                               "whole sequence, so no page could ever be shared")
         if self.single_flight != "off" and not self.prefix_cache_enabled:
@@ -91,7 +100,7 @@ class EngineConfig(KernelSettings):
 
     @property
     def prefix_cache_enabled(self) -> bool:
-        return self.kv_mode == "paged" if self.prefix_cache is None else self.prefix_cache
+        return self.kv_mode in PREFIX_CACHE_KV_MODES if self.prefix_cache is None else self.prefix_cache
 
     def kernel_options(self) -> KernelOptions:
         return KernelOptions(**self.kernel_settings())

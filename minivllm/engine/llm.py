@@ -15,6 +15,8 @@ import torch
 from minivllm.devices import check_dtype_supported, describe_device, dtype_name, resolve_device, resolve_dtype
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.options import options_summary
+from minivllm.engine.request_checks import is_token_ids
 from minivllm.sampling.outputs import RequestOutput, TokenEvent
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
@@ -31,12 +33,9 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32", *,
                  max_model_len: int | None = None, progress: bool = True, draft_model: str | None = None,
                  **engine_options):
-        """`engine_options` are `EngineConfig` fields: kv_mode, page_size, kv_memory_bytes,
-        kv_memory_fraction, max_batched_tokens, max_active_requests, policy, the kernel
-        options gemv_max_rows, dequant_cache, batch_invariant, enforce_eager, the prefix
-        cache's prefix_cache, publication, single_flight, and speculation's draft_policy,
-        num_draft_tokens, tv_budget. `draft_model` (a name or path, loaded on the same
-        device and dtype) turns speculative decoding on."""
+        """`engine_options` are `EngineConfig` fields (see `minivllm generate --help`), by
+        group: {options}. `draft_model` (a name or path, loaded on the same device and
+        dtype) turns speculative decoding on."""
         engine_config = EngineConfig(max_model_len=max_model_len, **engine_options)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -86,7 +85,7 @@ class LLM:
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        if is_token_ids(prompt):
             return None, list(prompt)
         raise ConfigError("prompt", type(prompt).__name__, "expected a string or a list of token ids")
 
@@ -177,3 +176,12 @@ class LLM:
             "config": self.config.describe(),
             "torch": torch.__version__,
         }
+
+
+def init_docstring() -> str:
+    """`LLM.__init__`'s docstring with the option list read off the declarations."""
+    return INIT_DOC_TEMPLATE.replace("{options}", options_summary(exclude=("max_model_len",)))
+
+
+INIT_DOC_TEMPLATE = LLM.__init__.__doc__
+LLM.__init__.__doc__ = init_docstring()

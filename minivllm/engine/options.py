@@ -23,6 +23,20 @@ def option_fields() -> list[Field]:
     return list(fields(EngineConfig))
 
 
+def options_by_group(exclude: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Option names under their declared group headings, in declaration order."""
+    groups: dict[str, list[str]] = {}
+    for f in option_fields():
+        if f.name not in exclude:
+            groups.setdefault(f.metadata.get("group", "engine"), []).append(f.name)
+    return groups
+
+
+def options_summary(exclude: tuple[str, ...] = ()) -> str:
+    """'kernels: gemv_max_rows, ...; kv cache: kv_mode, ...': every option, for docstrings."""
+    return "; ".join(f"{group}: {', '.join(names)}" for group, names in options_by_group(exclude).items())
+
+
 def engine_option_names() -> list[str]:
     return sorted(f.name for f in option_fields())
 

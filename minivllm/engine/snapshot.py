@@ -15,7 +15,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
       },
       "kv": {page_size, total_pages, free_pages, available_pages (free + cached-idle), used_pages, bytes,
              reserved_pages (the engine's own, e.g. the CUDA graphs' scratch page),
-             "page_states": ["free" | "owned" | "cached-idle" | "shared", ...],  # one per page
+             "page_states": ["free" | "owned" | "cached-idle" | "cached-in-use" | "shared", ...],  # one per page
              "ref_counts": [int, ...]},          # one per page; the prefix cache holds one
       "prefix_cache": {enabled, publication, single_flight,
                        cached_pages, idle_pages, in_use_pages, cached_tokens,
@@ -33,7 +33,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                       last_error},
       "last_step": {index, rows: [{id, phase, tokens, draft_tokens}], prefill_tokens, decode_rows,
                     logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
-      "kernels": {gemv_max_rows, dequant_cache, batch_invariant,
+      "kernels": {<kernel settings>,
                   cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why}},
                   weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
@@ -55,15 +55,28 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                                                   speculative_tokens_per_s, pauses,
                                                   next_pause_tokens}}}
 
-page_states: free = no holder; owned = one request; shared = cached and in use, or used
-by several requests; cached-idle = held by the prefix cache alone, evicted LRU on demand.
+page_states (cache/page_pool.PAGE_STATES): free = no holder; owned = one request, not
+cached; cached-idle = held by the prefix cache alone, evicted LRU on demand; cached-in-use
+= cached and used by one request; shared = used by two or more requests.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import fields
+
+from minivllm.kernels.kernel_options import KernelSettings
 
 SCHEMA = "minivllm.engine.snapshot/1"
+
+
+def schema_doc(template: str) -> str:
+    """The schema above with the kernel settings listed from their declarations."""
+    return template.replace("<kernel settings>", ", ".join(f.name for f in fields(KernelSettings)))
+
+
+DOC_TEMPLATE = __doc__
+__doc__ = schema_doc(DOC_TEMPLATE)
 
 
 def build_snapshot(engine, scheduler, kv, requests: dict) -> dict:
@@ -118,7 +131,7 @@ def describe_speculation(engine, scheduler) -> dict:
     spec = engine.speculator
     if spec is None:
         return {"enabled": False}
-    return spec.snapshot(scheduler.running + scheduler.waiting)
+    return spec.snapshot(scheduler.running + scheduler.waiting, engine.runner.draft)
 
 
 def describe_kernels(engine) -> dict:

@@ -1,12 +1,18 @@
-"""How the model's matmuls and attention pick kernels: one object shared by every layer.
+"""How the model's matmuls and attention pick kernels: options given per forward call.
 
-The engine owns it and changes it between steps (e.g. a `debug.compare` run with
-different thresholds), so layers read it at call time instead of copying values.
+Each engine holds its own resolved `KernelOptions` and passes them to every forward it
+runs (`DecoderModel.forward_batch(..., options=)`); for the duration of that call they
+are the options in effect (`options_in_effect`, a context variable, so two engines over
+one model, or two threads, never see each other's). Layers read them at call time;
+outside any forward they fall back to the model's defaults (the loader's).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 
 from minivllm.errors import ConfigError
@@ -94,6 +100,26 @@ class KernelOptions(KernelSettings):
     def describe(self) -> dict:
         return self.kernel_settings()
 
+
+
+_IN_EFFECT: ContextVar[KernelOptions | None] = ContextVar("minivllm_kernel_options", default=None)
+
+
+@contextmanager
+def kernel_options_for_call(options: KernelOptions) -> Iterator[KernelOptions]:
+    """Make `options` the ones in effect for the block (one forward), then restore the
+    previous ones: nothing shared is written."""
+    token = _IN_EFFECT.set(options)
+    try:
+        yield options
+    finally:
+        _IN_EFFECT.reset(token)
+
+
+def options_in_effect(default: KernelOptions) -> KernelOptions:
+    """The options of the forward running now in this context, else `default`."""
+    current = _IN_EFFECT.get()
+    return default if current is None else current
 
 
 def default_gemv_max_rows(device) -> int:

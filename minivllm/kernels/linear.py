@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.kernels.kernel_options import KernelOptions, options_in_effect
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.obs.trace import trace_scope
 
@@ -35,7 +35,7 @@ class QuantLinear:
                  compute_dtype: torch.dtype, name: str = "linear", out_dtype: torch.dtype | None = None):
         self.weight = weight
         self.bias = bias  # float32 or None
-        self.options = options  # shared by every layer of a model; read at call time
+        self._default_options = options  # the model's, for calls outside a forward that names its own
         self.compute_dtype = compute_dtype  # the matmul's input dtype (GEMM, dense GEMV)
         # What the layer returns: the compute dtype, except in the CPU fast mode, whose
         # bf16 GEMM / int8 GEMV hand float32 back to a float32 model (model/loader.py).
@@ -58,6 +58,12 @@ class QuantLinear:
             self._repack(weight)
         elif not weight.is_float:
             self._cpu_quant = True
+
+    @property
+    def options(self) -> KernelOptions:
+        """The kernel options of the forward running now (`DecoderModel.forward_batch`'s
+        `options`), else the model's defaults: read per call, never stored."""
+        return options_in_effect(self._default_options)
 
     @property
     def out_features(self) -> int:
@@ -305,8 +311,12 @@ class QuantEmbedding:
 
     def __init__(self, weight: QuantizedWeight, *, options: KernelOptions):
         self.weight = weight
-        self.options = options
+        self._default_options = options
         self._dense: torch.Tensor | None = None
+
+    @property
+    def options(self) -> KernelOptions:
+        return options_in_effect(self._default_options)
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:

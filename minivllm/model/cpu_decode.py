@@ -20,15 +20,16 @@ from __future__ import annotations
 import torch
 
 from minivllm.kernels import cpu_gemv
+from minivllm.kernels.kernel_options import options_in_effect
 from minivllm.obs.trace import tracing_enabled
 
 
 class CpuLayerPlan:
-    """Per layer, the kernel calls with their arguments made once (rebuilt when the kernel
-    options that choose them change)."""
+    """Per layer, the kernel calls with their arguments made once (one plan per set of
+    the kernel options that choose them: engines over one model may differ in them)."""
 
-    def __init__(self, model):
-        self.key = _options_key(model.kernel_options)
+    def __init__(self, model, key: tuple):
+        self.key = key
         self.layers = []
         for layer in model.layers:
             self.layers.append((
@@ -65,15 +66,17 @@ def _projection_call(linears):
 
 
 def _plan(model) -> CpuLayerPlan | None:
-    plan = getattr(model, "_cpu_layer_plan", None)
-    if plan is None or plan.key != _options_key(model.kernel_options):
-        plan = model._cpu_layer_plan = CpuLayerPlan(model)
+    plans = model.__dict__.setdefault("_cpu_layer_plans", {})
+    key = _options_key(options_in_effect(model.kernel_options))
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = CpuLayerPlan(model, key)
     return plan if plan.ok else None
 
 
 def run_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor | None:
     """h after every layer, or None where this path does not apply (see the module docstring)."""
-    opts = model.kernel_options
+    opts = options_in_effect(model.kernel_options)
     rows = h.shape[0]
     if (h.device.type != "cpu" or model.dtype != torch.float32 or opts.batch_invariant or tracing_enabled()
             or not 0 < rows <= (opts.gemv_max_rows or 0) or cpu_gemv.extension() is None):

@@ -19,7 +19,7 @@ import torch
 
 from contextlib import contextmanager
 
-from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.kernels.kernel_options import KernelOptions, kernel_options_for_call, options_in_effect
 from minivllm.kernels.linear import QuantEmbedding, QuantLinear, project_many
 from minivllm.kernels.rmsnorm import rms_norm
 from minivllm.kernels.rope import RotaryEmbedding
@@ -53,26 +53,20 @@ class DecoderModel:
         self.rope = rope
         self.dtype = dtype
         self.device = device
-        # Shared by every projection and read at call time: changing it here changes the
-        # kernels the next forward uses.
+        # The defaults (the loader's), for forwards that name no options of their own;
+        # never changed after loading: an engine passes its options per call.
         self.kernel_options = kernel_options
 
     @property
     def batch_invariant(self) -> bool:
-        return self.kernel_options.batch_invariant
-
-    def set_kernel_options(self, options: KernelOptions) -> None:
-        self.kernel_options.assign(options.resolved(self.device))
+        return options_in_effect(self.kernel_options).batch_invariant
 
     @contextmanager
     def using(self, options: KernelOptions):
-        """Run the block's forwards under `options`, then restore the previous ones."""
-        saved = KernelOptions(**self.kernel_options.describe())
-        self.set_kernel_options(options)
-        try:
+        """Run the block's forwards (also `forward`, which names no options) under
+        `options`, resolved for this device; nothing shared changes."""
+        with kernel_options_for_call(options.resolved(self.device)):
             yield self
-        finally:
-            self.kernel_options.assign(saved)
 
     def dense_bytes(self) -> int:
         """Bytes that dequantized copies of every projection (and the LM head) would take
@@ -95,8 +89,9 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward_batch(self, token_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None = None,
-                      hidden_states: list | None = None) -> torch.Tensor:
-        """One forward over a flattened batch of rows from any number of requests.
+                      hidden_states: list | None = None, *, options: KernelOptions | None = None) -> torch.Tensor:
+        """One forward over a flattened batch of rows from any number of requests, under
+        `options` (resolved for this device; default: those in effect, else the model's).
 
         `token_ids` and `positions` have shape (T,). `kv.attend(layer, q, k, v)` stores the
         rows' keys/values and returns their attention output (see cache/batch_kv.py).
@@ -105,6 +100,10 @@ class DecoderModel:
         list, the float32 residual stream (T, d_model) is appended after the embedding and
         after every layer (debug.compare uses it to show where two runs part).
         """
+        with kernel_options_for_call(options or options_in_effect(self.kernel_options)):
+            return self._forward_batch(token_ids, positions, kv, logits_rows, hidden_states)
+
+    def _forward_batch(self, token_ids, positions, kv, logits_rows, hidden_states) -> torch.Tensor:
         cfg = self.config
         t = token_ids.shape[0]
         cos, sin = self.rope.cos_sin(positions)
@@ -206,7 +205,7 @@ class DecoderModel:
         return self.output(x)  # float32 LM head
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.kernel_options.batch_invariant and h.is_cuda:
+        if h.is_cuda and options_in_effect(self.kernel_options).batch_invariant:
             # torch's CUDA reduction may split a row differently for 1 row than for 8;
             # the Triton kernel reduces every row the same way.
             from minivllm.kernels.triton.rmsnorm import rms_norm_rows

@@ -73,5 +73,5 @@ def same_cpu_numerics(a: dict, b: dict) -> bool:
     """Whether two fingerprints would run the same CPU kernels (same model, ISA, torch, BLAS,
     capability, thread count and minivllm's own CPU GEMV build where recorded): only then is
     an exact float outcome expected to repeat."""
-    keys = ("cpu", "isa", "torch", "torch_cpu_capability", "blas", "torch_threads", "cpu_gemv")
+    keys = ("cpu", "isa", "torch", "torch_cpu_capability", "blas", "torch_threads", "cpu_gemv_isa")
     return all(a.get(k) == b.get(k) for k in keys)

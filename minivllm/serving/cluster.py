@@ -32,6 +32,7 @@ from pathlib import Path
 
 from minivllm.devices import resolve_dtype
 from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.request_checks import check_prompt, is_token_ids
 from minivllm.sampling.outputs import RequestOutput
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, MinivllmError
@@ -315,7 +316,7 @@ class Cluster:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **(chat_context or {}))
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, parse_special=self.prompt_special_tokens)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if is_token_ids(prompt):
             return None, list(prompt)
         raise ConfigError("prompt", type(prompt).__name__, "expected a string, a list of token ids, or messages=")
 
@@ -389,24 +390,12 @@ class Cluster:
                                "--max-queued-prompt-tokens); retry shortly, send a shorter prompt or raise the limit")
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The checks every worker would make, done here so a bad request fails before routing.
-        Stricter than the engine in one way, as OpenAI's API is: prompt + max_tokens must fit
-        the context (the engine alone would silently stop at max_model_len)."""
-        if not prompt_ids:
-            raise ConfigError("prompt", "", "must contain at least one token")
+        """The checks every worker would make (engine/request_checks.py), done here so a bad
+        request fails before routing; with OpenAI's stricter rule: prompt + max_tokens must
+        fit the context (the engine alone would stop at max_model_len)."""
         info = next((h.info for h in self.workers.values() if h.info), {})
-        vocab, limit = info.get("vocab_size"), info.get("max_model_len")
-        if vocab is not None:
-            bad = [t for t in prompt_ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError("prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})")
-            params.check_token_ids(vocab)
-        if limit is not None and len(prompt_ids) >= limit:
-            raise ConfigError("prompt", f"<{len(prompt_ids)} tokens>", f"the prompt must be shorter than "
-                              f"max_model_len={limit}; shorten it or start the cluster with a larger max_model_len")
-        if limit is not None and len(prompt_ids) + params.max_tokens > limit:
-            raise ConfigError("max_tokens", params.max_tokens, f"the prompt has {len(prompt_ids)} tokens, so at most "
-                              f"{limit - len(prompt_ids)} more fit in max_model_len={limit}; lower max_tokens")
+        check_prompt(prompt_ids, params, vocab=info.get("vocab_size"), max_model_len=info.get("max_model_len"),
+                     whole_output_fits=True)
 
     def _cached_tokens(self, handles: list[WorkerHandle], prompt_ids: list[int]) -> dict[str, int]:
         """Ask every healthy worker at once how much of the prompt its prefix cache holds."""

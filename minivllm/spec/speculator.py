@@ -1,20 +1,21 @@
-"""The engine's speculation: draft proposals before the target forward, verification
-after it. `LLMEngine` owns one when it is given a draft model.
+"""The engine's speculation: policies, verification and figures. `LLMEngine` owns one
+when it is given a draft model.
 
 A step with speculation (all draft-model work finishes first, then the target model runs
 once):
   1. the scheduler gives each decoding request that wants to speculate a row of 1 + k
      tokens (`wanted_tokens`: the request's draft-length controller, capped by its
-     remaining max_tokens and the context) when the step budget and free pages allow;
-  2. `propose` runs the draft for all of them together (drafter.py);
+     remaining max_tokens and the context) when the step budget and free pages of both
+     pools allow;
+  2. the model runner runs the draft for all of them together (engine/draft_runner.py);
   3. the target's one forward carries those verification rows — the last committed
      token and the k proposals, with logits at all k + 1 positions — next to every other
      request's prefill chunks and decode rows;
-  4. `verify` walks each proposal in order (verify.py): accepted tokens, then a
-     replacement at the first rejection, or a bonus token from the (k+1)-th logits row
-     when all k were accepted. A round therefore yields between 1 and k + 1 tokens;
-  5. the engine keeps the target's K/V for the accepted positions and `truncate`s the
-     draft's to what it computed of them.
+  4. `verify` (called by the runner) walks each proposal in order (verify.py): accepted
+     tokens, then a replacement at the first rejection, or a bonus token from the
+     (k+1)-th logits row when all k were accepted. A round yields 1 to k + 1 tokens;
+  5. `Scheduler.update` appends them, keeps the target's K/V for the accepted positions,
+     cuts the draft's back to what it computed of them, and records the round here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from minivllm.sampling.sampler import filtered_probs
 from minivllm.spec.draft_compat import shared_vocab_size
 from minivllm.spec.draft_policy import parse_draft_policy
-from minivllm.spec.drafter import Drafter, Proposal, SpecState, choose, processed_logits
+from minivllm.spec.drafter import Drafter, SpecState, choose, processed_logits
 from minivllm.spec.stats import SpecStats
 from minivllm.spec.verify import verify_greedy, verify_sampled
 
@@ -46,11 +47,7 @@ class RoundResult:
 
 class Speculator:
     def __init__(self, draft_model, draft_tokenizer, target_model, target_tokenizer, config, *,
-                 kv_tokens: int, page_size: int, max_model_len: int, draft_name: str = "draft",
-                 graph_runner=None):
-        """`graph_runner(model, pool, max_rows=, max_model_len=, invariant=)`, when given,
-        makes the draft's CUDA-graph runner (None where graphs cannot run); the engine
-        passes its own factory (engine/cuda_graphs.py), so spec/ never imports engine/."""
+                 kv_tokens: int, page_size: int, draft_name: str = "draft"):
         self.vocab = shared_vocab_size(target_tokenizer, draft_tokenizer, target_model.config, draft_model.config,
                                        draft_name=draft_name)
         d, t = draft_model.device, target_model.device
@@ -63,15 +60,9 @@ class Speculator:
         self.tv_budget = config.tv_budget
         self.stop_ids = frozenset(target_tokenizer.eos_ids)
         self.draft_name = draft_name
-        kernel_options = config.kernel_options().resolved(draft_model.device, dense_bytes=draft_model.dense_bytes())
-        self.drafter = Drafter(draft_model, num_pages=-(-kv_tokens // page_size) + 1, page_size=page_size,
-                               kernel_options=kernel_options, vocab=self.vocab,
-                               graph_runner=graph_runner, max_rows=config.max_active_requests,
-                               max_model_len=max_model_len)
+        self.drafter = Drafter(draft_model, num_pages=-(-kv_tokens // page_size) + 1, page_size=page_size)
         self.totals = SpecStats()  # requests that have finished
         self.recent: deque[dict] = deque(maxlen=RECENT_ROUNDS)  # the latest rounds, for the widgets
-        self.draft_seconds = 0.0
-        self.last_error: str | None = None
 
     # -- per request ------------------------------------------------------------------------
 
@@ -86,33 +77,16 @@ class Speculator:
         room = min(req.params.max_tokens - len(req.output_ids), max_model_len - req.num_tokens) - 1
         return max(0, min(k, room))
 
-    def release(self, req) -> None:
-        if req.spec is not None:
-            self.drafter.release(req.spec)
-
     def finished(self, req) -> None:
+        """A speculating request finished: its figures move into the totals."""
         if req.spec is not None:
-            self.drafter.release(req.spec)
             self.totals.merge(req.spec.stats)
 
     # -- a step -----------------------------------------------------------------------------
 
-    def propose(self, jobs: list[tuple[object, int]]) -> dict[str, Proposal]:
-        import time
-
-        t0 = time.perf_counter()
-        try:
-            return self.drafter.propose(jobs, self.stop_ids)
-        except Exception as exc:  # noqa: BLE001 — a failed draft costs speed, never the requests
-            self.last_error = f"draft forward failed: {type(exc).__name__}: {exc}"[:500]
-            for req, _ in jobs:
-                self.drafter.release(req.spec)  # its K/V may be half-written: recompute later
-            return {req.id: Proposal([], None) for req, _ in jobs}
-        finally:
-            self.draft_seconds += time.perf_counter() - t0
-
-    def verify(self, req, logits: torch.Tensor, proposal: Proposal) -> RoundResult:
-        """Check `proposal` against the target's logits rows (len(proposal) + 1 of them)."""
+    def verify(self, req, logits: torch.Tensor, proposal) -> RoundResult:
+        """Check `proposal` (its `tokens`, and `q` when sampling) against the target's
+        logits rows (len(proposal.tokens) + 1 of them)."""
         params, gen, vocab = req.params, req.generator, self.vocab
         committed, outputs = req.all_ids, req.output_ids
         tokens: list[int] = []
@@ -173,17 +147,17 @@ class Speculator:
 
     # -- inspection -------------------------------------------------------------------------
 
-    def snapshot(self, active_requests) -> dict:
+    def snapshot(self, active_requests, draft_runner) -> dict:
+        """`draft_runner`: the model runner's draft side (its forwards, time and last error)."""
         totals = SpecStats()
         totals.merge(self.totals)
         for req in active_requests:
             if req.spec is not None:
                 totals.merge(req.spec.stats)
-        draft = self.drafter
+        pool, draft = self.drafter.pool, draft_runner
         return {"enabled": True, "draft_model": self.draft_name, "policy": self.policy.name,
                 "tv_budget": self.tv_budget, "shared_vocab": self.vocab, **totals.as_dict(),
                 "draft_forwards": draft.forwards, "draft_tokens_computed": draft.tokens,
-                "draft_seconds": self.draft_seconds,
-                "draft_kv": {"total_pages": draft.pool.num_pages, "free_pages": draft.pool.num_free,
-                             "page_size": draft.pool.page_size},
-                "recent_rounds": list(self.recent), "last_error": self.last_error}
+                "draft_seconds": draft.seconds,
+                "draft_kv": {"total_pages": pool.num_pages, "free_pages": pool.num_free, "page_size": pool.page_size},
+                "recent_rounds": list(self.recent), "last_error": draft.last_error}

@@ -1,6 +1,11 @@
 """The launcher form: what a Cluster is started with, as widgets.
 
-`options()` turns the form into `Cluster(...)` keyword arguments. Launch runs
+`options()` turns the form into `Cluster(...)` keyword arguments. The first rows hold
+the controls used most; "all engine options" below them holds one control for every
+other engine option, made from its declaration (`minivllm.engine.options`: help as the
+tooltip, choices as a dropdown), so an option added to the engine appears here without
+an edit. The cache controls are settled by the engine's own rule
+(`engine_config.settle_cache_options`). Launch runs
 `Cluster.start()` on a background thread (loading can take minutes on a T4) and records
 progress and errors in plain state that the publisher shows; an error appears as one
 line in the form, never as a traceback.
@@ -13,11 +18,30 @@ import time
 
 import ipywidgets as W
 
-from minivllm.engine.engine_config import KV_MODES, PUBLICATIONS, SINGLE_FLIGHT
-from minivllm.engine.options import option_default
+from minivllm.engine.engine_config import KV_MODES, PUBLICATIONS, SINGLE_FLIGHT, settle_cache_options
+from minivllm.engine.options import option_default, option_fields, parse_option_value
 
 _ENGINE_CONTROLS = ("kv_mode", "page_size", "max_model_len", "prefix_cache", "publication", "single_flight",
                     "draft_policy", "tv_budget", "batch_invariant")
+
+
+def option_control(f, value):
+    """A widget for one engine option from its declaration: a checkbox for a boolean, a
+    dropdown for a fixed set of choices, else text read like KEY=VALUE values (blank = None)."""
+    label = f.name.replace("_", " ")
+    tip = f.metadata.get("help", "")
+    if isinstance(f.default, bool):
+        return W.Checkbox(value=bool(value), description=label, indent=False, tooltip=tip)
+    choices = f.metadata.get("choices")
+    if choices:
+        return W.Dropdown(options=list(choices), value=value, description=label, tooltip=tip)
+    return W.Text(value="" if value is None else str(value), description=label, tooltip=tip)
+
+
+def control_value(widget):
+    if isinstance(widget, W.Text):
+        return parse_option_value(widget.value) if widget.value.strip() else None
+    return widget.value
 
 
 def detected_devices() -> list[str]:
@@ -70,6 +94,11 @@ class Launcher:
         self.ray_address = W.Text(value=defaults.get("ray_address") or "auto", description="Ray address",
                                   placeholder="auto, ray://HOST:10001, or local")
         self.batch_invariant = W.Checkbox(value=d["batch_invariant"], description="batch-invariant", indent=False)
+        self.more = {f.name: option_control(f, defaults.get(f.name, option_default(f.name)))
+                     for f in option_fields() if f.name not in _ENGINE_CONTROLS and f.metadata.get("flag", True)}
+        more = W.Accordion([W.VBox(list(self.more.values()))])
+        more.set_title(0, "all engine options")
+        more.selected_index = None
         self.launch = W.Button(description="Launch", button_style="success")
         self.stop = W.Button(description="Stop", button_style="warning")
         self.status = W.HTML("<i>not running</i>")
@@ -80,7 +109,7 @@ class Launcher:
             W.HBox([self.prefix_cache, self.publication, self.single_flight]),
             W.HBox([self.draft_model, self.draft_policy, self.tv_budget]),
             W.HBox([self.router, self.batch_invariant]),
-            W.HBox([self.backend, self.ray_address]),
+            W.HBox([self.backend, self.ray_address]), more,
             W.HBox([self.launch, self.stop]), self.status])
 
     def options(self) -> dict:
@@ -90,12 +119,14 @@ class Launcher:
         # worker for its threads' worth of CPUs (1 when the count is left to the cluster).
         devices = cpu_workers(self.cpu_count.value, self.cpu_threads.value or (1 if ray else 0)) + (
             ["gpu"] * len(gpus) if ray else gpus)
-        paged = self.kv_mode.value == "paged"
         opts = {"model": self.model.value.strip(), "devices": devices, "dtype": self.dtype.value,
                 "router": self.router.value, "kv_mode": self.kv_mode.value, "page_size": self.page_size.value,
                 "max_model_len": self.max_model_len.value or None, "batch_invariant": self.batch_invariant.value,
-                "prefix_cache": self.prefix_cache.value and paged, "publication": self.publication.value,
-                "single_flight": self.single_flight.value if self.prefix_cache.value and paged else "off"}
+                "publication": self.publication.value,
+                **settle_cache_options(self.kv_mode.value, self.prefix_cache.value, self.single_flight.value)}
+        # The other options only where they differ from the engine's default.
+        opts.update({name: value for name, w in self.more.items()
+                     if (value := control_value(w)) != option_default(name)})
         if ray:
             address = self.ray_address.value.strip() or "auto"
             opts.update(backend="ray", ray_address=None if address == "local" else address)

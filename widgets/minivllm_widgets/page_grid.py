@@ -1,6 +1,7 @@
 """The KV page map: one cell per page, coloured by what holds it.
 
-States, from the engine snapshot's `page_states` and `ref_counts`:
+States: the engine snapshot's `page_states` (`minivllm.cache.page_pool.PAGE_STATES`,
+defined there once), drawn as they come:
 
 | state | meaning |
 |---|---|
@@ -10,10 +11,8 @@ States, from the engine snapshot's `page_states` and `ref_counts`:
 | cached-in-use | in the prefix cache and used by one request (published, not yet reused) |
 | shared | used by two or more requests at once (darker = more holders) |
 
-The pool reports "shared" for every page that is cached and in use; only the prefix index
-ever adds a holder to a page (`PagePool.retain` is called from `PrefixIndex` alone), so a
-page's request holders are its ref count minus the index's one reference, and a "shared"
-page with ref count 2 has exactly one request: cached-in-use.
+A shared page's shade reads how many requests hold it: its ref count less the prefix
+index's one reference (only the index adds holders to a page).
 
 A page is one byte on the wire (`page_codes`): 0 free, 1 owned, 2 cached-idle,
 3 cached-in-use, 2 + holders for shared (4 = two holders, capped at 255). The live widget
@@ -31,8 +30,10 @@ import zlib
 
 import numpy as np
 
+from minivllm.cache.page_pool import PAGE_STATES
+
 FREE, OWNED, CACHED_IDLE, CACHED_IN_USE, SHARED2 = 0, 1, 2, 3, 4
-STATES = ("free", "owned", "cached-idle", "cached-in-use", "shared")
+STATES = PAGE_STATES  # code i < SHARED2 is STATES[i]; codes >= SHARED2 are "shared"
 
 # state -> RGB; shared pages get darker with more holders.
 COLOURS = {
@@ -52,12 +53,11 @@ MAX_PITCH = 10
 
 def page_codes(states: list[str], ref_counts: list[int]) -> bytes:
     """One byte per page (see the module docstring)."""
-    st = np.array([{"free": 0, "owned": 1, "cached-idle": 2, "shared": 3}.get(s, 0) for s in states], dtype=np.int32)
-    refs = np.asarray(ref_counts, dtype=np.int32)
-    codes = st.copy()
-    shared = st == 3  # cached and in use: holders = refs - 1
-    holders = refs - 1
-    codes[shared & (holders >= 2)] = np.minimum(255, 2 + holders[shared & (holders >= 2)])
+    index = {s: i for i, s in enumerate(STATES)}
+    codes = np.array([index.get(s, FREE) for s in states], dtype=np.int32)
+    shared = codes == index["shared"]
+    holders = np.asarray(ref_counts, dtype=np.int32) - 1  # the prefix index holds one reference
+    codes[shared] = np.clip(2 + holders[shared], SHARED2, 255)
     return codes.astype(np.uint8).tobytes()
 
 

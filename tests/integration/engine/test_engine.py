@@ -667,7 +667,7 @@ def check_schema(snap: dict) -> None:
     assert set(snap["prefix_cache"]) == PREFIX_KEYS
     assert snap["speculative"] == {"enabled": False}  # no draft model (test_speculative.py checks the rest)
     assert len(snap["kv"]["page_states"]) == len(snap["kv"]["ref_counts"]) == snap["kv"]["total_pages"]
-    assert set(snap["kv"]["page_states"]) <= {"free", "owned", "cached-idle", "shared"}
+    assert set(snap["kv"]["page_states"]) <= {"free", "owned", "cached-idle", "cached-in-use", "shared"}
     assert set(snap["last_step"]) == LAST_STEP_KEYS
     for row in snap["last_step"]["rows"]:
         assert set(row) == ROW_KEYS
@@ -689,8 +689,8 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     asked = []
     forward_batch = llm.model.forward_batch
 
-    def spy(token_ids, positions, kv, logits_rows=None):
-        logits = forward_batch(token_ids, positions, kv, logits_rows)
+    def spy(token_ids, positions, kv, logits_rows=None, **options):
+        logits = forward_batch(token_ids, positions, kv, logits_rows, **options)
         asked.append((token_ids.shape[0], None if logits_rows is None else logits_rows.tolist(), logits.shape[0]))
         return logits
 
@@ -714,8 +714,9 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     kv = snap["kv"]
     assert kv["used_pages"] == sum(r["pages"] for r in running.values())
     # Full pages of computed tokens are published at once (incremental publication) and
-    # show as shared (cached, in use); the rest are owned by one request.
-    assert kv["page_states"].count("shared") == snap["prefix_cache"]["cached_pages"] == 1
+    # show as cached-in-use (one request); the rest are owned by one request.
+    assert kv["page_states"].count("cached-in-use") == snap["prefix_cache"]["cached_pages"] == 1
+    assert kv["page_states"].count("shared") == 0
     assert kv["page_states"].count("owned") + 1 == kv["used_pages"]
     assert kv["bytes"] == kv["total_pages"] * page_bytes(llm.model, page_size)
     assert snap["engine"]["kv_mode"] == "paged" and snap["engine"]["page_size"] == page_size

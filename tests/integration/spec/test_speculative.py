@@ -1,5 +1,5 @@
-"""Speculative decoding inside the engine (minivllm/spec/, engine._draft/_verify_round,
-scheduler._add_draft_tokens/truncate).
+"""Speculative decoding inside the engine (minivllm/spec/, engine/draft_runner.py,
+engine/model_runner.py's verification rows, scheduler._add_draft_tokens/_apply_round).
 
 References, per test (never output the engine recorded from itself):
 
@@ -903,25 +903,24 @@ def test_stop_token_accepted_mid_proposal_ends_request(pair):
 # -- robustness: a full draft pool, a failing draft, invalid settings ------------------------------
 
 
-def test_full_draft_pool_decodes_without_proposals(pair, monkeypatch):
+def test_full_draft_pool_decodes_without_proposals(pair):
     """When the draft pool cannot hold a proposal the request decodes plainly; outputs stay the target's."""
-    from minivllm.spec.drafter import Drafter
-
     target, draft, tokenizer = pair
     refused = Counter()
-    original = Drafter._reserve
-
-    def spy(self, state, positions):
-        ok = original(self, state, positions)
-        refused[ok] += 1
-        return ok
-
-    monkeypatch.setattr(Drafter, "_reserve", spy)
     # Six requests share a 40-token prompt in the target's prefix cache; the draft has no
     # sharing, so its pool (the target's size + 1 page) runs out.
     shared = prompt(300, 40)
     prompts = [shared + [i] for i in range(6)]
     engine = make_engine(target, tokenizer, draft, pages=40, draft_policy="fixed:4", max_active_requests=6)
+    draft_kv = engine.speculator.drafter.kv
+    original = draft_kv.allocate_slots
+
+    def spy(owner, n_tokens, lookahead=0):
+        got = original(owner, n_tokens, lookahead)
+        refused[got is not None] += 1
+        return got
+
+    draft_kv.allocate_slots = spy
     rids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts]
     run_to_end(engine)
     assert refused[False] > 0 and refused[True] > 0, refused
@@ -936,11 +935,11 @@ def test_full_draft_pool_decodes_without_proposals(pair, monkeypatch):
 
 def test_failed_draft_forward_costs_only_speed(pair, monkeypatch):
     """A draft forward that raises is recorded in last_error; the requests finish with the target's tokens."""
-    from minivllm.spec.drafter import Drafter
+    from minivllm.engine.draft_runner import DraftRunner
 
     target, draft, tokenizer = pair
     calls = Counter()
-    original = Drafter._forward
+    original = DraftRunner._forward
 
     def flaky(self, *args):
         calls["n"] += 1
@@ -948,7 +947,7 @@ def test_failed_draft_forward_costs_only_speed(pair, monkeypatch):
             raise RuntimeError("draft exploded")
         return original(self, *args)
 
-    monkeypatch.setattr(Drafter, "_forward", flaky)
+    monkeypatch.setattr(DraftRunner, "_forward", flaky)
     engine = make_engine(target, tokenizer, draft, draft_policy="fixed:3")
     prompts = [prompt(310 + i, 6 + 3 * i) for i in range(3)]
     rids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)) for p in prompts]

@@ -34,8 +34,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
 
 def draft_pages_free(engine: LLMEngine) -> bool:
     """Every draft page is free but the draft CUDA graphs' scratch page."""
-    drafter = engine.speculator.drafter
-    return drafter.pool.num_free == drafter.pool.num_pages - (1 if drafter.graph_runner is not None else 0)
+    pool, graphs = engine.speculator.drafter.pool, engine.runner.draft.graphs
+    return pool.num_free == pool.num_pages - (1 if graphs is not None else 0)
 
 
 def perturbed_copy(path, device, dtype, noise: float):
@@ -50,8 +50,8 @@ def perturbed_copy(path, device, dtype, noise: float):
     g = torch.Generator(device="cpu").manual_seed(0)
     noisy = w + noise * w.std() * torch.randn(w.shape, generator=g).to(w.device)
     head._dense = noisy.to(head.compute_dtype)  # GEMM reads the dense copy
-    head._triton_ok = False  # and GEMV must too: the row-wise path over the same dense copy
-    head.options = type(head.options)(gemv_max_rows=0)
+    head._triton_ok = False  # and GEMV must too: the row-wise path over the same dense copy,
+    head._repacked = None  # which the repacked kernel (the file's weights) would bypass
     return draft
 
 
@@ -83,7 +83,7 @@ def test_identical_draft_accepts_everything_with_cuda_graphs(smollm2_path):
     run(engine, prompts, params)
     s = engine.snapshot()["speculative"]
     assert s["acceptance_rate"] == 1.0 and s["bonus_tokens"] == s["rounds"], s
-    assert engine.speculator.drafter.graph_runner is not None and engine.speculator.drafter.graph_runner.replays > 0
+    assert engine.runner.draft.graphs is not None and engine.runner.draft.graphs.replays > 0
 
 
 def test_sampled_rounds_and_abort_free_both_caches(smollm2_path):

@@ -49,8 +49,8 @@ def decode_png(data: bytes) -> np.ndarray:
 
 
 def test_page_grid_pixels_follow_page_states():
-    # the pool's "shared" = cached and in use; the prefix index holds one of the references
-    states = ["free", "owned", "cached-idle", "shared", "shared", "shared"] + ["free"] * 20
+    # the pool's states as the snapshot carries them; the prefix index holds one reference
+    states = ["free", "owned", "cached-idle", "cached-in-use", "shared", "shared"] + ["free"] * 20
     refs = [0, 1, 1, 2, 3, 6] + [0] * 20
     assert counts_from_codes(page_codes(states, refs)) == {
         "free": 21, "owned": 1, "cached-idle": 1, "cached-in-use": 1, "shared": 2}

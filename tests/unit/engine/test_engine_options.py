@@ -74,3 +74,57 @@ def test_cluster_and_serve_share_the_activation_dtype_default():
 
     serve_args = build_parser().parse_args(["serve"])
     assert inspect.signature(Cluster).parameters["dtype"].default == serve_args.activation_dtype == "auto"
+
+
+def test_a_new_option_reaches_the_launcher_the_llm_docstring_and_the_snapshot_schema(monkeypatch):
+    """Declare one more kernel option (as `option(...)` on KernelSettings would) and find it
+    in the three lists that used to be kept by hand."""
+    pytest.importorskip("ipywidgets")
+    from dataclasses import dataclass
+
+    from minivllm_widgets.launcher import Launcher
+
+    from minivllm.engine import llm as llm_module
+    from minivllm.engine import snapshot
+    from minivllm.kernels.kernel_options import KernelOptions, KernelSettings
+    from minivllm.option_field import option
+
+    # Without the new option, the docstrings are the derived ones.
+    assert llm_module.LLM.__init__.__doc__ == llm_module.init_docstring()
+    assert snapshot.__doc__ == snapshot.schema_doc(snapshot.DOC_TEMPLATE) and "cpu_gemv" in snapshot.__doc__
+    assert "cpu_gemv" in llm_module.LLM.__init__.__doc__
+
+    @dataclass
+    class Declared:
+        dummy_knob: int = option(7, "a kernel knob this test declares", "kernels")
+
+    (declared,) = fields(Declared)
+    for cls in (KernelSettings, KernelOptions, EngineConfig):
+        monkeypatch.setitem(cls.__dataclass_fields__, "dummy_knob", declared)
+    monkeypatch.setattr(KernelSettings, "dummy_knob", 7, raising=False)
+
+    launcher = Launcher(devices=["cpu"])
+    assert "dummy_knob" in launcher.more and "dummy_knob" not in launcher.options()  # the default: not sent
+    launcher.more["dummy_knob"].value = "9"
+    assert launcher.options()["dummy_knob"] == 9
+    assert "dummy_knob" in llm_module.init_docstring()
+    assert "dummy_knob" in snapshot.schema_doc(snapshot.DOC_TEMPLATE)
+    assert KernelOptions().describe()["dummy_knob"] == 7  # the snapshot's kernels section: {**describe(), ...}
+
+
+@pytest.mark.parametrize("kv_mode", ["paged", "contiguous"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("single_flight", ["off", "at_completion", "after_prefill"])
+def test_settled_cache_options_are_what_the_config_accepts(kv_mode, prefix_cache, single_flight):
+    """The launcher's cache controls, settled by engine_config.settle_cache_options: the
+    result always passes EngineConfig's checks, and a combination the config accepts as
+    given comes back unchanged."""
+    from minivllm.engine.engine_config import settle_cache_options
+
+    settled = settle_cache_options(kv_mode, prefix_cache, single_flight)
+    EngineConfig(kv_mode=kv_mode, **settled)
+    try:
+        EngineConfig(kv_mode=kv_mode, prefix_cache=prefix_cache, single_flight=single_flight)
+    except ConfigError:
+        return
+    assert settled == {"prefix_cache": prefix_cache, "single_flight": single_flight}
