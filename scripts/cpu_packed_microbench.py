@@ -140,7 +140,9 @@ def call_overhead(passes: int) -> dict:
     blocks = rng.integers(0, 256, (16, 20), dtype=np.uint8)
     blocks[:, 0:4] = np.full(32, 0.01, np.float16).view(np.uint8).reshape(16, 4)
     q4 = CpuPackedWeight.from_quantized(QuantizedWeight(torch.from_numpy(blocks), T.Q4_1, (16, 32), "tiny"))
-    h = CpuPackedWeight.from_quantized(QuantizedWeight(torch.randn(16, 32).half().view(torch.uint8), T.F16, (16, 32), "tiny"))
+    h = CpuPackedWeight.from_quantized(
+        QuantizedWeight(torch.randn(16, 32).half().view(torch.uint8), T.F16, (16, 32), "tiny")
+    )
     d = torch.randn(16, 32)
     x = torch.randn(1, 32)
     fns = {"int4pack": q4.matmul, "f16": h.matmul, "f32": lambda x: x @ d.T}

@@ -11,8 +11,8 @@ cProfile. Usage on a GPU box:
     python scripts/profile_structured_step.py QWEN25_TOKENIZER_FIELDS [--cprofile]
 """
 
-import cProfile
 import collections
+import cProfile
 import pstats
 import sys
 import time

@@ -33,9 +33,16 @@ def run(models: list[str], repeats: int = 5, baseline: bool = False) -> list[dic
         hashes[name] = sha256_file(path)
         reader = summarize(_time(lambda: GGUFFile(path), repeats))
         full = summarize(_time(lambda: Tokenizer.from_gguf(GGUFFile(path)), repeats))
-        row = {"model": name, "open_median_s": reader["median"], "open_mean_s": reader["mean"], "open_std_s": reader["std"],
-               "open+tokenizer_median_s": full["median"], "open+tokenizer_mean_s": full["mean"],
-               "open+tokenizer_std_s": full["std"], "repeats": repeats}
+        row = {
+            "model": name,
+            "open_median_s": reader["median"],
+            "open_mean_s": reader["mean"],
+            "open_std_s": reader["std"],
+            "open+tokenizer_median_s": full["median"],
+            "open+tokenizer_mean_s": full["mean"],
+            "open+tokenizer_std_s": full["std"],
+            "repeats": repeats,
+        }
         if baseline:
             import gguf
 

@@ -220,10 +220,13 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
                 print(f"REPACKED {name:5s} {n:6d}x{k:<6d} graph M=1 {g_us:6.1f} us "
                       f"({row['repacked_m1_graph_frac_of_copy']:.0%} of copy), invariant {g_inv_us:6.1f} us "
                       f"({row['repacked_m1_invariant_graph_frac_of_copy']:.0%})", flush=True)
-                print(f"      repacked {row['repacked_MB']:7.1f} MB  M=1 {row['repacked_m1_us']:7.1f} us {rgbs:6.0f} GB/s "
-                      f"({row['repacked_m1_frac_of_copy']:.0%})  inv {row['repacked_m1_invariant_us']:7.1f} us "
-                      f"({row['repacked_m1_invariant_frac_of_copy']:.0%})  M={batch_rows} "
-                      f"{row[f'repacked_m{batch_rows}_us']:7.1f} us", flush=True)
+                print(
+                    f"      repacked {row['repacked_MB']:7.1f} MB  M=1 {row['repacked_m1_us']:7.1f} us {rgbs:6.0f} GB/s "
+                    f"({row['repacked_m1_frac_of_copy']:.0%})  inv {row['repacked_m1_invariant_us']:7.1f} us "
+                    f"({row['repacked_m1_invariant_frac_of_copy']:.0%})  M={batch_rows} "
+                    f"{row[f'repacked_m{batch_rows}_us']:7.1f} us",
+                    flush=True,
+                )
                 del rw
             print(f"{name:5s} {n:6d}x{k:<6d} {row['weight_MB']:7.1f} MB  M=1 {row['m1_us']:7.1f} us "
                   f"{gbs:6.0f} GB/s ({row['m1_frac_of_copy']:.0%})  inv {row['m1_invariant_us']:7.1f} us  "
@@ -234,8 +237,10 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     if write:
         summary = {name: statistics.median(r["m1_frac_of_copy"] for r in rows if r["type"] == name)
                    for name in dict.fromkeys(r["type"] for r in rows)}
-        summary_repacked = {name: statistics.median(r["repacked_m1_graph_frac_of_copy"] for r in rows if r["type"] == name)
-                            for name in dict.fromkeys(r["type"] for r in rows if "repacked_m1_us" in r)}
+        summary_repacked = {
+            name: statistics.median(r["repacked_m1_graph_frac_of_copy"] for r in rows if r["type"] == name)
+            for name in dict.fromkeys(r["type"] for r in rows if "repacked_m1_us" in r)
+        }
         big = {name: statistics.median(r["repacked_m1_graph_frac_of_copy"] for r in rows
                                        if r["type"] == name and r["N"] * r["K"] >= 3584 * 18944)
                for name in summary_repacked}

@@ -31,16 +31,23 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (coefficient_of_variation, common_prefix, CV_TARGET, model_label, provenance,
-                                   runs_until_stable, summarize)
+from minivllm.bench.common import (
+    CV_TARGET,
+    coefficient_of_variation,
+    common_prefix,
+    model_label,
+    provenance,
+    runs_until_stable,
+    summarize,
+)
 from minivllm.bench.continuous_batching import PROMPTS_FILE
 from minivllm.bench.decode import long_prompt_ids
 from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 PROMPT_STRIDE = 7  # tokens between the starts of consecutive prompts' windows
 TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}

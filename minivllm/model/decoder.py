@@ -13,11 +13,10 @@ so the cache layout can change without touching the model.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
-from contextlib import contextmanager
 
 from minivllm.kernels.kernel_options import KernelOptions, kernel_options_for_call, options_in_effect
 from minivllm.kernels.linear import QuantEmbedding, QuantLinear, project_many
@@ -88,8 +87,16 @@ class DecoderModel:
         return total
 
     @torch.inference_mode()
-    def forward_batch(self, token_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None = None,
-                      hidden_states: list | None = None, *, options: KernelOptions | None = None) -> torch.Tensor:
+    def forward_batch(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv,
+        logits_rows: torch.Tensor | None = None,
+        hidden_states: list | None = None,
+        *,
+        options: KernelOptions | None = None,
+    ) -> torch.Tensor:
         """One forward over a flattened batch of rows from any number of requests, under
         `options` (resolved for this device; default: those in effect, else the model's).
 

@@ -70,7 +70,9 @@ def table(targets: list[dict]) -> str:
             match = [r for r in rs if r[0] == name]
             v, fmt = (match[0][1], match[0][2]) if match else (None, "")
             values.append(v)
-            cells.append("" if v is None else fmt.format(v) if not (fmt == "{:d}" and isinstance(v, float)) else f"{v:g}")
+            cells.append(
+                "" if v is None else fmt.format(v) if not (fmt == "{:d}" and isinstance(v, float)) else f"{v:g}"
+            )
         for v in values[1:]:
             base = values[0]
             cells.append(f"{v / base:.3f}" if isinstance(v, (int, float)) and isinstance(base, (int, float)) and base

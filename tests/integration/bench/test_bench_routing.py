@@ -31,8 +31,9 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     assert settings["prompt_tokens"] == 64 and settings["prefix_tokens"] == 48
     # one run asked for, at most one allowed: exactly one run per (policy, burst), recorded with its CV
     assert settings["max_runs"] == 1 and settings["cv_target"] == 0.05
-    assert [(r["burst"], r["policy"], r["runs"], r["max_runs"], r["stopped"], r["watched"]) for r in settings["rounds"]] \
-        == [(4, p, 1, 1, "stable", ["completion_s"]) for p in ("forced-fastest", "round-robin", "cost")]
+    assert [
+        (r["burst"], r["policy"], r["runs"], r["max_runs"], r["stopped"], r["watched"]) for r in settings["rounds"]
+    ] == [(4, p, 1, 1, "stable", ["completion_s"]) for p in ("forced-fastest", "round-robin", "cost")]
     assert [w["name"] for w in meta["workers"]] == ["cpu", "cpu#2"]
     fastest = meta["forced_fastest"]["worker"]
     assert fastest in ("cpu", "cpu#2")

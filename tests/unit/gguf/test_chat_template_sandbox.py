@@ -18,13 +18,13 @@ from pathlib import Path
 
 import jinja2.sandbox
 import pytest
+from conftest import REPO_ROOT
+from tokenizer_fixtures import write_byte_vocab_gguf
 
 from minivllm.errors import TokenizerError
 from minivllm.gguf.chat_template import _environment
 from minivllm.gguf.tokenizer import Tokenizer
-from tokenizer_fixtures import write_byte_vocab_gguf
 
-from conftest import REPO_ROOT
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 

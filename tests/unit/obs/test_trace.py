@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 from minivllm.errors import MinivllmError
-from conftest import REPO_ROOT
 from minivllm.obs import trace
 from minivllm.obs.trace import (
     SCOPE_KINDS,
@@ -301,7 +301,6 @@ def test_every_scope_kind_the_code_opens_is_allowed():
     # An unknown kind raises ValueError at run time, and only with tracing on: speculative
     # decoding's "draft"/"verify" scopes once broke `generate --trace-directory --draft-model`.
     import re
-    from pathlib import Path
 
     from minivllm.obs.trace import _NVTX_COLORS, SCOPE_KINDS
 
