@@ -135,7 +135,7 @@ def run(model: str = "smollm2-135m", device: str = "cuda:0", dtype: str = "f16",
         for r in runners:  # warm-up: kernels compiled, CUDA graphs captured for this batch size
             _timed(r, prompts, min(8, decode_tokens), dev)
         # Engines take turns inside every run; more runs while either one's CV exceeds 5%.
-        stable = runs_until_stable(lambda: [_timed(r, prompts, decode_tokens, dev) for r in runners],
+        stable = runs_until_stable(lambda prompts=prompts: [_timed(r, prompts, decode_tokens, dev) for r in runners],
                                    min_runs=runs, max_runs=max_runs, cv_target=CV_TARGET,
                                    key=lambda measured: [batch * decode_tokens / wall for wall, _ in measured])
         done = stable.runs

@@ -219,7 +219,7 @@ def warm_prefix(bench: Bench, paragraphs: int, probe_tokens: int) -> list[dict]:
         probe = bench.ids(document(f"{ns}probe", paragraphs, 2, shared_from=f"{ns}seed", shared=shared))
         row = {"overlap_pct": overlap, "input_tokens": len(probe)}
         for label, options in (("off", OFF), ("on", INCREMENTAL)):
-            def once(options=options):
+            def once(options=options, seed=seed, probe=probe):
                 engine = bench.engine(options, warm_rows=1)
                 run_together(engine, [seed], seed_params)
                 return measures(run_together(engine, [probe], seed_params))
@@ -267,7 +267,7 @@ def incremental(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> list[
         prompt = bench.ids(document(f"incremental{n}", paragraphs))
         row = {"followers": n, "input_tokens": len(prompt)}
         for label, options in (("at_completion", AT_COMPLETION), ("incremental", INCREMENTAL)):
-            def once(options=options):
+            def once(options=options, prompt=prompt, n=n):
                 outs = run_after_first_token(bench.engine(options, warm_rows=n + 1), prompt, [prompt] * n, bench.params)
                 m = measures(outs)
                 m["followers_mean_ttft_s"] = sum(m["ttft"][1:]) / n
@@ -293,7 +293,7 @@ def single_flight(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> lis
         prompt = bench.ids(document(f"flight{n}", paragraphs))
         for label, options in (("independent", AT_COMPLETION), ("at_completion", SF_COMPLETION),
                                ("after_prefill", SF_PREFILL)):
-            def once(options=options):
+            def once(options=options, prompt=prompt, n=n):
                 return measures(run_together(bench.engine(options, warm_rows=n), [prompt] * n, bench.params))
             stats, runs, rounds = repeat(bench, once, WATCHED, {"table": "single-flight", "requests": n, "case": label})
             row = {"requests": n, "release": label, "input_tokens": len(prompt),

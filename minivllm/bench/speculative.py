@@ -131,7 +131,6 @@ class Bench:
 
         rounds = runs_until_stable(one_run, min_runs=runs, max_runs=runs if max_runs is None else max_runs,
                                    cv_target=CV_TARGET, key=lambda r: [s["e2e_s"] for s in r])
-        del engine
         watched = ["e2e_s" if seed is None else f"e2e_s_seed{seed}" for seed in seeds]
         self.rounds.append(rounds)
         self.record.append({"table": table, "case": label, **rounds.info(), "watched": watched})

@@ -63,7 +63,7 @@ def table(targets: list[dict]) -> str:
     head = ["metric"] + labels + [f"{lb} / {labels[0]}" for lb in labels[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     names = [r[0] for r in rows[0]]
-    for k, name in enumerate(names):
+    for name in names:
         cells = [name]
         values = []
         for rs in rows:
