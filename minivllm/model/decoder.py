@@ -179,7 +179,8 @@ class DecoderModel:
 
             self._fused_state = "off"
             warnings.warn(f"Triton kernels add_rms_norm/rope_qk/swiglu could not run on {h.device} "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); using the torch steps", RuntimeWarning)
+                          f"({type(exc).__name__}: {str(exc)[:200]}); using the torch steps", RuntimeWarning,
+                          stacklevel=2)
             return None
         self._fused_state = "ok"
         return out

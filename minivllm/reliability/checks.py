@@ -97,7 +97,8 @@ def evaluate(records: list[Record], start: dict, final: dict, rss: dict, setting
     check(
         "ledger_balanced",
         ledger.get("submitted") == sum(ended_counts(ledger).values()),
-        f"submitted={ledger.get('submitted')} sum(ended)={sum(ended_counts(ledger).values())} ended={dict(ended_counts(ledger))}",
+        f"submitted={ledger.get('submitted')} sum(ended)={sum(ended_counts(ledger).values())} "
+        f"ended={dict(ended_counts(ledger))}",
     )
     check("ledger_no_errors", ended.get("error", 0) == 0, f"ended error={ended.get('error', 0)}")
 

@@ -72,8 +72,9 @@ class Cluster:
                  max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
                  backend: str = "local", ray_address: str | None = "auto", **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
-        `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
-        loop hang (drills, tests, teaching); workers refuse it otherwise. Chat messages are
+        `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers).
+        `fault_injection=True` lets `inject_fault` make a worker's step loop hang (drills,
+        tests, teaching); workers refuse it otherwise. Chat messages are
         always encoded with control tokens only where the template puts them
         (`Tokenizer.encode_chat`); `prompt_special_tokens` says whether control-token text in
         a raw string prompt becomes control ids (True, the default, as in llama.cpp and vLLM:
@@ -81,7 +82,8 @@ class Cluster:
         servers whose raw prompts carry untrusted text). `max_queued_prompt_tokens` bounds
         each worker's queued prompt work (see `_admissible`; None: no bound). A worker that
         dies or is killed as hung restarts by itself, after a backoff, at most
-        `max_worker_restarts` times in 10 minutes (0: never; worker_recovery.py). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        `max_worker_restarts` times in 10 minutes (0: never; worker_recovery.py).
+        `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it). `backend` is
         "local" (one child process per worker, the default) or "ray" (one Ray actor per
@@ -266,7 +268,8 @@ class Cluster:
         handle.start()
         if not handle.wait_ready(self.ready_timeout_s) or handle.state != "ready":
             raise WorkerStartError(
-                f"worker {name} did not restart: {handle.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}"
+                f"worker {name} did not restart: "
+                f"{handle.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}"
             )
 
     def set_router(self, policy: str) -> None:

@@ -24,10 +24,10 @@ with finish_reason, an optional usage chunk (stream_options.include_usage), then
 "tool_calls") when the output holds calls (tool_calls.py, tool_call_parser.py); streamed,
 content goes out until a call may start and each call comes whole in one `delta.tool_calls`
 chunk at the end. A constraint (response_format, guided_*, a forced tool call) that the
-engine finds it cannot complete is a 400 naming its field. Every response carries a `minivllm` extension object with the request's
-timing (TTFT, prefill and decode tok/s, the worker, tokens restored from the prefix
-cache). A client that disconnects, streaming or not, cancels its request, which frees
-its KV pages.
+engine finds it cannot complete is a 400 naming its field. Every response carries a
+`minivllm` extension object with the request's timing (TTFT, prefill and decode tok/s, the
+worker, tokens restored from the prefix cache). A client that disconnects, streaming or
+not, cancels its request, which frees its KV pages.
 """
 
 from __future__ import annotations

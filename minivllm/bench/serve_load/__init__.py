@@ -37,8 +37,8 @@ approximate: one word per token (these common words are one token each with Smol
 tokenizer, and with most BPE vocabularies; general prose runs nearer 1.3 tokens per word).
 The actual prompt tokens come back in `usage` and are what the table reports. Requests are
 greedy (temperature 0) and `ignore_eos` by default, so output lengths match `--max-tokens`
-on servers that honour `ignore_eos` or `min_tokens` (minivllm, vLLM, llama-cpp-python); the summary counts requests whose
-output length differs from the requested one.
+on servers that honour `ignore_eos` or `min_tokens` (minivllm, vLLM, llama-cpp-python); the summary
+counts requests whose output length differs from the requested one.
 
 Usage:
 
