@@ -103,11 +103,11 @@ def decode_step(f: GGUFFile, n_layers: int, rows: list[int], passes: int) -> dic
     for m in rows:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
 
-        def run_packed():
+        def run_packed(xs=xs):
             for p in packed:
                 p.matmul(xs[p.shape[1]])
 
-        def run_f32():
+        def run_f32(xs=xs):
             for d in dense:
                 xs[d.shape[1]] @ d.T
 

@@ -18,7 +18,8 @@ cells = [
         "projection weights stay in their GGUF block format (memory ≈ file size)."
     ),
     code(
-        'meta = llm.gguf.metadata\n{k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.") and k != "tokenizer.chat_template"}'
+        "meta = llm.gguf.metadata\n"
+        '{k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.") and k != "tokenizer.chat_template"}'
     ),
     code("collections.Counter(t.ggml_type.name for t in llm.gguf.tensors.values())"),
     code("[(t.name, t.shape, t.ggml_type.name) for t in list(llm.gguf.tensors.values())[:8]]"),
@@ -36,7 +37,8 @@ cells = [
         "print(out.text)\nprint(out.finish_reason, out.metrics.as_dict())"
     ),
     code(
-        'for event in llm.stream("The best way to learn programming is", SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32)):\n'
+        'for event in llm.stream("The best way to learn programming is", '
+        "SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32)):\n"
         '    print(event.text, end="", flush=True)'
     ),
     md("## Chat\n\nThe prompt comes from the model's own chat template (rendered in a sandboxed Jinja environment)."),
@@ -72,7 +74,8 @@ cells = [
         "stay identical; it costs speed on a CPU (see `benchmarks/results/*gemv-threshold*`)."
     ),
     md(
-        "## On a GPU\n\nThe same model with f16 activations (T4-safe: the residual stream, norms and softmax stay f32). "
+        "## On a GPU\n\nThe same model with f16 activations (T4-safe: the residual stream, norms and softmax "
+        "stay f32). "
         "Skipped on machines without CUDA."
     ),
     code(
