@@ -148,7 +148,10 @@ def _side_by_side_notebook(path: Path) -> None:
     spec = json.loads((REPO_ROOT / "notebooks" / "speculative.ipynb").read_text())
     cell = next("".join(c["source"]) for c in spec["cells"] if "sampled[D, SEEDS[0]]" in "".join(c["source"]))
     setup = f"SEEDS = [1]\nsampled = {{(D, 1): {INDENTED!r} for D in (0.0, 0.5, 1.0)}}"
-    code = lambda src: {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+
+    def code(src: str) -> dict:
+        return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+
     path.write_text(json.dumps({"cells": [code(setup), code(cell)], "metadata": spec["metadata"], "nbformat": 4,
                                 "nbformat_minor": 5}))
 

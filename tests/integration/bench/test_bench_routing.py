@@ -41,7 +41,7 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     rows = {r["policy"]: r for r in data["rows"]}
     assert set(rows) == {"forced-fastest", "round-robin", "cost"}
     assert rows["forced-fastest"]["router"] == f"forced:{fastest}"
-    for policy, row in rows.items():
+    for row in rows.values():
         assert row["burst"] == 4 and len(row["runs"]) == 1
         assert row["runs_n"] == 1 and row["completion_s_cv"] == row["cv"] == 0 and row["stopped"] == "stable"
         assert row["completion_s_mean"] > 0 and row["output_tok_s_mean"] > 0

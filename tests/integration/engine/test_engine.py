@@ -745,7 +745,7 @@ def steps_until_first_token(llm, policy: str) -> tuple[int, list[list[str]], lis
     longs = [engine.add_request(tok.encode(p), SamplingParams(temperature=0.0, max_tokens=2)) for p in PROMPTS[:3]]
     short = engine.add_request(tok.encode("Hi"), SamplingParams(temperature=0.0, max_tokens=2))
     orders = []
-    for n in range(1, 30):
+    for _ in range(29):
         engine.step()
         orders.append([r["id"] for r in engine.last_step["rows"] if r["phase"] == "prefill"])
         if engine.request_state(short).output_ids:
@@ -753,7 +753,7 @@ def steps_until_first_token(llm, policy: str) -> tuple[int, list[list[str]], lis
     for r in longs + [short]:
         engine.abort(r)
     free_equals_total(engine)
-    return n, orders, longs
+    return len(orders), orders, longs  # the steps taken: one order per step
 
 
 def test_policies(llm):

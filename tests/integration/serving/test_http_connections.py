@@ -227,7 +227,7 @@ def test_idle_connections_are_evicted_before_the_cap_refuses_a_new_one(cluster):
                 health = (await client.get(srv.url + "/health")).status_code
             evicted = [await reader.read() for reader, _ in kept + silent]  # closed by the server: EOF
             # the busy requests were never cut: their connections still take their bodies
-            for reader, writer in busy:
+            for _reader, writer in busy:
                 writer.write(b'"prompt": "Hi", "max_tokens": 2}'.ljust(99))
                 await writer.drain()
             answers = [await reader.readuntil(b"\r\n") for reader, _ in busy]

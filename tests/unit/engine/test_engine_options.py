@@ -89,12 +89,11 @@ def test_a_new_option_reaches_the_launcher_the_llm_docstring_and_the_snapshot_sc
     pytest.importorskip("ipywidgets")
     from dataclasses import dataclass
 
-    from minivllm_widgets.launcher import Launcher
-
     from minivllm.engine import llm as llm_module
     from minivllm.engine import snapshot
     from minivllm.kernels.kernel_options import KernelOptions, KernelSettings
     from minivllm.option_field import option
+    from minivllm_widgets.launcher import Launcher
 
     # Without the new option, the docstrings are the derived ones.
     assert llm_module.LLM.__init__.__doc__ == llm_module.init_docstring()

@@ -125,7 +125,8 @@ def test_no_file_is_opened_while_rendering(tmp_path):
         import json, sys
         events, recording = [], [False]
         def hook(event, args):
-            if recording[0] and event in ("open", "os.listdir", "os.system", "subprocess.Popen", "os.exec", "os.posix_spawn"):
+            if recording[0] and event in ("open", "os.listdir", "os.system", "subprocess.Popen", "os.exec",
+                                          "os.posix_spawn"):
                 events.append([event, repr(args)[:200]])
         sys.addaudithook(hook)
         from minivllm.errors import TokenizerError

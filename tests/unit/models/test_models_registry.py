@@ -226,7 +226,7 @@ def test_cli_with_real_model(pulled_smollm, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == str(path)
     args = _parse(["models", "list"])
     assert args.func(args) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("smollm2-135m"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("smollm2-135m"))
     assert "yes" in line
 
 
