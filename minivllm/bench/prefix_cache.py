@@ -94,19 +94,9 @@ class Bench:
     """One loaded model; a fresh engine per case run. Collects every case's rounds (`rounds`, and
     `record` for the settings)."""
 
-    def __init__(
-        self,
-        llm: LLM,
-        *,
-        engine_options: dict,
-        page_size: int,
-        max_batched_tokens: int,
-        max_active_requests: int,
-        output_tokens: int,
-        max_model_len: int,
-        repeats: int = 1,
-        max_repeats: int = 1,
-    ):
+    def __init__(self, llm: LLM, *, engine_options: dict, page_size: int, max_batched_tokens: int,
+                 max_active_requests: int, output_tokens: int, max_model_len: int, repeats: int = 1,
+                 max_repeats: int = 1):
         self.llm = llm
         self.repeats, self.max_repeats = repeats, max_repeats
         self.rounds: list[StableRuns] = []
@@ -339,23 +329,11 @@ def distinct(bench: Bench, paragraphs: int, n: int = 8) -> list[dict]:
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def run(
-    model: str = "smollm2-135m",
-    device: str = "cpu",
-    dtype: str = "f32",
-    *,
-    repeats: int = 3,
-    max_repeats: int | None = None,
-    output_tokens: int | None = None,
-    parts: list[str] | None = None,
-    groups: tuple[int, ...] = (2, 4, 8),
-    page_size: int = 16,
-    max_batched_tokens: int = 2048,
-    max_active_requests: int = 8,
-    synthetic: str | None = None,
-    synthetic_tokenizer: str | None = None,
-    engine_options: dict | None = None,
-) -> dict[str, list[dict]]:
+def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *, repeats: int = 3,
+        max_repeats: int | None = None, output_tokens: int | None = None, parts: list[str] | None = None,
+        groups: tuple[int, ...] = (2, 4, 8), page_size: int = 16, max_batched_tokens: int = 2048,
+        max_active_requests: int = 8, synthetic: str | None = None, synthetic_tokenizer: str | None = None,
+        engine_options: dict | None = None) -> dict[str, list[dict]]:
     """Per case at least `repeats` runs, more while a watched TTFT or completion time varies by more
     than 5% (CV), at most `max_repeats` (default 3 x repeats); each run on a fresh engine."""
     parts = parts or list(PARTS)
@@ -378,25 +356,14 @@ def run(
                   max_active_requests=max_active_requests, output_tokens=output_tokens,
                   max_model_len=min(llm.config.context_length, 1536), repeats=repeats, max_repeats=max_repeats)
     label = f"synthetic-{synthetic}" if synthetic else model_label(model)
-    settings = {
-        "model": model,
-        "synthetic": synthetic,
-        "inference_device": device,
-        "activation_dtype": dtype,
-        "repeats": repeats,
-        "max_repeats": max_repeats,
-        "cv_target": CV_TARGET,
-        "page_size": page_size,
-        "max_batched_tokens": max_batched_tokens,
-        "max_active_requests": max_active_requests,
-        "policy": "fcfs",
-        "output_tokens": output_tokens,
-        "sampling": "greedy, ignore_eos",
-        "torch_threads": torch.get_num_threads(),
-        "engine_options": engine_options or {},
-        "kernel_options": bench.engine({}, warm_rows=0).kernel_options.describe(),
-        "method": "fresh engine per case run; warm-up workload on it first, then its cache pages dropped",
-    }
+    settings = {"model": model, "synthetic": synthetic, "inference_device": device, "activation_dtype": dtype,
+                "repeats": repeats, "max_repeats": max_repeats, "cv_target": CV_TARGET, "page_size": page_size,
+                "max_batched_tokens": max_batched_tokens,
+                "max_active_requests": max_active_requests, "policy": "fcfs", "output_tokens": output_tokens,
+                "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads(),
+                "engine_options": engine_options or {},
+                "kernel_options": bench.engine({}, warm_rows=0).kernel_options.describe(),
+                "method": "fresh engine per case run; warm-up workload on it first, then its cache pages dropped"}
     sha = sha256_file(Path(llm.model_path))
     tables: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
