@@ -30,7 +30,9 @@ demo: setup
 	$(PY) -m minivllm generate --model $(DEFAULT_MODEL) --max-tokens 64 "The three most useful things to know about GPUs are"
 	$(PY) -m minivllm generate --model $(DEFAULT_MODEL) --chat --max-tokens 96 "Explain what a KV cache is in two sentences."
 
+# ruff's configuration is [tool.ruff] in pyproject.toml; it lints before any test runs.
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # The suite as other machines run it: under `taskset -c 0`, with one OpenMP thread, and the

@@ -103,11 +103,11 @@ def decode_step(f: GGUFFile, n_layers: int, rows: list[int], passes: int) -> dic
     for m in rows:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
 
-        def run_packed():
+        def run_packed(xs=xs):
             for p in packed:
                 p.matmul(xs[p.shape[1]])
 
-        def run_f32():
+        def run_f32(xs=xs):
             for d in dense:
                 xs[d.shape[1]] @ d.T
 
@@ -140,7 +140,9 @@ def call_overhead(passes: int) -> dict:
     blocks = rng.integers(0, 256, (16, 20), dtype=np.uint8)
     blocks[:, 0:4] = np.full(32, 0.01, np.float16).view(np.uint8).reshape(16, 4)
     q4 = CpuPackedWeight.from_quantized(QuantizedWeight(torch.from_numpy(blocks), T.Q4_1, (16, 32), "tiny"))
-    h = CpuPackedWeight.from_quantized(QuantizedWeight(torch.randn(16, 32).half().view(torch.uint8), T.F16, (16, 32), "tiny"))
+    h = CpuPackedWeight.from_quantized(
+        QuantizedWeight(torch.randn(16, 32).half().view(torch.uint8), T.F16, (16, 32), "tiny")
+    )
     d = torch.randn(16, 32)
     x = torch.randn(1, 32)
     fns = {"int4pack": q4.matmul, "f16": h.matmul, "f32": lambda x: x @ d.T}

@@ -156,16 +156,25 @@ def main() -> None:
     lines += ["", "Batch-invariant mode at batch 1 (run3, 0.5B file, same code as run2):", "",
               "| metric | default | batch_invariant=True | ratio |", "|---|---|---|---|"]
     for r in inv:
-        lines.append(f"| {r['metric']} | {r['minivllm_default']} | {r['minivllm_invariant']} | {r['invariant/default']} |")
-    lines += ["", "GEMV at M = 1, repacked layout, timed from CUDA-graph replays over weight copies larger than the L2 "
-              "(run2); fraction of the copy bandwidth "
-              f"({copy['run2']:.0f} GB/s read + write):", "",
-              "| type | N x K | MB | µs | of copy | invariant µs | f16 cuBLAS dense µs |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['metric']} | {r['minivllm_default']} | {r['minivllm_invariant']} | {r['invariant/default']} |"
+        )
+    lines += [
+        "",
+        "GEMV at M = 1, repacked layout, timed from CUDA-graph replays over weight copies larger than the L2 "
+        "(run2); fraction of the copy bandwidth "
+        f"({copy['run2']:.0f} GB/s read + write):",
+        "",
+        "| type | N x K | MB | µs | of copy | invariant µs | f16 cuBLAS dense µs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for k in kernels:
         if k["run"] == "run2" and "repacked_m1_graph_us" in k:
-            lines.append(f"| {k['type']} | {k['N']}x{k['K']} | {k['repacked_MB']:.1f} | {k['repacked_m1_graph_us']:.1f} "
-                         f"| {k['repacked_m1_graph_frac_of_copy']:.0%} | {k['repacked_m1_invariant_graph_us']:.1f} | "
-                         f"{k.get('f16_cublas_graph_us', float('nan')):.1f} |")
+            lines.append(
+                f"| {k['type']} | {k['N']}x{k['K']} | {k['repacked_MB']:.1f} | {k['repacked_m1_graph_us']:.1f} "
+                f"| {k['repacked_m1_graph_frac_of_copy']:.0%} | {k['repacked_m1_invariant_graph_us']:.1f} | "
+                f"{k.get('f16_cublas_graph_us', float('nan')):.1f} |"
+            )
     lines += ["", "Provenance:", "", "```json", json.dumps(meta, indent=2), "```", ""]
     (RESULTS / f"h200-gpu-vs-llama-cpp-{stamp}.md").write_text("\n".join(lines))
     print("\n".join(lines[:40]))

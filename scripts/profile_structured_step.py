@@ -6,13 +6,13 @@ step is cut into phases timed with perf_counter, and the forward is followed by 
 synchronize in the timed runs, so the GPU time lands in "forward" and not in whichever
 phase first waits for it. Those runs are therefore slower than the bench's; the phases
 say where the constrained step's extra time goes. Each is preceded by an unsynchronized
-run, timed as the bench times it, with the host's waits for the device (`tolist`). Add `--cprofile` for the main thread's
-cProfile. Usage on a GPU box:
+run, timed as the bench times it, with the host's waits for the device (`tolist`). Add
+`--cprofile` for the main thread's cProfile. Usage on a GPU box:
     python scripts/profile_structured_step.py QWEN25_TOKENIZER_FIELDS [--cprofile]
 """
 
-import cProfile
 import collections
+import cProfile
 import pstats
 import sys
 import time

@@ -1,4 +1,5 @@
-"""Record llama.cpp's token ids for the tokenizer corpus: the reference tests/integration/gguf/test_tokenizer.py checks against.
+"""Record llama.cpp's token ids for the tokenizer corpus: the reference
+tests/integration/gguf/test_tokenizer.py checks against.
 
 llama.cpp is the judge of what a GGUF vocabulary's tokenizer does, so its ids are
 recorded once and committed; the test suite never imports llama_cpp.

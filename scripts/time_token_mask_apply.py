@@ -18,8 +18,12 @@ for rows in (1, 4, 16):
     bitmask = new_bitmask(rows, VOCAB)
     bitmask.random_()
     ways = {
-        "triton": lambda: mask_rows_inplace(logits.clone(), bitmask.to("cuda", non_blocking=True)),
-        "torch": lambda: logits.clone().masked_fill_(~allowed_tokens(bitmask, VOCAB, logits.device), float("-inf")),
+        "triton": lambda logits=logits, bitmask=bitmask: mask_rows_inplace(
+            logits.clone(), bitmask.to("cuda", non_blocking=True)
+        ),
+        "torch": lambda logits=logits, bitmask=bitmask: logits.clone().masked_fill_(
+            ~allowed_tokens(bitmask, VOCAB, logits.device), float("-inf")
+        ),
     }
     for name, way in ways.items():
         for _ in range(20):

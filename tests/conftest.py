@@ -60,10 +60,23 @@ def cuda_devices() -> list[str]:
 # Modules whose assertions depend on how CPU kernels round: `make test-portability` runs
 # them again under each other CPU kernel path torch offers (ATEN_CPU_CAPABILITY).
 NUMERICS_MODULES = {
-    "test_activation_dtypes", "test_batch_invariance", "test_batch_kv", "test_cpu_gemv", "test_cpu_packed", "test_debug_compare",
+    "test_activation_dtypes",
+    "test_batch_invariance",
+    "test_batch_kv",
+    "test_cpu_gemv",
+    "test_cpu_packed",
+    "test_debug_compare",
     "test_debug_compare_sides",
-    "test_dequant", "test_engine", "test_forward_reference", "test_kernel_dispatch", "test_prefix_cache",
-    "test_sampling", "test_spec_verify", "test_speculative", "test_synthetic_model", "test_synthetic_models",
+    "test_dequant",
+    "test_engine",
+    "test_forward_reference",
+    "test_kernel_dispatch",
+    "test_prefix_cache",
+    "test_sampling",
+    "test_spec_verify",
+    "test_speculative",
+    "test_synthetic_model",
+    "test_synthetic_models",
 }
 
 

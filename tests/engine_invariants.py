@@ -55,10 +55,14 @@ def check_invariants(engine: LLMEngine) -> None:
     assert all(n == 1 or p in cached for p, n in held.items()), f"uncached pages held twice: {held}"
     assert all(r >= 0 for r in pool.refcount), "negative refcount"
     for p in range(pool.num_pages):
-        assert pool.refcount[p] == owners.get(p, 0), f"page {p}: refcount {pool.refcount[p]}, holders {owners.get(p, 0)}"
+        assert pool.refcount[p] == owners.get(p, 0), (
+            f"page {p}: refcount {pool.refcount[p]}, holders {owners.get(p, 0)}"
+        )
     assert len(owners) == pool.num_pages - pool.num_free
     idle = {p for p in cached if p not in held}
-    assert set(engine.kv_ownership()["cache"]["idle"]) == idle, "the index's idle list disagrees with who holds its pages"
+    assert set(engine.kv_ownership()["cache"]["idle"]) == idle, (
+        "the index's idle list disagrees with who holds its pages"
+    )
     assert engine.kv_ownership()["requests"] == {r.id: r.block_table for r in live}
     running = [engine.request_state(r) for r in engine.progress()]
     assert len(running) <= engine.config.max_active_requests

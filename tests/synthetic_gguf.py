@@ -184,7 +184,9 @@ def llama3_rope_freqs(head_dim: int, base: float, *, factor: float = 8.0, low_fr
         elif wavelen > low_wavelen:
             out.append(factor)
         else:
-            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
             out.append(1.0 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
 
@@ -385,8 +387,9 @@ def transformers_model(path: str | Path, rope_parameters: Mapping[str, Any] | No
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     if rope_parameters is not None:
         config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **rope_parameters}
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config, local_files_only=True,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=config, local_files_only=True, dtype=torch.float32
+    )
     return model.eval()
 
 

@@ -28,8 +28,15 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (common_prefix, CV_TARGET, loadavg, model_label, provenance, record_stat,
-                                   runs_until_stable)
+from minivllm.bench.common import (
+    CV_TARGET,
+    common_prefix,
+    loadavg,
+    model_label,
+    provenance,
+    record_stat,
+    runs_until_stable,
+)
 from minivllm.bench.continuous_batching import PROMPTS_FILE
 from minivllm.bench.decode import DEFAULT_CPU_THREADS, MinivllmRunner, long_prompt_ids
 from minivllm.bench.peak_memory import PeakMemory

@@ -53,9 +53,13 @@ def run_once(model_path, limit, round_no):
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
-                longs = [one(client, srv.url, f"r{round_no} long {i}: " + " ".join(f"w{i}x{j}" for j in range(80)), 1, 0.0)
-                         for i in range(LONG)]
-                shorts = [one(client, srv.url, f"r{round_no} short {i}: say hello", 8, 0.5 + 0.25 * i) for i in range(SHORT)]
+                longs = [
+                    one(client, srv.url, f"r{round_no} long {i}: " + " ".join(f"w{i}x{j}" for j in range(80)), 1, 0.0)
+                    for i in range(LONG)
+                ]
+                shorts = [
+                    one(client, srv.url, f"r{round_no} short {i}: say hello", 8, 0.5 + 0.25 * i) for i in range(SHORT)
+                ]
                 results = await asyncio.gather(*longs, *shorts)
                 return results[:LONG], results[LONG:]
 

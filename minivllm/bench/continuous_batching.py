@@ -25,21 +25,29 @@ Each row records its `runs` and every watched CV; the settings record the rounds
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance,
-                                   record_rounds, record_stat, runs_note, runs_until_stable)
+from minivllm.bench.common import (
+    CV_TARGET,
+    default_max_repeats,
+    loadavg,
+    model_label,
+    provenance,
+    record_rounds,
+    record_stat,
+    runs_note,
+    runs_until_stable,
+)
 from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 PROMPTS_FILE = Path(__file__).resolve().parents[2] / "data" / "prompts.json"
 FULL_DECODE_LENGTHS = [512, 2048]
@@ -181,7 +189,9 @@ def _batching(llm: LLM, sha: str, model: str, device: str, settings: dict, texts
               f"ratio {row['batched/sequential']} ({rounds.runs} runs, {rounds.stopped})", flush=True)
     target = 3.0 if dev.type == "cuda" else 2.0
     for row in rows:
-        row[f"target_met(N=4,>={target:g}x)"] = (row["batched/sequential_mean"] >= target) if row["concurrency"] == 4 else None
+        row[f"target_met(N=4,>={target:g}x)"] = (
+            (row["batched/sequential_mean"] >= target) if row["concurrency"] == 4 else None
+        )
     settings.update({"experiment": "batched vs sequential", "concurrency": concurrency, "max_tokens": max_tokens,
                      "warmup": f"batched N={n_max} and one sequential request, {warm.max_tokens} tokens each",
                      "kv_mode": "paged", "policy": "fcfs", "max_active_requests": cfg.max_active_requests,
@@ -210,9 +220,20 @@ def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: 
     tok = llm.tokenizer
     dec_ids = tok.encode(DECODE_PROMPT)
     max_len = max(decode_lengths) + len(dec_ids) + 1
-    engines = {mode: LLMEngine(llm.model, tok, EngineConfig(kv_mode=mode, page_size=page_size, max_model_len=max_len,
-                                                           max_active_requests=1, max_batched_tokens=max_batched_tokens))
-               for mode in ("paged", "contiguous")}
+    engines = {
+        mode: LLMEngine(
+            llm.model,
+            tok,
+            EngineConfig(
+                kv_mode=mode,
+                page_size=page_size,
+                max_model_len=max_len,
+                max_active_requests=1,
+                max_batched_tokens=max_batched_tokens,
+            ),
+        )
+        for mode in ("paged", "contiguous")
+    }
     warm = SamplingParams(temperature=0.0, max_tokens=min(32, max(decode_lengths)), ignore_eos=True)
     for e in engines.values():
         run_batched(e, [dec_ids], warm)
@@ -244,13 +265,16 @@ def _paged_vs_contiguous(llm: LLM, sha: str, model: str, device: str, settings: 
                      "warmup": f"one {warm.max_tokens}-token request per engine",
                      "rounds": [{"decode_tokens": n, **r.info()} for n, r in zip(decode_lengths, all_rounds)]})
     meta = _meta(llm, device, sha, settings, load_start)
-    note = (f"One request, greedy, exactly L output tokens; decode tok/s = (L-1)/(e2e - TTFT) from RequestMetrics; "
-            f"{runs_note(all_rounds, repeats, max_repeats, 'paged or contiguous decode tok/s')} after a warm-up, "
-            f"paged and contiguous alternating; the ratio is per run. Paged: {page_size}-token pages; contiguous: "
-            f"one page of max_model_len={max_len} tokens. Target "
-            f"paged/contiguous >= 0.95." + (" QUICK sizes (128, 512 instead of 512, 2048) to fit a CPU run." if quick else "")
-            + f" Load average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']} "
-            f"(the benchmark itself adds ~{torch.get_num_threads()}).")
+    note = (
+        f"One request, greedy, exactly L output tokens; decode tok/s = (L-1)/(e2e - TTFT) from RequestMetrics; "
+        f"{runs_note(all_rounds, repeats, max_repeats, 'paged or contiguous decode tok/s')} after a warm-up, "
+        f"paged and contiguous alternating; the ratio is per run. Paged: {page_size}-token pages; contiguous: "
+        f"one page of max_model_len={max_len} tokens. Target "
+        f"paged/contiguous >= 0.95."
+        + (" QUICK sizes (128, 512 instead of 512, 2048) to fit a CPU run." if quick else "")
+        + f" Load average (1/5/15 min) at start {load_start}, end {meta['load_average_1_5_15']['end']} "
+        f"(the benchmark itself adds ~{torch.get_num_threads()})."
+    )
     cols = ["decode_tokens", "prompt_tokens", "paged_decode_tok_s", "contiguous_decode_tok_s", "paged/contiguous",
             "paged/contiguous_median", "runs", "cv", "target_met(>=0.95)"]
     _, md = write_results(f"paged-vs-contiguous-{model_label(model)}", meta, rows, cols, note)

@@ -33,16 +33,25 @@ from collections import Counter
 
 import torch
 
-from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance,
-                                   record_rounds, runs_note, runs_until_stable, summarize)
+from minivllm.bench.common import (
+    CV_TARGET,
+    default_max_repeats,
+    loadavg,
+    model_label,
+    provenance,
+    record_rounds,
+    runs_note,
+    runs_until_stable,
+    summarize,
+)
 from minivllm.bench.continuous_batching import load_prompts
 from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 DEFAULT_CONCURRENCY = list(range(1, 9))
 

@@ -31,15 +31,22 @@ def run(models: list[str], repeats: int = 5, baseline: bool = False) -> list[dic
     for name in models:
         path = resolve_model(name)
         hashes[name] = sha256_file(path)
-        reader = summarize(_time(lambda: GGUFFile(path), repeats))
-        full = summarize(_time(lambda: Tokenizer.from_gguf(GGUFFile(path)), repeats))
-        row = {"model": name, "open_median_s": reader["median"], "open_mean_s": reader["mean"], "open_std_s": reader["std"],
-               "open+tokenizer_median_s": full["median"], "open+tokenizer_mean_s": full["mean"],
-               "open+tokenizer_std_s": full["std"], "repeats": repeats}
+        reader = summarize(_time(lambda path=path: GGUFFile(path), repeats))
+        full = summarize(_time(lambda path=path: Tokenizer.from_gguf(GGUFFile(path)), repeats))
+        row = {
+            "model": name,
+            "open_median_s": reader["median"],
+            "open_mean_s": reader["mean"],
+            "open_std_s": reader["std"],
+            "open+tokenizer_median_s": full["median"],
+            "open+tokenizer_mean_s": full["mean"],
+            "open+tokenizer_std_s": full["std"],
+            "repeats": repeats,
+        }
         if baseline:
             import gguf
 
-            ref = summarize(_time(lambda: gguf.GGUFReader(path), max(1, repeats // 2)))
+            ref = summarize(_time(lambda path=path: gguf.GGUFReader(path), max(1, repeats // 2)))
             row["gguf.GGUFReader_median_s"] = ref["median"]
             row["speedup_vs_GGUFReader"] = ref["median"] / reader["median"]
         rows.append(row)

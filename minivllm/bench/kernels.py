@@ -157,11 +157,13 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
         x1 = torch.randn(1, k, device=dev, dtype=torch.float16)
         xb = torch.randn(batch_rows, k, device=dev, dtype=torch.float16)
         dense = torch.randn(n, k, device=dev, dtype=torch.float16)
-        cublas_ms = _median_ms(lambda: torch.nn.functional.linear(x1, dense))
+        cublas_ms = _median_ms(lambda x1=x1, dense=dense: torch.nn.functional.linear(x1, dense))
         cublas_gbs = n * k * 2 / (cublas_ms * 1e-3) / 1e9
         denses = [dense] + [torch.randn(n, k, device=dev, dtype=torch.float16)
                             for _ in range(max(2, -(-(160 << 20) // (n * k * 2))) - 1)]
-        cublas_graph_us = graph_us(lambda i: (lambda: torch.nn.functional.linear(x1, denses[i])), n * k * 2)
+        cublas_graph_us = graph_us(
+            lambda i, x1=x1, denses=denses: (lambda: torch.nn.functional.linear(x1, denses[i])), n * k * 2
+        )
         print(f"CUBLAS f16 {n:6d}x{k:<6d} graph M=1 {cublas_graph_us:6.1f} us", flush=True)
         del dense, denses
         for name in types:
@@ -175,10 +177,10 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
             triton_gemv(xb, w)
             triton_gemv(xb, w, invariant=True)
             ms = {
-                "m1": _median_ms(lambda: triton_gemv(x1, w)),
-                "m1_inv": _median_ms(lambda: triton_gemv(x1, w, invariant=True)),
-                f"m{batch_rows}": _median_ms(lambda: triton_gemv(xb, w)),
-                f"m{batch_rows}_inv": _median_ms(lambda: triton_gemv(xb, w, invariant=True)),
+                "m1": _median_ms(lambda x1=x1, w=w: triton_gemv(x1, w)),
+                "m1_inv": _median_ms(lambda x1=x1, w=w: triton_gemv(x1, w, invariant=True)),
+                f"m{batch_rows}": _median_ms(lambda xb=xb, w=w: triton_gemv(xb, w)),
+                f"m{batch_rows}_inv": _median_ms(lambda xb=xb, w=w: triton_gemv(xb, w, invariant=True)),
             }
             gbs = w.nbytes / (ms["m1"] * 1e-3) / 1e9
             row = {
@@ -198,15 +200,25 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
                 for xx in (x1, xb):
                     repacked_gemv(xx, rw, out_dtype=torch.float16)  # autotune and compile outside the timing
                     repacked_gemv(xx, rw, invariant=True, out_dtype=torch.float16)
-                rms = {"m1": _median_ms(lambda: repacked_gemv(x1, rw, out_dtype=torch.float16)),
-                       "m1_inv": _median_ms(lambda: repacked_gemv(x1, rw, invariant=True, out_dtype=torch.float16)),
-                       "mb": _median_ms(lambda: repacked_gemv(xb, rw, out_dtype=torch.float16))}
+                rms = {
+                    "m1": _median_ms(lambda x1=x1, rw=rw: repacked_gemv(x1, rw, out_dtype=torch.float16)),
+                    "m1_inv": _median_ms(
+                        lambda x1=x1, rw=rw: repacked_gemv(x1, rw, invariant=True, out_dtype=torch.float16)
+                    ),
+                    "mb": _median_ms(lambda xb=xb, rw=rw: repacked_gemv(xb, rw, out_dtype=torch.float16)),
+                }
                 rgbs = rw.nbytes / (rms["m1"] * 1e-3) / 1e9
                 copies = max(2, -(-(160 << 20) // rw.nbytes))
                 rws = [rw] + [repack(random_weight(t, n, k, device=dev, seed=1 + i)) for i in range(copies - 1)]
-                g_us = graph_us(lambda i: (lambda: repacked_gemv(x1, rws[i], out_dtype=torch.float16)), rw.nbytes)
-                g_inv_us = graph_us(lambda i: (lambda: repacked_gemv(x1, rws[i], invariant=True,
-                                                                      out_dtype=torch.float16)), rw.nbytes)
+                g_us = graph_us(
+                    lambda i, x1=x1, rws=rws: (lambda: repacked_gemv(x1, rws[i], out_dtype=torch.float16)), rw.nbytes
+                )
+                g_inv_us = graph_us(
+                    lambda i, x1=x1, rws=rws: (
+                        lambda: repacked_gemv(x1, rws[i], invariant=True, out_dtype=torch.float16)
+                    ),
+                    rw.nbytes,
+                )
                 del rws
                 row.update({"repacked_m1_graph_us": g_us,
                             "repacked_m1_graph_frac_of_copy": rw.nbytes / (g_us * 1e-6) / 1e9 / copy_gbs,
@@ -220,10 +232,14 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
                 print(f"REPACKED {name:5s} {n:6d}x{k:<6d} graph M=1 {g_us:6.1f} us "
                       f"({row['repacked_m1_graph_frac_of_copy']:.0%} of copy), invariant {g_inv_us:6.1f} us "
                       f"({row['repacked_m1_invariant_graph_frac_of_copy']:.0%})", flush=True)
-                print(f"      repacked {row['repacked_MB']:7.1f} MB  M=1 {row['repacked_m1_us']:7.1f} us {rgbs:6.0f} GB/s "
-                      f"({row['repacked_m1_frac_of_copy']:.0%})  inv {row['repacked_m1_invariant_us']:7.1f} us "
-                      f"({row['repacked_m1_invariant_frac_of_copy']:.0%})  M={batch_rows} "
-                      f"{row[f'repacked_m{batch_rows}_us']:7.1f} us", flush=True)
+                print(
+                    f"      repacked {row['repacked_MB']:7.1f} MB  M=1 {row['repacked_m1_us']:7.1f} us "
+                    f"{rgbs:6.0f} GB/s "
+                    f"({row['repacked_m1_frac_of_copy']:.0%})  inv {row['repacked_m1_invariant_us']:7.1f} us "
+                    f"({row['repacked_m1_invariant_frac_of_copy']:.0%})  M={batch_rows} "
+                    f"{row[f'repacked_m{batch_rows}_us']:7.1f} us",
+                    flush=True,
+                )
                 del rw
             print(f"{name:5s} {n:6d}x{k:<6d} {row['weight_MB']:7.1f} MB  M=1 {row['m1_us']:7.1f} us "
                   f"{gbs:6.0f} GB/s ({row['m1_frac_of_copy']:.0%})  inv {row['m1_invariant_us']:7.1f} us  "
@@ -234,8 +250,10 @@ def run(types: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     if write:
         summary = {name: statistics.median(r["m1_frac_of_copy"] for r in rows if r["type"] == name)
                    for name in dict.fromkeys(r["type"] for r in rows)}
-        summary_repacked = {name: statistics.median(r["repacked_m1_graph_frac_of_copy"] for r in rows if r["type"] == name)
-                            for name in dict.fromkeys(r["type"] for r in rows if "repacked_m1_us" in r)}
+        summary_repacked = {
+            name: statistics.median(r["repacked_m1_graph_frac_of_copy"] for r in rows if r["type"] == name)
+            for name in dict.fromkeys(r["type"] for r in rows if "repacked_m1_us" in r)
+        }
         big = {name: statistics.median(r["repacked_m1_graph_frac_of_copy"] for r in rows
                                        if r["type"] == name and r["N"] * r["K"] >= 3584 * 18944)
                for name in summary_repacked}

@@ -53,7 +53,9 @@ def llama_bench_rows(binary: str, model_path: str | Path, prompt_tokens: int, de
         tg0 = next((t for t in tests if t["n_prompt"] == 0 and t["n_gen"] == decode_tokens
                     and t.get("n_depth", 0) == 0), None)
     except (json.JSONDecodeError, StopIteration, KeyError, TypeError) as exc:
-        return [{**base, "status": f"failed: unexpected llama-bench output ({type(exc).__name__}): {proc.stdout[:300]}"}]
+        return [
+            {**base, "status": f"failed: unexpected llama-bench output ({type(exc).__name__}): {proc.stdout[:300]}"}
+        ]
     commit = pp.get("build_commit") or "unknown"
     if commit == "unknown":
         commit = os.environ.get("LLAMA_CPP_COMMIT", "unknown")
@@ -79,7 +81,11 @@ def add_ratios(rows: list[dict]) -> None:
     if peer is None:
         return
     for r in rows:
-        if r.get("engine", "").startswith("minivllm") and r.get("status") == "ok" and str(r.get("device")).startswith("cuda"):
+        if (
+            r.get("engine", "").startswith("minivllm")
+            and r.get("status") == "ok"
+            and str(r.get("device")).startswith("cuda")
+        ):
             r["ratio_vs_llama_cpp"] = r["decode_tok_s_median"] / peer["decode_tok_s_median"]
             r["ratio_vs_llama_cpp_prefill"] = r["prefill_tok_s_median"] / peer["prefill_tok_s_median"]
             r["llama_cpp_decode_tok_s"] = peer["decode_tok_s_median"]

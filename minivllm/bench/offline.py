@@ -20,9 +20,9 @@ variation of output tok/s exceeds `cv_target` (5%), more runs follow, up to `max
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,9 +31,9 @@ from minivllm.bench.common import loadavg, model_label, provenance, summarize
 from minivllm.bench.results import write_results
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 DEFAULT_LEN_RANGE = (100, 1024)
 QUICK = {"num_seqs": 16, "input_len_range": (32, 128), "output_len_range": (32, 128), "runs": 1, "max_runs": 1}
@@ -122,7 +122,11 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
     runs (at least one run always happens). Returns {"runs": [per-run dicts], "summary": {...},
     "files": [json, md]}."""
     if quick:
-        num_seqs, input_len_range, output_len_range = QUICK["num_seqs"], QUICK["input_len_range"], QUICK["output_len_range"]
+        num_seqs, input_len_range, output_len_range = (
+            QUICK["num_seqs"],
+            QUICK["input_len_range"],
+            QUICK["output_len_range"],
+        )
         runs, max_runs = QUICK["runs"], QUICK["max_runs"]
     input_len_range = _check_range("input_len_range", input_len_range)
     output_len_range = _check_range("output_len_range", output_len_range)
@@ -186,21 +190,38 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         meta = provenance(str(llm.model.device), sha256_file(llm.model_path), settings)
         meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
         meta["summary"] = {k: v for k, v in summary.items() if not isinstance(v, str) or k == "run"}
-        note = (f"Offline throughput: {num_seqs} requests submitted at once to one engine (LLM.generate), random-token "
-                f"prompts of {input_len_range[0]}..{input_len_range[1]} tokens, outputs of exactly "
-                f"{output_len_range[0]}..{output_len_range[1]} tokens (uniform, seed {seed}; greedy, EOS ignored). "
-                f"Output tok/s = output tokens / wall time; total tok/s counts prompt tokens too. Fresh engine per run, "
-                f"one warm-up not counted; last row: mean ± sample std over {len(results)} runs, CV of output tok/s "
-                f"{out_cv:.1%} (target {cv_target:.0%}). Engine: "
-                + (f"max_active_requests={engine_desc.get('max_active_requests')}, max_batched_tokens="
-                   f"{engine_desc.get('max_batched_tokens')}, {engine_desc.get('kv_mode')} KV with "
-                   f"{engine_desc.get('page_size')}-token pages, " if isinstance(engine_desc, dict) else "")
-                + f"max_model_len={max_len}; 'preemptions' counts requests preempted under KV pressure (their "
-                f"tokens recomputed). " + (f"NOTE: {stopped_early}. " if stopped_early else "")
-                + f"Device {meta['device']}; load average (1/5/15 min) at start {load_start}, end "
-                f"{meta['load_average_1_5_15']['end']}.")
-        cols = ["run", "requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "requests_s",
-                "steps", "preemptions"]
+        note = (
+            f"Offline throughput: {num_seqs} requests submitted at once to one engine (LLM.generate), random-token "
+            f"prompts of {input_len_range[0]}..{input_len_range[1]} tokens, outputs of exactly "
+            f"{output_len_range[0]}..{output_len_range[1]} tokens (uniform, seed {seed}; greedy, EOS ignored). "
+            f"Output tok/s = output tokens / wall time; total tok/s counts prompt tokens too. Fresh engine per run, "
+            f"one warm-up not counted; last row: mean ± sample std over {len(results)} runs, CV of output tok/s "
+            f"{out_cv:.1%} (target {cv_target:.0%}). Engine: "
+            + (
+                f"max_active_requests={engine_desc.get('max_active_requests')}, max_batched_tokens="
+                f"{engine_desc.get('max_batched_tokens')}, {engine_desc.get('kv_mode')} KV with "
+                f"{engine_desc.get('page_size')}-token pages, "
+                if isinstance(engine_desc, dict)
+                else ""
+            )
+            + f"max_model_len={max_len}; 'preemptions' counts requests preempted under KV pressure (their "
+            f"tokens recomputed). "
+            + (f"NOTE: {stopped_early}. " if stopped_early else "")
+            + f"Device {meta['device']}; load average (1/5/15 min) at start {load_start}, end "
+            f"{meta['load_average_1_5_15']['end']}."
+        )
+        cols = [
+            "run",
+            "requests",
+            "prompt_tokens",
+            "output_tokens",
+            "wall_s",
+            "output_tok_s",
+            "total_tok_s",
+            "requests_s",
+            "steps",
+            "preemptions",
+        ]
         for old in paths:  # the previous run's files: one pair per benchmark
             Path(old).unlink(missing_ok=True)
         return write_results(f"offline-{model_label(model)}", meta, rows, cols, note), summary

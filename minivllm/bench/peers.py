@@ -27,10 +27,23 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (common_prefix, CV_TARGET, loadavg, model_label, provenance, record_stat,
-                                   runs_until_stable)
-from minivllm.bench.decode import (PROMPTS_FILE, LlamaCppRunner, MinivllmRunner, TransformersRunner, load_llama_cpp,
-                                   long_prompt_ids)
+from minivllm.bench.common import (
+    CV_TARGET,
+    common_prefix,
+    loadavg,
+    model_label,
+    provenance,
+    record_stat,
+    runs_until_stable,
+)
+from minivllm.bench.decode import (
+    PROMPTS_FILE,
+    LlamaCppRunner,
+    MinivllmRunner,
+    TransformersRunner,
+    load_llama_cpp,
+    long_prompt_ids,
+)
 from minivllm.bench.results import write_results
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
@@ -94,7 +107,7 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
         r.measure(ids, min(4, decode_tokens))
     def one_round() -> list[tuple[float, float, list[int]]]:  # engines take turns inside every round
         measured = [r.measure(ids, decode_tokens) for r in runners]
-        print(f"run: " + ", ".join(f"{r.engine} prefill {prompt_len / tp:.1f} decode {(decode_tokens - 1) / td:.1f} "
+        print("run: " + ", ".join(f"{r.engine} prefill {prompt_len / tp:.1f} decode {(decode_tokens - 1) / td:.1f} "
                                    f"tok/s" for r, (tp, td, _) in zip(runners, measured)), flush=True)
         return measured
 
@@ -132,14 +145,27 @@ def run(model: str = "smollm2-135m", *, prompt_len: int = 128, decode_tokens: in
         row["engine_options"] = dict(engine_options or {})
     rows += rows_skipped
 
-    settings = {"model": model, "device": "cpu", "prompt_len": prompt_len, "decode_tokens": decode_tokens,
-                "runs": runs, "max_runs": max(max_runs, runs), "rounds": rounds.info(), "threads": threads, "torch_threads": torch.get_num_threads(),
-                "sampling": "greedy (argmax), EOS ignored", "prompt_source": PROMPTS_FILE.name,
-                "warmup": f"one {min(4, decode_tokens)}-token run per engine",
-                "minivllm": {"dtypes": list(dtypes), "engine_options": dict(engine_options or {}),
-                             "kernels": {r.engine: r.kernels() for r in ours}},
-                "transformers": {"dtype": "float32", "load": "AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)"},
-                **{f"{k}_version": v for k, v in versions.items()}}
+    settings = {
+        "model": model,
+        "device": "cpu",
+        "prompt_len": prompt_len,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "max_runs": max(max_runs, runs),
+        "rounds": rounds.info(),
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "sampling": "greedy (argmax), EOS ignored",
+        "prompt_source": PROMPTS_FILE.name,
+        "warmup": f"one {min(4, decode_tokens)}-token run per engine",
+        "minivllm": {
+            "dtypes": list(dtypes),
+            "engine_options": dict(engine_options or {}),
+            "kernels": {r.engine: r.kernels() for r in ours},
+        },
+        "transformers": {"dtype": "float32", "load": "AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)"},
+        **{f"{k}_version": v for k, v in versions.items()},
+    }
     meta = provenance("cpu", sha256_file(model_path), settings)
     meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     gemv = "".join(f"{r.engine} kernels: gemv_max_rows={k.get('gemv_max_rows')}, GEMV kinds {k.get('gemv_kinds')}. "

@@ -31,16 +31,23 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (coefficient_of_variation, common_prefix, CV_TARGET, model_label, provenance,
-                                   runs_until_stable, summarize)
+from minivllm.bench.common import (
+    CV_TARGET,
+    coefficient_of_variation,
+    common_prefix,
+    model_label,
+    provenance,
+    runs_until_stable,
+    summarize,
+)
 from minivllm.bench.continuous_batching import PROMPTS_FILE
 from minivllm.bench.decode import long_prompt_ids
 from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 PROMPT_STRIDE = 7  # tokens between the starts of consecutive prompts' windows
 TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -128,7 +135,7 @@ def run(model: str = "smollm2-135m", device: str = "cuda:0", dtype: str = "f16",
         for r in runners:  # warm-up: kernels compiled, CUDA graphs captured for this batch size
             _timed(r, prompts, min(8, decode_tokens), dev)
         # Engines take turns inside every run; more runs while either one's CV exceeds 5%.
-        stable = runs_until_stable(lambda: [_timed(r, prompts, decode_tokens, dev) for r in runners],
+        stable = runs_until_stable(lambda prompts=prompts: [_timed(r, prompts, decode_tokens, dev) for r in runners],
                                    min_runs=runs, max_runs=max_runs, cv_target=CV_TARGET,
                                    key=lambda measured: [batch * decode_tokens / wall for wall, _ in measured])
         done = stable.runs

@@ -45,16 +45,26 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance,
-                                   record_rounds, record_stat, runs_note, runs_until_stable, StableRuns)
+from minivllm.bench.common import (
+    CV_TARGET,
+    StableRuns,
+    default_max_repeats,
+    loadavg,
+    model_label,
+    provenance,
+    record_rounds,
+    record_stat,
+    runs_note,
+    runs_until_stable,
+)
 from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.sampling.outputs import RequestOutput
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.outputs import RequestOutput
+from minivllm.sampling.sampling_params import SamplingParams
 
 PARTS = ("warm-prefix", "cold-burst", "incremental", "single-flight", "distinct")
 OVERLAPS = (0, 25, 50, 75, 100)
@@ -84,8 +94,9 @@ class Bench:
     """One loaded model; a fresh engine per case run. Collects every case's rounds (`rounds`, and
     `record` for the settings)."""
 
-    def __init__(self, llm: LLM, *, engine_options: dict, page_size: int, max_batched_tokens: int, max_active_requests: int,
-                 output_tokens: int, max_model_len: int, repeats: int = 1, max_repeats: int = 1):
+    def __init__(self, llm: LLM, *, engine_options: dict, page_size: int, max_batched_tokens: int,
+                 max_active_requests: int, output_tokens: int, max_model_len: int, repeats: int = 1,
+                 max_repeats: int = 1):
         self.llm = llm
         self.repeats, self.max_repeats = repeats, max_repeats
         self.rounds: list[StableRuns] = []
@@ -198,15 +209,20 @@ def warm_prefix(bench: Bench, paragraphs: int, probe_tokens: int) -> list[dict]:
         probe = bench.ids(document(f"{ns}probe", paragraphs, 2, shared_from=f"{ns}seed", shared=shared))
         row = {"overlap_pct": overlap, "input_tokens": len(probe)}
         for label, options in (("off", OFF), ("on", INCREMENTAL)):
-            def once(options=options):
+            def once(options=options, seed=seed, probe=probe):
                 engine = bench.engine(options, warm_rows=1)
                 run_together(engine, [seed], seed_params)
                 return measures(run_together(engine, [probe], seed_params))
             stats, runs, rounds = repeat(bench, once, ("mean_ttft_s",),
                                          {"table": "warm-prefix", "overlap_pct": overlap, "case": label})
             _record_case(row, label, rounds, [f"ttft_{label}_s"])
-            row.update({f"ttft_{label}_s": stats["mean_ttft_s_mean"], f"ttft_{label}_s_std": stats["mean_ttft_s_std"],
-                        f"ttft_{label}": f"{stats['mean_ttft_s_mean'] * 1e3:.1f} ± {stats['mean_ttft_s_std'] * 1e3:.1f} ms"})
+            row.update(
+                {
+                    f"ttft_{label}_s": stats["mean_ttft_s_mean"],
+                    f"ttft_{label}_s_std": stats["mean_ttft_s_std"],
+                    f"ttft_{label}": f"{stats['mean_ttft_s_mean'] * 1e3:.1f} ± {stats['mean_ttft_s_std'] * 1e3:.1f} ms",
+                }
+            )
             row[f"samples_{label}"] = [r["mean_ttft_s"] for r in runs]
             if label == "on":
                 row["restored"] = stats["restored"][0]
@@ -241,7 +257,7 @@ def incremental(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> list[
         prompt = bench.ids(document(f"incremental{n}", paragraphs))
         row = {"followers": n, "input_tokens": len(prompt)}
         for label, options in (("at_completion", AT_COMPLETION), ("incremental", INCREMENTAL)):
-            def once(options=options):
+            def once(options=options, prompt=prompt, n=n):
                 outs = run_after_first_token(bench.engine(options, warm_rows=n + 1), prompt, [prompt] * n, bench.params)
                 m = measures(outs)
                 m["followers_mean_ttft_s"] = sum(m["ttft"][1:]) / n
@@ -267,7 +283,7 @@ def single_flight(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> lis
         prompt = bench.ids(document(f"flight{n}", paragraphs))
         for label, options in (("independent", AT_COMPLETION), ("at_completion", SF_COMPLETION),
                                ("after_prefill", SF_PREFILL)):
-            def once(options=options):
+            def once(options=options, prompt=prompt, n=n):
                 return measures(run_together(bench.engine(options, warm_rows=n), [prompt] * n, bench.params))
             stats, runs, rounds = repeat(bench, once, WATCHED, {"table": "single-flight", "requests": n, "case": label})
             row = {"requests": n, "release": label, "input_tokens": len(prompt),
@@ -281,8 +297,9 @@ def single_flight(bench: Bench, paragraphs: int, groups: tuple[int, ...]) -> lis
         base = by[(r["requests"], "independent")]
         r["mean_ttft_change_pct"] = -cut(base["mean_ttft_s_mean"], r["mean_ttft_s_mean"])
         r["slowest_completion_change_pct"] = -cut(base["slowest_completion_s_mean"], r["slowest_completion_s_mean"])
-        r["target_met(N=8,after_prefill,<=-85%)"] = (r["mean_ttft_change_pct"] <= -85.0
-                                                      if (r["requests"], r["release"]) == (8, "after_prefill") else None)
+        r["target_met(N=8,after_prefill,<=-85%)"] = (
+            r["mean_ttft_change_pct"] <= -85.0 if (r["requests"], r["release"]) == (8, "after_prefill") else None
+        )
         if r["release"] == "after_prefill":
             r["ttft_cut_vs_at_completion_pct"] = cut(by[(r["requests"], "at_completion")]["mean_ttft_s_mean"],
                                                      r["mean_ttft_s_mean"])
@@ -300,7 +317,9 @@ def distinct(bench: Bench, paragraphs: int, n: int = 8) -> list[dict]:
         row = {"setting": label, "requests": n, "restored": stats["restored"], **stats, "samples": runs}
         record_rounds(row, rounds, list(WATCHED))
         rows.append(row)
-        print(f"distinct {label}: mean TTFT {stats['mean_ttft_s']}, slowest {stats['slowest_completion_s']}", flush=True)
+        print(
+            f"distinct {label}: mean TTFT {stats['mean_ttft_s']}, slowest {stats['slowest_completion_s']}", flush=True
+        )
     base, on = rows
     for key in ("mean_ttft_s", "slowest_completion_s"):
         on[f"{key}_ratio_vs_off"] = on[f"{key}_mean"] / base[f"{key}_mean"]
@@ -311,9 +330,9 @@ def distinct(bench: Bench, paragraphs: int, n: int = 8) -> list[dict]:
 
 
 def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *, repeats: int = 3,
-        max_repeats: int | None = None, output_tokens: int | None = None, parts: list[str] | None = None, groups: tuple[int, ...] = (2, 4, 8),
-        page_size: int = 16, max_batched_tokens: int = 2048, max_active_requests: int = 8,
-        synthetic: str | None = None, synthetic_tokenizer: str | None = None,
+        max_repeats: int | None = None, output_tokens: int | None = None, parts: list[str] | None = None,
+        groups: tuple[int, ...] = (2, 4, 8), page_size: int = 16, max_batched_tokens: int = 2048,
+        max_active_requests: int = 8, synthetic: str | None = None, synthetic_tokenizer: str | None = None,
         engine_options: dict | None = None) -> dict[str, list[dict]]:
     """Per case at least `repeats` runs, more while a watched TTFT or completion time varies by more
     than 5% (CV), at most `max_repeats` (default 3 x repeats); each run on a fresh engine."""
@@ -338,7 +357,8 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
                   max_model_len=min(llm.config.context_length, 1536), repeats=repeats, max_repeats=max_repeats)
     label = f"synthetic-{synthetic}" if synthetic else model_label(model)
     settings = {"model": model, "synthetic": synthetic, "inference_device": device, "activation_dtype": dtype,
-                "repeats": repeats, "max_repeats": max_repeats, "cv_target": CV_TARGET, "page_size": page_size, "max_batched_tokens": max_batched_tokens,
+                "repeats": repeats, "max_repeats": max_repeats, "cv_target": CV_TARGET, "page_size": page_size,
+                "max_batched_tokens": max_batched_tokens,
                 "max_active_requests": max_active_requests, "policy": "fcfs", "output_tokens": output_tokens,
                 "sampling": "greedy, ignore_eos", "torch_threads": torch.get_num_threads(),
                 "engine_options": engine_options or {},
@@ -403,10 +423,12 @@ def render_tables(tables: dict[str, list[dict]], runs_note: str) -> str:
                 "incremental | Cut | Followers' TTFT, at completion | Followers' TTFT, incremental | "
                 "Runs (at completion/incremental) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in tables["incremental"]:
-            out.append(f"| {r['followers']} | {r['input_tokens']} | {r['incremental_restored_per_follower']} | "
-                       f"{_ms(r, 'at_completion_mean_ttft_s')} | {_ms(r, 'incremental_mean_ttft_s')} | "
-                       f"{r['mean_ttft_cut_pct']:.1f}% | {_ms(r, 'at_completion_followers_ttft_s')} | "
-                       f"{_ms(r, 'incremental_followers_ttft_s')} | {r['at_completion_runs']}/{r['incremental_runs']} |")
+            out.append(
+                f"| {r['followers']} | {r['input_tokens']} | {r['incremental_restored_per_follower']} | "
+                f"{_ms(r, 'at_completion_mean_ttft_s')} | {_ms(r, 'incremental_mean_ttft_s')} | "
+                f"{r['mean_ttft_cut_pct']:.1f}% | {_ms(r, 'at_completion_followers_ttft_s')} | "
+                f"{_ms(r, 'incremental_followers_ttft_s')} | {r['at_completion_runs']}/{r['incremental_runs']} |"
+            )
         out.append("")
     if "single-flight" in tables:
         rows = tables["single-flight"]

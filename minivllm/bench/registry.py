@@ -13,16 +13,49 @@ from __future__ import annotations
 import argparse
 
 from minivllm.bench.driver import Driver
-from minivllm.bench.drivers import (activation_dtype, admission, continuous_batching, decode, gemv_threshold, gguf_open,
-                                    kernels, offline, peers, plot, prefix_cache, routing, scheduling, serve, smoke,
-                                    speculative, stop_strings, structured)
+from minivllm.bench.drivers import (
+    activation_dtype,
+    admission,
+    continuous_batching,
+    decode,
+    gemv_threshold,
+    gguf_open,
+    kernels,
+    offline,
+    peers,
+    plot,
+    prefix_cache,
+    routing,
+    scheduling,
+    serve,
+    smoke,
+    speculative,
+    stop_strings,
+    structured,
+)
 from minivllm.reliability import driver as soak
 
 # The order of `minivllm bench --help`.
 DRIVERS: tuple[Driver, ...] = (
-    gguf_open.DRIVER, decode.DRIVER, activation_dtype.DRIVER, gemv_threshold.DRIVER, kernels.DRIVER,
-    continuous_batching.DRIVER, prefix_cache.DRIVER, speculative.DRIVER, routing.DRIVER, soak.DRIVER, serve.DRIVER,
-    scheduling.DRIVER, admission.DRIVER, stop_strings.DRIVER, structured.DRIVER, offline.DRIVER, peers.DRIVER, plot.DRIVER, smoke.DRIVER,
+    gguf_open.DRIVER,
+    decode.DRIVER,
+    activation_dtype.DRIVER,
+    gemv_threshold.DRIVER,
+    kernels.DRIVER,
+    continuous_batching.DRIVER,
+    prefix_cache.DRIVER,
+    speculative.DRIVER,
+    routing.DRIVER,
+    soak.DRIVER,
+    serve.DRIVER,
+    scheduling.DRIVER,
+    admission.DRIVER,
+    stop_strings.DRIVER,
+    structured.DRIVER,
+    offline.DRIVER,
+    peers.DRIVER,
+    plot.DRIVER,
+    smoke.DRIVER,
 )
 
 

@@ -53,12 +53,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minivllm.bench.common import (CV_TARGET, loadavg, model_label, percentile as _percentile, provenance,
-                                   record_stat, runs_note, runs_until_stable, StableRuns)
+from minivllm.bench.common import (
+    CV_TARGET,
+    StableRuns,
+    loadavg,
+    model_label,
+    provenance,
+    record_stat,
+    runs_note,
+    runs_until_stable,
+)
+from minivllm.bench.common import percentile as _percentile
 from minivllm.bench.results import write_results
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.router import Router, parse_router_policy
 
 TEXT_FILE = Path(__file__).resolve().parents[2] / "data" / "speculative" / "code_refactor.txt"
@@ -268,9 +277,10 @@ def run(*args, backend: str = "local", ray_address: str | None = None, **kwargs)
 
 def run_cases(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "f32", *,
         bursts: list[int] | None = None, policies: list[str] | None = None, runs: int | None = None,
-        max_runs: int | None = None, max_tokens: int | None = None, prompt_tokens: int | None = None, prefix_tokens: int | None = None,
-        arrival_ms: float = 50.0, max_active: int = 4, fresh_per_run: bool = True, quick: bool = False,
-        engine_options: dict | None = None, backend: str = "local", ray_address: str | None = None) -> list[dict]:
+        max_runs: int | None = None, max_tokens: int | None = None, prompt_tokens: int | None = None,
+        prefix_tokens: int | None = None, arrival_ms: float = 50.0, max_active: int = 4, fresh_per_run: bool = True,
+        quick: bool = False, engine_options: dict | None = None, backend: str = "local",
+        ray_address: str | None = None) -> list[dict]:
     """Run every (burst, policy) case; write benchmarks/results/routing-<model>-<stamp>.{json,md};
     return the aggregate rows (each with its per-run records under "runs"). Per (policy, burst) at
     least `runs` runs, more while the completion time's CV exceeds 5%, at most `max_runs` (default
@@ -328,7 +338,8 @@ def run_cases(model: str = "smollm2-135m", devices: list[str] | None = None, dty
             state["fastest"], state["fastest_scores"] = fastest_worker(snap["workers"], prompt_tokens,
                                                                        state["workload"].prefix_tokens, max_tokens)
             print(f"routing: fastest single worker by calibrated rates: {state['fastest']} "
-                  + ", ".join(f"{n} {s['one_request_s']:.3f} s" for n, s in state["fastest_scores"].items()), flush=True)
+                  + ", ".join(f"{n} {s['one_request_s']:.3f} s" for n, s in state["fastest_scores"].items()),
+                  flush=True)
             if policy == FORCED_FASTEST:
                 cluster.router = Router(f"forced:{state['fastest']}")  # nothing routed yet
         rates = {w["name"]: {"prefill_tps": w["rates"].get("prefill_tps"), "decode_tps": w["rates"].get("decode_tps")}
@@ -386,17 +397,19 @@ def run_cases(model: str = "smollm2-135m", devices: list[str] | None = None, dty
         row["completion_vs_forced_fastest"] = row["completion_s_mean"] / ff["completion_s_mean"] if ff else None
 
     workload = state["workload"]
-    settings = {"model": model, "inference_devices": devices, "backend": backend, "activation_dtype": dtype, "bursts": bursts,
-                "policies": policies, "runs": runs, "max_runs": max_runs, "cv_target": CV_TARGET,
+    settings = {"model": model, "inference_devices": devices, "backend": backend, "activation_dtype": dtype,
+                "bursts": bursts, "policies": policies, "runs": runs, "max_runs": max_runs, "cv_target": CV_TARGET,
                 "rounds": [{"burst": r["burst"], "policy": r["policy"], **rounds.info(), "watched": ["completion_s"]}
                            for r, rounds in zip(rows, all_rounds, strict=True)],
                 "max_tokens": max_tokens, "prompt_tokens": prompt_tokens,
                 "prefix_tokens": workload.prefix_tokens, "page_size": page_size, "arrival_ms": arrival_ms,
                 "max_active_requests": max_active, "engine_options": engine_options, "fresh_per_run": fresh_per_run,
-                "quick": quick, "sampling": "greedy, ignore_eos", "text": str(TEXT_FILE.relative_to(TEXT_FILE.parents[2])),
+                "quick": quick, "sampling": "greedy, ignore_eos",
+                "text": str(TEXT_FILE.relative_to(TEXT_FILE.parents[2])),
                 "prompts": "shared prefix + '\\nRequest N:' + following text, N = run * burst + i",
                 "wall_s": round(time.perf_counter() - t_all, 1),
-                "method": ("fresh cluster per run" if fresh_per_run else "one cluster per (policy, burst), re-seeded per run")
+                "method": ("fresh cluster per run" if fresh_per_run
+                           else "one cluster per (policy, burst), re-seeded per run")
                 + "; prefix seeded into every worker by a pinned request; arrivals every arrival_ms from a submitting "
                   "thread; client times from just before submit()"}
     meta = provenance("cpu", state["sha"], settings)
@@ -409,7 +422,8 @@ def run_cases(model: str = "smollm2-135m", devices: list[str] | None = None, dty
     columns = ["burst", "policy", "router", "completion_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s",
                "e2e_p95_s", "throughput_vs_forced_fastest", "completion_vs_forced_fastest", "runs_n", "cv"]
     flat = [{**r, **{k: f"{r[k + '_mean']:.4g} ± {r[k + '_std']:.2g}" for k in MEASURES}} for r in rows]
-    json_path, md_path = write_results(f"routing-{model_label(model)}" + ("-ray" if backend == "ray" else ""), meta, flat, columns, notes)
+    json_path, md_path = write_results(f"routing-{model_label(model)}" + ("-ray" if backend == "ray" else ""),
+                                       meta, flat, columns, notes)
     print(notes, flush=True)
     print(f"wrote {json_path} and {md_path}", flush=True)
     return rows
@@ -430,27 +444,32 @@ def render(rows: list[dict], state: dict, settings: dict, runs_note: str | None 
     """The tables in Markdown; `runs_note` (over how many runs, how they stopped) replaces the plain
     "over N run(s)" when given."""
     over = runs_note or f"mean ± sample std over {settings['runs']} run(s)"
-    out = [f"Model {settings['model']}, {settings.get('backend', 'local')} backend, workers " + ", ".join(f"{w['name']} = {w['backend']}" for w in state["workers"])
+    out = [f"Model {settings['model']}, {settings.get('backend', 'local')} backend, workers "
+           + ", ".join(f"{w['name']} = {w['backend']}" for w in state["workers"])
            + f"; prompts {settings['prompt_tokens']} tokens ({settings['prefix_tokens']} shared, seeded), "
            f"{settings['max_tokens']} output tokens, arrivals every {settings['arrival_ms']:g} ms, "
            f"max {settings['max_active_requests']} active per worker; {over.replace('column runs', 'column Runs')}, "
            f"{'a fresh cluster per run' if settings['fresh_per_run'] else 'one cluster per case'}. "
-           "Times in seconds, client side (submit -> first token / end); completion = first submission -> last end.", ""]
+           "Times in seconds, client side (submit -> first token / end); completion = first submission -> last end.",
+           ""]
     if state["fastest"]:
         out += [f"forced-fastest = forced:{state['fastest']} (one request alone, by calibrated rates: "
                 + ", ".join(f"{n} {s['one_request_s']:.3f} s" for n, s in state["fastest_scores"].items()) + ").", ""]
     for burst in sorted({r["burst"] for r in rows}):
         out += [f"## Burst of {burst}", "",
-                "| Policy | Completion (s) | Output tok/s | TTFT p50 | TTFT p95 | E2E p50 | E2E p95 | Requests per worker "
-                "(per run) | Cached prompt tokens | Throughput vs forced-fastest | Completion vs forced-fastest | Runs |",
+                "| Policy | Completion (s) | Output tok/s | TTFT p50 | TTFT p95 | E2E p50 | E2E p95 "
+                "| Requests per worker (per run) | Cached prompt tokens | Throughput vs forced-fastest "
+                "| Completion vs forced-fastest | Runs |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["burst"] == burst):
             per_worker = ", ".join(f"{n}: {'/'.join(map(str, v))}" for n, v in r["requests_per_worker"].items())
             label = r["policy"] + (f" ({r['router']})" if r["policy"] == FORCED_FASTEST else "")
-            out.append(f"| {label} | {_pm(r, 'completion_s')} | {_pm(r, 'output_tok_s', '.1f')} | {_pm(r, 'ttft_p50_s')} | "
-                       f"{_pm(r, 'ttft_p95_s')} | {_pm(r, 'e2e_p50_s')} | {_pm(r, 'e2e_p95_s')} | {per_worker} | "
-                       f"{r['cached_prompt_tokens_mean']:.0f} | {_ratio(r['throughput_vs_forced_fastest'])} | "
-                       f"{_ratio(r['completion_vs_forced_fastest'])} | {r.get('runs_n', len(r['runs']))} |")
+            out.append(
+                f"| {label} | {_pm(r, 'completion_s')} | {_pm(r, 'output_tok_s', '.1f')} | {_pm(r, 'ttft_p50_s')} | "
+                f"{_pm(r, 'ttft_p95_s')} | {_pm(r, 'e2e_p50_s')} | {_pm(r, 'e2e_p95_s')} | {per_worker} | "
+                f"{r['cached_prompt_tokens_mean']:.0f} | {_ratio(r['throughput_vs_forced_fastest'])} | "
+                f"{_ratio(r['completion_vs_forced_fastest'])} | {r.get('runs_n', len(r['runs']))} |"
+            )
         out.append("")
     for r in rows:
         for rec in r["runs"]:

@@ -35,15 +35,23 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (CV_TARGET, default_max_repeats, loadavg, model_label, provenance, record_stat,
-                                   runs_note, runs_until_stable)
+from minivllm.bench.common import (
+    CV_TARGET,
+    default_max_repeats,
+    loadavg,
+    model_label,
+    provenance,
+    record_stat,
+    runs_note,
+    runs_until_stable,
+)
 from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import POLICIES, EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 PROMPTS_FILE = Path(__file__).resolve().parents[2] / "data" / "prompts.json"
 
@@ -101,8 +109,11 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         raise ConfigError("repeats", repeats, "must be >= 1")
     max_repeats = default_max_repeats(repeats, max_repeats)
     if not short_tokens < max_batched_tokens < long_tokens:
-        raise ConfigError("max_batched_tokens", max_batched_tokens,
-                          f"the workloads need short ({short_tokens}) < budget < long ({long_tokens}) so prefills are chunked")
+        raise ConfigError(
+            "max_batched_tokens",
+            max_batched_tokens,
+            f"the workloads need short ({short_tokens}) < budget < long ({long_tokens}) so prefills are chunked",
+        )
     llm = LLM(model, device=device, dtype=dtype, progress=False, max_model_len=64)
     sha = sha256_file(llm.model_path)
     tok = llm.tokenizer
@@ -168,7 +179,9 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
         rs = results["fairness"][p]
         row = {"policy": p, "prompts": fair_prompts, "prompt_tokens": fair_tokens}
         record_stat(row, "oldest_ttft_s", [r["ttft"][0] for r in rs])
-        record_stat(row, "later_mean_ttft_s", [statistics.fmean(r["ttft"][1:]) for r in rs] if fair_prompts > 1 else [0.0])
+        record_stat(
+            row, "later_mean_ttft_s", [statistics.fmean(r["ttft"][1:]) for r in rs] if fair_prompts > 1 else [0.0]
+        )
         record_stat(row, "spread_s", [max(r["ttft"]) - min(r["ttft"]) for r in rs])
         record_stat(row, "ttft_std_s", [statistics.stdev(r["ttft"]) if fair_prompts > 1 else 0.0 for r in rs])
         record_stat(row, "oldest_ttft_vs_fcfs", [r["ttft"][0] / b["ttft"][0] for r, b in zip(rs, base)])
@@ -199,18 +212,30 @@ def run(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "f32", *,
               f"{meta['load_average_1_5_15']['end']} (the benchmark itself adds ~{torch.get_num_threads()}).")
     cols = ["policy", "short_ttft_s", "short_ttft_s_median", "short_ttft_vs_fcfs", "long_ttft_mean_s",
             "oldest_long_ttft_s", "long_ttft_vs_fcfs", "output_tok_s", "wall_s", "runs", "cv"]
-    _, md_a = write_results(f"scheduling-head-of-line-{model_label(model)}", meta, hol_rows, cols,
-                            f"Head of line: {long_prompts} long prompts of {long_tokens} tokens, then one short prompt "
-                            f"of {short_tokens} tokens. TTFTs in seconds; "
-                            + runs_note([rounds["head_of_line"]], repeats, max_repeats, "policy's short or long-mean TTFT")
-                            + " " + common)
+    _, md_a = write_results(
+        f"scheduling-head-of-line-{model_label(model)}",
+        meta,
+        hol_rows,
+        cols,
+        f"Head of line: {long_prompts} long prompts of {long_tokens} tokens, then one short prompt "
+        f"of {short_tokens} tokens. TTFTs in seconds; "
+        + runs_note([rounds["head_of_line"]], repeats, max_repeats, "policy's short or long-mean TTFT")
+        + " "
+        + common,
+    )
     cols_b = ["policy", "oldest_ttft_s", "later_mean_ttft_s", "spread_s", "spread_s_median", "ttft_std_s",
               "oldest_ttft_vs_fcfs", "spread_vs_fcfs", "wall_s", "runs", "cv"]
-    _, md_b = write_results(f"scheduling-fairness-{model_label(model)}", meta, fair_rows, cols_b,
-                            f"Fairness: {fair_prompts} prompts of {fair_tokens} tokens together; spread = max - min "
-                            f"TTFT, ttft_std = std of the TTFTs across requests. Seconds; "
-                            + runs_note([rounds["fairness"]], repeats, max_repeats, "policy's oldest or later-mean TTFT")
-                            + " " + common)
+    _, md_b = write_results(
+        f"scheduling-fairness-{model_label(model)}",
+        meta,
+        fair_rows,
+        cols_b,
+        f"Fairness: {fair_prompts} prompts of {fair_tokens} tokens together; spread = max - min "
+        f"TTFT, ttft_std = std of the TTFTs across requests. Seconds; "
+        + runs_note([rounds["fairness"]], repeats, max_repeats, "policy's oldest or later-mean TTFT")
+        + " "
+        + common,
+    )
     print(md_a.read_text())
     print(md_b.read_text())
     return {"head_of_line": hol_rows, "fairness": fair_rows}

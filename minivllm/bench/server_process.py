@@ -39,7 +39,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.log_tail()}"
+                )
             try:
                 if self.is_ready(httpx):
                     return self

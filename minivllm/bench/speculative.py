@@ -40,15 +40,23 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.common import (CV_TARGET, loadavg, model_label, provenance, record_rounds, runs_note,
-                                   runs_until_stable, StableRuns)
+from minivllm.bench.common import (
+    CV_TARGET,
+    StableRuns,
+    loadavg,
+    model_label,
+    provenance,
+    record_rounds,
+    runs_note,
+    runs_until_stable,
+)
 from minivllm.bench.results import write_results
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "speculative"
 PROMPTS = {"code": "code_refactor.txt", "creative": "creative_writing.txt"}
@@ -123,7 +131,6 @@ class Bench:
 
         rounds = runs_until_stable(one_run, min_runs=runs, max_runs=runs if max_runs is None else max_runs,
                                    cv_target=CV_TARGET, key=lambda r: [s["e2e_s"] for s in r])
-        del engine
         watched = ["e2e_s" if seed is None else f"e2e_s_seed{seed}" for seed in seeds]
         self.rounds.append(rounds)
         self.record.append({"table": table, "case": label, **rounds.info(), "watched": watched})
@@ -170,12 +177,26 @@ def add_ratios(rows: list[dict]) -> None:
             r["decode_ratio"] = r["decode_tok_s_mean"] / base["decode_tok_s_mean"]
 
 
-def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", device: str = "cpu",
-        dtype: str = "f32", *, max_tokens: int = 256, runs: int = 3, max_runs: int | None = None, seeds: int = 3, parts: list[str] | None = None,
-        prompts: list[str] | None = None, cases: list[str] | None = None, sampling_policy: str = "fixed:8",
-        tv_budgets: tuple[float, ...] = (0.0, 0.5, 0.75, 1.0), temperature: float = 0.7,
-        engine_options: dict | None = None, synthetic_pair: bool = False,
-        synthetic_tokenizer: str | None = None) -> dict[str, list[dict]]:
+def run(
+    target: str = "qwen2.5-coder-1.5b",
+    draft: str = "qwen2.5-coder-0.5b",
+    device: str = "cpu",
+    dtype: str = "f32",
+    *,
+    max_tokens: int = 256,
+    runs: int = 3,
+    max_runs: int | None = None,
+    seeds: int = 3,
+    parts: list[str] | None = None,
+    prompts: list[str] | None = None,
+    cases: list[str] | None = None,
+    sampling_policy: str = "fixed:8",
+    tv_budgets: tuple[float, ...] = (0.0, 0.5, 0.75, 1.0),
+    temperature: float = 0.7,
+    engine_options: dict | None = None,
+    synthetic_pair: bool = False,
+    synthetic_tokenizer: str | None = None,
+) -> dict[str, list[dict]]:
     """`sampling_policy` may list several policies separated by "/" (each gets every TV budget).
     `synthetic_pair`: a synthetic Qwen2.5-7B Q4_K_M target and a 0.5B-class draft with
     random weights (GPU timing without downloads): acceptance then means nothing except at
@@ -195,7 +216,9 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
         if c not in known:
             raise ConfigError("cases", c, f"allowed: {', '.join(known)}")
     if runs < 1 or seeds < 1 or max_tokens < 2:
-        raise ConfigError("runs/seeds/max_tokens", (runs, seeds, max_tokens), "need runs >= 1, seeds >= 1, max_tokens >= 2")
+        raise ConfigError(
+            "runs/seeds/max_tokens", (runs, seeds, max_tokens), "need runs >= 1, seeds >= 1, max_tokens >= 2"
+        )
     max_runs = 3 * runs if max_runs is None else max_runs
     if max_runs < runs:
         raise ConfigError("max_runs", max_runs, f"must be >= runs ({runs})")
@@ -247,13 +270,30 @@ def run(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", d
                   f"({row['runs']} runs, {row['stopped']})", flush=True)
         add_ratios(table)
         tables["sampling"] = table
-    settings = {"target": target, "draft": draft, "synthetic_pair": synthetic_pair, "inference_device": device, "activation_dtype": dtype,
-                "max_tokens": max_tokens, "runs": runs, "max_runs": max_runs, "cv_target": CV_TARGET, "seeds": seeds, "temperature_sampling": temperature,
-                "sampling_policy": sampling_policy, "tv_budgets": list(tv_budgets), "prompts": prompts,
-                "prompt_tokens": {p: len(v) for p, v in ids.items()}, "chat_template": chat, "ignore_eos": True,
-                "engine_options": bench.options, "torch_threads": torch.get_num_threads(),
-                "kernel_options": bench.engine(None).kernel_options.describe(), "load_s": round(load_s, 1),
-                "method": "one request at a time; fresh engine per case with a 16-token warm-up; prefix cache off"}
+    settings = {
+        "target": target,
+        "draft": draft,
+        "synthetic_pair": synthetic_pair,
+        "inference_device": device,
+        "activation_dtype": dtype,
+        "max_tokens": max_tokens,
+        "runs": runs,
+        "max_runs": max_runs,
+        "cv_target": CV_TARGET,
+        "seeds": seeds,
+        "temperature_sampling": temperature,
+        "sampling_policy": sampling_policy,
+        "tv_budgets": list(tv_budgets),
+        "prompts": prompts,
+        "prompt_tokens": {p: len(v) for p, v in ids.items()},
+        "chat_template": chat,
+        "ignore_eos": True,
+        "engine_options": bench.options,
+        "torch_threads": torch.get_num_threads(),
+        "kernel_options": bench.engine(None).kernel_options.describe(),
+        "load_s": round(load_s, 1),
+        "method": "one request at a time; fresh engine per case with a 16-token warm-up; prefix cache off",
+    }
     settings["wall_s"] = round(time.perf_counter() - t0, 1)
     settings["rounds"] = bench.record  # per case: runs, each watched seed's e2e CV ("cvs", in "watched" order), stopped
     meta = provenance(str(llm.model.device) if llm.model.device.type == "cuda" else device,

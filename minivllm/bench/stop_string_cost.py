@@ -5,7 +5,8 @@
 Stop 0 is "abab..." and the generated text keeps matching its prefix, so that prefix stays
 held; the 15 other stops never match. `QuadraticMatcher` is the matcher before the KMP one
 (every prefix length of every stop re-tested on every token), kept here only to compare.
-The unit test (tests/unit/sampling/test_stop_strings.py) counts the new matcher's steps instead of\ntiming. Results (JSON + Markdown with provenance) go to benchmarks/results/stop-string-cost-*.
+The unit test (tests/unit/sampling/test_stop_strings.py) counts the new matcher's steps instead of
+timing. Results (JSON + Markdown with provenance) go to benchmarks/results/stop-string-cost-*.
 """
 
 from __future__ import annotations

@@ -147,28 +147,49 @@ def run(model: str, device: str, *, max_tokens: int = 64, runs: int = 3, batches
             plain = [m["plain_row_tok_s"] for m in ms if m["plain_row_tok_s"] is not None]
             draws = {k: sum(m["draws"][k] for m in ms) for k in ms[0]["draws"]}
             total = sum(draws.values())
-            rows.append({
-                "batch": batch, "mode": mode,
-                "decode_tok_s_median": statistics.median(rates), "decode_tok_s_mean": statistics.fmean(rates),
-                "decode_tok_s_std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-                "vs_unconstrained": statistics.median(rates) / base,
-                "plain_row_tok_s_median": statistics.median(plain) if plain else None,
-                "plain_row_vs_all_plain": statistics.median(plain) / base_plain if plain else None,
-                "short_rows": sum(len(m["short_rows"]) for m in ms), "errors": sum(m["errors"] for m in ms),
-                # How the constrained tokens were drawn (constrained_draw.py): forced by the
-                # grammar (no mask, no argmax) / masked beside the forward / masked at the
-                # draw / settled by checking candidate tokens.
-                "draws_forced_ahead_atdraw_checked": "/".join(f"{draws[k] / total:.2f}" for k in draws) if total else "-",
-            })
+            rows.append(
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "decode_tok_s_median": statistics.median(rates),
+                    "decode_tok_s_mean": statistics.fmean(rates),
+                    "decode_tok_s_std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                    "vs_unconstrained": statistics.median(rates) / base,
+                    "plain_row_tok_s_median": statistics.median(plain) if plain else None,
+                    "plain_row_vs_all_plain": statistics.median(plain) / base_plain if plain else None,
+                    "short_rows": sum(len(m["short_rows"]) for m in ms),
+                    "errors": sum(m["errors"] for m in ms),
+                    # How the constrained tokens were drawn (constrained_draw.py): forced by the
+                    # grammar (no mask, no argmax) / masked beside the forward / masked at the
+                    # draw / settled by checking candidate tokens.
+                    "draws_forced_ahead_atdraw_checked": "/".join(f"{draws[k] / total:.2f}" for k in draws)
+                    if total
+                    else "-",
+                }
+            )
     label = model_label(synthetic or model)
     settings = {"bench": "structured", "model": label, "device": device, "dtype": dtype, "max_tokens": max_tokens,
                 "runs": runs, "batches": list(batches), "engine_options": options,
                 "schemas": {**SCHEMAS, PER_ROW: [row_schema(i) for i in range(max(batches))]},
                 "sampling": "greedy, ignore_eos"}
-    paths = write_results(f"structured-{label}-{device.replace(':', '')}", provenance(device, sha256_file(llm.model_path), settings),
-                          rows, ["batch", "mode", "decode_tok_s_median", "decode_tok_s_mean", "decode_tok_s_std",
-                                 "vs_unconstrained", "plain_row_tok_s_median", "plain_row_vs_all_plain",
-                                 "short_rows", "errors", "draws_forced_ahead_atdraw_checked"],
-                          notes=__doc__.split("\n\n")[2] + "\n\n" + __doc__.split("\n\n")[3])
+    paths = write_results(
+        f"structured-{label}-{device.replace(':', '')}",
+        provenance(device, sha256_file(llm.model_path), settings),
+        rows,
+        [
+            "batch",
+            "mode",
+            "decode_tok_s_median",
+            "decode_tok_s_mean",
+            "decode_tok_s_std",
+            "vs_unconstrained",
+            "plain_row_tok_s_median",
+            "plain_row_vs_all_plain",
+            "short_rows",
+            "errors",
+            "draws_forced_ahead_atdraw_checked",
+        ],
+        notes=__doc__.split("\n\n")[2] + "\n\n" + __doc__.split("\n\n")[3],
+    )
     print(*paths)
     return paths

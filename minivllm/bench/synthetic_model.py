@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,8 +83,13 @@ class SyntheticSpec:
                               "d_model must split into n_heads equal heads, and n_heads into n_kv_heads groups")
         for field, n in (("d_model", self.d_model), ("d_ff", self.d_ff)):
             if quantized and n % (32 if self.kquant_fallback else 256):
-                raise ConfigError(field, n, "must be a multiple of 32 (the Q5_0/Q8_0 block size)" if self.kquant_fallback
-                                  else "must be a multiple of 256 (the Q4_K/Q6_K block size)")
+                raise ConfigError(
+                    field,
+                    n,
+                    "must be a multiple of 32 (the Q5_0/Q8_0 block size)"
+                    if self.kquant_fallback
+                    else "must be a multiple of 256 (the Q4_K/Q6_K block size)",
+                )
 
 
 QWEN25_7B = SyntheticSpec(name="qwen2.5-7b-q4_k_m", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4,
@@ -302,13 +306,21 @@ def default_tokenizer_source() -> Path:
 # --- the file --------------------------------------------------------------------------
 
 
-def write_synthetic_model(path: str | Path, spec: SyntheticSpec = QWEN25_7B, *, tokenizer_source: str | Path | None = None,
-                          seed: int = 0, progress: bool = False) -> Path:
+def write_synthetic_model(
+    path: str | Path,
+    spec: SyntheticSpec = QWEN25_7B,
+    *,
+    tokenizer_source: str | Path | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
     """Write `spec` as a Q4_K_M GGUF with random weights to `path`; returns the path."""
     path = Path(path)
     source = Path(tokenizer_source) if tokenizer_source is not None else default_tokenizer_source()
     if not source.is_file():
-        raise ConfigError("tokenizer_source", str(source), "give the path of a Qwen2.5 GGUF file to copy the tokenizer from")
+        raise ConfigError(
+            "tokenizer_source", str(source), "give the path of a Qwen2.5 GGUF file to copy the tokenizer from"
+        )
     spec.validate()
     plan = plan_tensors(spec)
     rng = np.random.default_rng(seed)

@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minivllm.engine.options import add_engine_flags, engine_options_from_args
 from minivllm.devices import DTYPE_CHOICES
+from minivllm.engine.options import add_engine_flags, engine_options_from_args
 from minivllm.models import DEFAULT_MODEL
 from minivllm.serving.cluster import DEFAULT_MAX_QUEUED_PROMPT_TOKENS
-from minivllm.serving.http_guards import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_CONNECTIONS,
-                                          DEFAULT_MAX_REQUEST_BYTES)
+from minivllm.serving.http_guards import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BYTES,
+)
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
-from minivllm.serving.worker_recovery import (BACKOFF_FIRST_S, BACKOFF_MAX_S, DEFAULT_MAX_WORKER_RESTARTS,
-                                              RESTART_WINDOW_S)
+from minivllm.serving.worker_recovery import (
+    BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
+    DEFAULT_MAX_WORKER_RESTARTS,
+    RESTART_WINDOW_S,
+)
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,10 +81,14 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at once; more get a 503 and are closed at accept "
                         f"(default {DEFAULT_MAX_CONNECTIONS})")
-    p.add_argument("--prompt-special-tokens", choices=("parse", "text"), default="parse",
-                   help="raw /v1/completions string prompts: 'parse' (default, as llama.cpp and vLLM) turns control-token "
-                        "text such as <|im_start|> into control tokens; 'text' keeps it plain text. Chat message "
-                        "content is always plain text")
+    p.add_argument(
+        "--prompt-special-tokens",
+        choices=("parse", "text"),
+        default="parse",
+        help="raw /v1/completions string prompts: 'parse' (default, as llama.cpp and vLLM) turns control-token "
+        "text such as <|im_start|> into control tokens; 'text' keeps it plain text. Chat message "
+        "content is always plain text",
+    )
     add_engine_flags(p)
     p.set_defaults(func=run_serve)
 
@@ -99,8 +111,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it (clients must "
               "use the bind address or a --allowed-host as the Host)", file=sys.stderr)
 
-    limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_concurrent_requests=args.max_concurrent_requests,
-                          header_timeout_s=args.header_timeout, max_connections=args.max_connections)
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+        header_timeout_s=args.header_timeout,
+        max_connections=args.max_connections,
+    )
 
     def progress(name, state, stage):
         print(f"[{name}] {state}: {stage}", file=sys.stderr)

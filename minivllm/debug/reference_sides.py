@@ -44,9 +44,11 @@ def load_transformers_model(path: Path, device: torch.device):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
-        raise EngineNotInstalledError("transformers", "transformers",
-                                      f"the transformers package cannot be imported ({exc}); pip install transformers") \
-            from None
+        raise EngineNotInstalledError(
+            "transformers",
+            "transformers",
+            f"the transformers package cannot be imported ({exc}); pip install transformers",
+        ) from None
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                  local_files_only=True)
     return model.to(device).eval()

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.debug.hidden_state_diff import engine_replay
 from minivllm.devices import describe_device, dtype_name, resolve_device, resolve_dtype
 from minivllm.engine.options import check_engine_options, parse_overrides
 from minivllm.errors import ConfigError, DeviceError, EngineNotInstalledError, MinivllmError
-from minivllm.debug.hidden_state_diff import engine_replay
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.sampling.structured import StructuredOutput
 

@@ -60,7 +60,9 @@ class LLMEngine:
         if draft_model is not None:
             limit = min(limit, draft_model.config.context_length)  # both models see every position
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
-            raise ConfigError("max_model_len", config.max_model_len, f"must be in [2, {limit}] (the model's context length)")
+            raise ConfigError(
+                "max_model_len", config.max_model_len, f"must be in [2, {limit}] (the model's context length)"
+            )
         # A modest default keeps the KV pool small on CPUs and T4s.
         self.max_model_len = config.max_model_len or min(limit, 4096)
         page_size = self.max_model_len if config.kv_mode == "contiguous" else config.page_size

@@ -74,7 +74,9 @@ class EngineConfig(KernelSettings):
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError("kv_memory_fraction", self.kv_memory_fraction, "must be in (0, 0.95]")
         if self.kv_memory_bytes is not None and self.kv_memory_fraction is not None:
-            raise ConfigError("kv_memory_fraction", self.kv_memory_fraction, "give kv_memory_bytes or kv_memory_fraction, not both")
+            raise ConfigError(
+                "kv_memory_fraction", self.kv_memory_fraction, "give kv_memory_bytes or kv_memory_fraction, not both"
+            )
         if not (isinstance(self.max_batched_tokens, int) and self.max_batched_tokens >= 1):
             raise ConfigError("max_batched_tokens", self.max_batched_tokens, "must be an integer >= 1")
         if not isinstance(self.enforce_eager, bool):
@@ -87,8 +89,12 @@ class EngineConfig(KernelSettings):
         if self.single_flight != "off" and not self.prefix_cache_enabled:
             raise ConfigError("single_flight", self.single_flight, "followers restore the leader's pages from the "
                               "prefix cache: turn prefix_cache on (kv_mode='paged') or set single_flight='off'")
-        if isinstance(self.num_draft_tokens, bool) or not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
-            raise ConfigError("num_draft_tokens", self.num_draft_tokens, f"must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if isinstance(self.num_draft_tokens, bool) or not (
+            isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS
+        ):
+            raise ConfigError(
+                "num_draft_tokens", self.num_draft_tokens, f"must be an integer in [1, {MAX_DRAFT_TOKENS}]"
+            )
         if isinstance(self.tv_budget, bool) or not isinstance(self.tv_budget, (int, float)) \
                 or not 0.0 <= self.tv_budget <= 1.0:
             raise ConfigError("tv_budget", self.tv_budget, "must be a number in [0, 1] (0 = lossless)")

@@ -17,13 +17,13 @@ from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.options import options_summary
 from minivllm.engine.request_checks import is_token_ids
-from minivllm.sampling.outputs import RequestOutput, TokenEvent
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
 from minivllm.model.loader import load_model
 from minivllm.models import resolve_model
+from minivllm.sampling.outputs import RequestOutput, TokenEvent
+from minivllm.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict]
@@ -119,15 +119,20 @@ class LLM:
         finally:
             self.engine.release(rid)  # a consumer that stops early cancels the request
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run all prompts together through the continuous-batching engine; outputs in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ConfigError("params", f"<{len(params)} items>", f"give one SamplingParams or one per prompt ({len(prompts)})")
+            raise ConfigError(
+                "params", f"<{len(params)} items>", f"give one SamplingParams or one per prompt ({len(prompts)})"
+            )
         encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before submitting anything
         return self._generate_encoded(encoded, params)
 

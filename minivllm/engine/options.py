@@ -49,7 +49,9 @@ def option_default(name: str):
     return f.default if f.default is not MISSING else f.default_factory()
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), draft_model: bool = True) -> None:
+def add_engine_flags(
+    parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), draft_model: bool = True
+) -> None:
     """One `--kebab-name` flag per engine option, grouped under its `group` heading, help
     from its declaration. Booleans get `--x/--no-x`; other values are parsed like KEY=VALUE
     values (`parse_option_value`) and checked by EngineConfig itself, so every command

@@ -14,11 +14,11 @@ import time
 
 import torch
 
+from minivllm.gguf.detokenizer import StreamingDetokenizer
 from minivllm.sampling.outputs import RequestMetrics
 from minivllm.sampling.sampler import make_generator
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.sampling.stop_strings import StopStringMatcher
-from minivllm.gguf.detokenizer import StreamingDetokenizer
 
 
 class Status(str, enum.Enum):

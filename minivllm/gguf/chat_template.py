@@ -76,7 +76,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                 if isinstance(times, int) and _size_of(seq) * max(times, 0) > MAX_RENDERED_CHARS:
                     raise SecurityError(f"the template tried to build a sequence of {_size_of(seq) * times} items "
                                         f"(limit {MAX_RENDERED_CHARS})")
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024 and abs(left) > 1:
+        if (
+            operator == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and abs(right) > 1024
+            and abs(left) > 1
+        ):
             raise SecurityError(f"the template tried to compute {left} ** {right}")
         return super().call_binop(context, operator, left, right)
 
@@ -132,12 +138,16 @@ def check_template_bounds(source: str, origin: str = "tokenizer.chat_template") 
                                            f"Jinja tokens, over the limit; {advice}")
             if kind == "whitespace":
                 continue
-            if (kind == "operator" and value in "([{") or (after_block_begin and kind == "name" and value in _BLOCK_OPENERS):
+            if (kind == "operator" and value in "([{") or (
+                after_block_begin and kind == "name" and value in _BLOCK_OPENERS
+            ):
                 depth += 1
                 if depth > MAX_TEMPLATE_NESTING:
                     raise ChatTemplateTooLarge(f"the model's chat template ({origin}) nests blocks and brackets more "
                                                f"than {MAX_TEMPLATE_NESTING} deep (line {line}); {advice}")
-            elif (kind == "operator" and value in ")]}") or (after_block_begin and kind == "name" and value.startswith("end")):
+            elif (kind == "operator" and value in ")]}") or (
+                after_block_begin and kind == "name" and value.startswith("end")
+            ):
                 depth -= 1
             after_block_begin = kind == "block_begin"
     except jinja2.TemplateSyntaxError:

@@ -281,7 +281,7 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, shape, gtype, start, nbytes)
         # No two tensors may share bytes (llama.cpp requires them packed in order).
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values() if t.nbytes)
-        for (_, a_end, a), (b_start, b_end, b) in zip(spans, spans[1:]):
+        for (_, a_end, a), (b_start, _b_end, b) in zip(spans, spans[1:]):
             if b_start < a_end:
                 raise GGUFFormatError(
                     f"{self.path}: tensors {a!r} and {b!r} overlap (data offset {b_start - data_start} "
@@ -340,7 +340,8 @@ class GGUFFile:
         self.close()
 
     def __repr__(self) -> str:
-        return f"GGUFFile({str(self.path)!r}, arch={self.metadata.get('general.architecture')!r}, tensors={len(self.tensors)})"
+        arch = self.metadata.get("general.architecture")
+        return f"GGUFFile({str(self.path)!r}, arch={arch!r}, tensors={len(self.tensors)})"
 
 
 def _is_int(v: Any) -> bool:

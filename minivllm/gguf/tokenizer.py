@@ -397,7 +397,9 @@ class Tokenizer:
         return self._template.render(messages, add_generation_prompt=add_generation_prompt, **context)
 
     def __repr__(self) -> str:
-        return f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
+        return (
+            f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
+        )
 
 
 def _drop_false_eog(eog: set[int], tokens: list[str], attrs: dict[int, int]) -> None:

@@ -133,7 +133,10 @@ def _build():
             return _load(name, attempt), None
         except Exception as err:  # a compiler error, a missing header, a read-only cache dir
             if i + 1 == len(attempts):
-                return None, f"building the extension failed: {type(err).__name__}: {str(err).strip().splitlines()[-1:]}"
+                return (
+                    None,
+                    f"building the extension failed: {type(err).__name__}: {str(err).strip().splitlines()[-1:]}",
+                )
 
 
 def _load(name: str, flags: list[str]):
@@ -144,8 +147,19 @@ def _load(name: str, flags: list[str]):
     module = load_inline(
         name=ext_name,
         cpp_sources=[_SOURCE.read_text(), _Q8_SOURCE.read_text()],
-        functions=["gemv", "gemv_q8", "attend_decode", "attend_decode_slots", "rms_norm_f32", "rope_f32", "supports", "supports_q8",
-                   "gemv_q8_packed", "has_packed_q8", "vector_width"],
+        functions=[
+            "gemv",
+            "gemv_q8",
+            "attend_decode",
+            "attend_decode_slots",
+            "rms_norm_f32",
+            "rope_f32",
+            "supports",
+            "supports_q8",
+            "gemv_q8_packed",
+            "has_packed_q8",
+            "vector_width",
+        ],
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
         extra_ldflags=["-fopenmp"],
         verbose=False,
@@ -160,7 +174,9 @@ def _extension_name(isa_name: str, flags: list[str]) -> str:
     shared cache directory on every first load, and could race on its lock."""
     import hashlib
 
-    key = "\0".join([_SOURCE.read_text(), _Q8_SOURCE.read_text(), *flags, torch.__version__, os.path.dirname(torch.__file__)])
+    key = "\0".join(
+        [_SOURCE.read_text(), _Q8_SOURCE.read_text(), *flags, torch.__version__, os.path.dirname(torch.__file__)]
+    )
     return f"minivllm_cpu_gemv_{isa_name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
@@ -282,8 +298,15 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     apply (no extension, D not a multiple of the vector width, rows not contiguous)."""
     ext = extension()
     _, h, d = q.shape
-    if ext is None or d % ext.vector_width() or d > 16 * ext.vector_width() or k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 \
-            or v.stride(1) != d:
+    if (
+        ext is None
+        or d % ext.vector_width()
+        or d > 16 * ext.vector_width()
+        or k.stride(2) != 1
+        or k.stride(1) != d
+        or v.stride(2) != 1
+        or v.stride(1) != d
+    ):
         return None
     q2 = q.reshape(h, d)
     if q2.dtype != torch.float32 or not q2.is_contiguous():
@@ -318,7 +341,9 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return ext.rms_norm_f32(x if x.is_contiguous() else x.contiguous(), weight, float(eps))
 
 
-def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, adjacent: bool) -> torch.Tensor | None:
+def rope_f32(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, adjacent: bool
+) -> torch.Tensor | None:
     """RotaryEmbedding.apply's rotation of float32 (T, heads, head_dim) CPU rows, bit for bit
     (the same products and sums, no contraction); None without the kernel."""
     ext = extension()

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, fields
 from minivllm.errors import ConfigError
 from minivllm.option_field import check_choices, option
 
-
 CPU_GEMV_MODES = ("auto", "f32", "q8", "torch", "lowp")
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from minivllm.gguf.dequant import dequantize
 from minivllm.errors import UnsupportedTensorTypeError
+from minivllm.gguf.dequant import dequantize
 from minivllm.gguf.quant_types import SUPPORTED_NAMES, SUPPORTED_TYPES, row_nbytes, type_name
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)

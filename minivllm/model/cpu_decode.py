@@ -32,12 +32,20 @@ class CpuLayerPlan:
         self.key = key
         self.layers = []
         for layer in model.layers:
-            self.layers.append((
-                layer.attn_norm, _projection_call((layer.q, layer.k, layer.v)), (layer.q.bias, layer.k.bias, layer.v.bias),
-                _projection_call((layer.o,)), layer.o.bias,
-                layer.ffn_norm, _projection_call((layer.gate, layer.up)), (layer.gate.bias, layer.up.bias),
-                _projection_call((layer.down,)), layer.down.bias,
-            ))
+            self.layers.append(
+                (
+                    layer.attn_norm,
+                    _projection_call((layer.q, layer.k, layer.v)),
+                    (layer.q.bias, layer.k.bias, layer.v.bias),
+                    _projection_call((layer.o,)),
+                    layer.o.bias,
+                    layer.ffn_norm,
+                    _projection_call((layer.gate, layer.up)),
+                    (layer.gate.bias, layer.up.bias),
+                    _projection_call((layer.down,)),
+                    layer.down.bias,
+                )
+            )
         # Every projection has a compiled GEMV at these options, or the plan never applies.
         self.ok = all(calls is not None for entry in self.layers for calls in (entry[1], entry[3], entry[6], entry[8]))
 

@@ -13,11 +13,10 @@ so the cache layout can change without touching the model.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
-from contextlib import contextmanager
 
 from minivllm.kernels.kernel_options import KernelOptions, kernel_options_for_call, options_in_effect
 from minivllm.kernels.linear import QuantEmbedding, QuantLinear, project_many
@@ -88,8 +87,16 @@ class DecoderModel:
         return total
 
     @torch.inference_mode()
-    def forward_batch(self, token_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None = None,
-                      hidden_states: list | None = None, *, options: KernelOptions | None = None) -> torch.Tensor:
+    def forward_batch(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv,
+        logits_rows: torch.Tensor | None = None,
+        hidden_states: list | None = None,
+        *,
+        options: KernelOptions | None = None,
+    ) -> torch.Tensor:
         """One forward over a flattened batch of rows from any number of requests, under
         `options` (resolved for this device; default: those in effect, else the model's).
 
@@ -172,7 +179,8 @@ class DecoderModel:
 
             self._fused_state = "off"
             warnings.warn(f"Triton kernels add_rms_norm/rope_qk/swiglu could not run on {h.device} "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); using the torch steps", RuntimeWarning)
+                          f"({type(exc).__name__}: {str(exc)[:200]}); using the torch steps", RuntimeWarning,
+                          stacklevel=2)
             return None
         self._fused_state = "ok"
         return out

@@ -235,8 +235,8 @@ class _Scope:
     The NVTX range starts in __enter__ and ends in __exit__, always and without looking at
     what the NVTX call returned. A range guard built conditionally on a push's return value
     is easy to get wrong: bound to a temporary, it is dropped at once, every range closes
-    ~600 ns after it opens and the profile shows nothing. Here nothing but the `with` statement decides when a range ends, and __exit__
-    runs on exceptions too.
+    ~600 ns after it opens and the profile shows nothing. Here nothing but the `with` statement
+    decides when a range ends, and __exit__ runs on exceptions too.
     """
 
     __slots__ = ("_session", "_name", "_kind", "_args", "_tid", "_start_ns", "_handle")
@@ -422,7 +422,7 @@ def _flush_at_exit() -> None:
     try:
         flush_trace()
     except OSError as exc:
-        warnings.warn(f"could not write the minivllm trace at exit: {exc}", RuntimeWarning)
+        warnings.warn(f"could not write the minivllm trace at exit: {exc}", RuntimeWarning, stacklevel=2)
 
 
 def _after_fork_in_child() -> None:

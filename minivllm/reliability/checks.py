@@ -59,7 +59,11 @@ def evaluate(records: list[Record], start: dict, final: dict, rss: dict, setting
     http = [r for r in records if r.outcome == "http_error"]
     fivexx = [r for r in http if (r.status or 0) >= 500]
     four = [r for r in http if 400 <= (r.status or 0) < 500 and r.status != 429]
-    check("no_5xx", not fivexx, f"{len(fivexx)} responses >= 500" + (f"; first: {fivexx[0].status} {fivexx[0].error}" if fivexx else ""))
+    check(
+        "no_5xx",
+        not fivexx,
+        f"{len(fivexx)} responses >= 500" + (f"; first: {fivexx[0].status} {fivexx[0].error}" if fivexx else ""),
+    )
     for name, outcome in (("no_transport_errors", "transport_error"), ("no_protocol_errors", "protocol_error"),
                           ("no_stream_errors", "stream_error")):
         bad = [r for r in records if r.outcome == outcome]
@@ -90,8 +94,12 @@ def evaluate(records: list[Record], start: dict, final: dict, rss: dict, setting
           f"(idle wait {idle_wait_s:.1f} s)")
     check("ledger_no_duplicate_terminals", ledger.get("duplicate_terminals") == 0,
           f"duplicate_terminals={ledger.get('duplicate_terminals')}")
-    check("ledger_balanced", ledger.get("submitted") == sum(ended_counts(ledger).values()),
-          f"submitted={ledger.get('submitted')} sum(ended)={sum(ended_counts(ledger).values())} ended={dict(ended_counts(ledger))}")
+    check(
+        "ledger_balanced",
+        ledger.get("submitted") == sum(ended_counts(ledger).values()),
+        f"submitted={ledger.get('submitted')} sum(ended)={sum(ended_counts(ledger).values())} "
+        f"ended={dict(ended_counts(ledger))}",
+    )
     check("ledger_no_errors", ended.get("error", 0) == 0, f"ended error={ended.get('error', 0)}")
 
     workers = final.get("workers") or []
@@ -126,7 +134,9 @@ def evaluate(records: list[Record], start: dict, final: dict, rss: dict, setting
         c = w.get("counters") or {}
         e = (w.get("snapshot") or {}).get("counters") or {}
         if c.get("routed") != c.get("finished", 0) + c.get("rejected", 0):
-            unbalanced[w["name"]] = f"routed {c.get('routed')} != finished {c.get('finished')} + rejected {c.get('rejected')}"
+            unbalanced[w["name"]] = (
+                f"routed {c.get('routed')} != finished {c.get('finished')} + rejected {c.get('rejected')}"
+            )
         elif e.get("requests_submitted") != e.get("requests_finished"):
             unbalanced[w["name"]] = (f"engine requests_submitted {e.get('requests_submitted')} != "
                                      f"requests_finished {e.get('requests_finished')}")

@@ -41,28 +41,53 @@ def _f(v, digits: int = 3) -> str:
 
 def markdown(result: dict) -> str:
     s = result["summary"]
-    lines = [f"# {result['benchmark']}", "", result.get("notes", ""), "",
-             f"**{'PASS' if result['ok'] else 'FAIL'}**: {sum(c['ok'] for c in result['checks'])}/"
-             f"{len(result['checks'])} checks pass. {s['requests']} requests"
-             + (f" (of {s['requests_planned']} planned: sending stopped at max_duration_s)"
-                if s["requests"] < s["requests_planned"] else "") + f" in {s['load_s']:.0f} s "
-             f"({s['requests_per_s']:.2f} req/s)" + (f"; server start {s['server_start_s']} s." if s["server_start_s"] else "."), "",
-             "## How the requests ended (client side)", "", "| ending | count | streamed | chat |", "|---|---|---|---|"]
+    lines = [
+        f"# {result['benchmark']}",
+        "",
+        result.get("notes", ""),
+        "",
+        f"**{'PASS' if result['ok'] else 'FAIL'}**: {sum(c['ok'] for c in result['checks'])}/"
+        f"{len(result['checks'])} checks pass. {s['requests']} requests"
+        + (
+            f" (of {s['requests_planned']} planned: sending stopped at max_duration_s)"
+            if s["requests"] < s["requests_planned"]
+            else ""
+        )
+        + f" in {s['load_s']:.0f} s "
+        f"({s['requests_per_s']:.2f} req/s)"
+        + (f"; server start {s['server_start_s']} s." if s["server_start_s"] else "."),
+        "",
+        "## How the requests ended (client side)",
+        "",
+        "| ending | count | streamed | chat |",
+        "|---|---|---|---|",
+    ]
     for k in OUTCOMES:
         c = result["client"]["by_outcome"].get(k, 0)
         st = result["client"]["by_outcome_streamed"].get(k, 0)
         ch = result["client"]["by_outcome_chat"].get(k, 0)
         lines.append(f"| {k} | {c} | {st} | {ch} |")
-    lines += ["", "Planned actions: " + ", ".join(f"{k} {v}" for k, v in sorted(result["client"]["by_action"].items()))
-              + "; how they ended: " + json.dumps(result["client"]["action_x_outcome"]), "",
-              "Cancel landed: " + json.dumps(result["client"]["cancel_phase"]), "",
-              "## Server ledger (delta over the run)", "",
-              "| submitted | " + " | ".join(sorted(result["server"]["ended"])) + " | open | duplicate_terminals |",
-              "|---" * (3 + len(result["server"]["ended"])) + "|",
-              f"| {result['server']['submitted']} | " + " | ".join(str(v) for _, v in sorted(result["server"]["ended"].items()))
-              + f" | {result['server']['open']} | {result['server']['duplicate_terminals']} |", "",
-              "| worker | state | routed | stop | length | abort | error | prefill tokens | decode tokens | preemptions "
-              "| pages (final) | prefix hits / lookups | evicted pages |", "|---" * 13 + "|"]
+    lines += [
+        "",
+        "Planned actions: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(result["client"]["by_action"].items()))
+        + "; how they ended: "
+        + json.dumps(result["client"]["action_x_outcome"]),
+        "",
+        "Cancel landed: " + json.dumps(result["client"]["cancel_phase"]),
+        "",
+        "## Server ledger (delta over the run)",
+        "",
+        "| submitted | " + " | ".join(sorted(result["server"]["ended"])) + " | open | duplicate_terminals |",
+        "|---" * (3 + len(result["server"]["ended"])) + "|",
+        f"| {result['server']['submitted']} | "
+        + " | ".join(str(v) for _, v in sorted(result["server"]["ended"].items()))
+        + f" | {result['server']['open']} | {result['server']['duplicate_terminals']} |",
+        "",
+        "| worker | state | routed | stop | length | abort | error | prefill tokens | decode tokens | preemptions "
+        "| pages (final) | prefix hits / lookups | evicted pages |",
+        "|---" * 13 + "|",
+    ]
     for name, w in result["server"]["per_worker"].items():
         e, c, pc = w.get("engine_counters") or {}, w.get("counters") or {}, w.get("prefix_cache") or {}
         lines.append(f"| {name} | {w.get('state')} | {c.get('routed')} | {e.get('finished_stop')} | "
@@ -75,8 +100,13 @@ def markdown(result: dict) -> str:
     for k, v in s.items():
         if k not in ("requests",):
             lines.append(f"| {k} | {_f(v, 4)} |")
-    lines += ["", "## RSS (MB): first vs last quarter of the load", "",
-              "| process | samples | first quarter | last quarter | delta | ratio | max |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## RSS (MB): first vs last quarter of the load",
+        "",
+        "| process | samples | first quarter | last quarter | delta | ratio | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in result["rss"].items():
         lines.append(f"| {name} | {r['samples']} | {_f(r['first_quarter_mb'], 4)} | {_f(r['last_quarter_mb'], 4)} | "
                      f"{_f(r['delta_mb'], 3)} | {_f(r['ratio'], 4)} | {_f(r['max_mb'], 4)} |")

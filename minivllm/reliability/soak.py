@@ -85,7 +85,14 @@ from minivllm.reliability.checks import ended_counts, evaluate, get_snapshot, wa
 from minivllm.reliability.client import drive
 from minivllm.reliability.report import device_tag, print_summary, write_result
 from minivllm.reliability.rss import RssSampler
-from minivllm.reliability.workload import DEFAULT_DEVICES, OUTCOMES, PromptMaker, SoakSettings, make_plans, make_schedule
+from minivllm.reliability.workload import (
+    DEFAULT_DEVICES,
+    OUTCOMES,
+    PromptMaker,
+    SoakSettings,
+    make_plans,
+    make_schedule,
+)
 
 
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, *, url: str | None = None,
@@ -170,7 +177,11 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, *, url: s
         if server is None and not devices_given:
             devices = [f"{w['device']}:{w['threads']}" if w.get("threads") and str(w.get("device")).startswith("cpu")
                        else str(w.get("device")) for w in start_snap.get("workers") or []] or devices
-        limit = (start_snap["workers"][0]["snapshot"] or {}).get("engine", {}).get("max_model_len") if start_snap.get("workers") else None
+        limit = (
+            (start_snap["workers"][0]["snapshot"] or {}).get("engine", {}).get("max_model_len")
+            if start_snap.get("workers")
+            else None
+        )
         if limit and settings.max_prompt_tokens + settings.max_new_tokens + 80 > limit:
             settings.max_prompt_tokens = max(settings.min_prompt_tokens, limit - settings.max_new_tokens - 80)
             print(f"soak: max_model_len {limit}: prompts capped at {settings.max_prompt_tokens} tokens", flush=True)
@@ -179,7 +190,10 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, *, url: s
         schedule = make_schedule(settings, len(plans))
         sampler = RssSampler(server_pid, worker_pids).start()
         if progress:
-            print(f"soak: {len(plans)} requests against {url} in {sum(p[0] == 'burst' for p in schedule)} bursts", flush=True)
+            print(
+                f"soak: {len(plans)} requests against {url} in {sum(p[0] == 'burst' for p in schedule)} bursts",
+                flush=True,
+            )
         records, t0, t1 = asyncio.run(drive(url, plans, schedule, settings, api_key=api_key, progress=progress))
         final, idle_wait = wait_idle(url, headers, settings.idle_timeout_s)
         sampler.stop()
@@ -192,9 +206,29 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, *, url: s
             sampler.stop()
         exit_code = server.stop() if server is not None else None
 
-    result = _result(model, model_path, devices, settings, serve_cmd, url, start_s, plans, records, t0, t1, start_snap, final,
-                     idle_wait, rss, sampler, checks, max_model_len, max_active_requests, time.perf_counter() - t_wall,
-                     provenance)
+    result = _result(
+        model,
+        model_path,
+        devices,
+        settings,
+        serve_cmd,
+        url,
+        start_s,
+        plans,
+        records,
+        t0,
+        t1,
+        start_snap,
+        final,
+        idle_wait,
+        rss,
+        sampler,
+        checks,
+        max_model_len,
+        max_active_requests,
+        time.perf_counter() - t_wall,
+        provenance,
+    )
     result["server_exit_code"] = exit_code
     if server is not None:
         result["checks"].append({"name": "server_clean_exit", "ok": exit_code == 0 and not server.orphans,
@@ -232,15 +266,24 @@ def _result(model, model_path, devices, settings, serve_cmd, url, start_s, plans
             for k, v in ((w.get("snapshot") or {}).get("counters") or {}).items():
                 counters[k] = counters.get(k, 0) + sign * v
     summary = {
-        "requests": len(records), "requests_planned": len(plans), "server_start_s": start_s, "load_s": round(load_s, 1), "wall_s": round(wall_s, 1),
-        "idle_wait_s": round(idle_wait, 2), "requests_per_s": len(records) / load_s,
+        "requests": len(records),
+        "requests_planned": len(plans),
+        "server_start_s": start_s,
+        "load_s": round(load_s, 1),
+        "wall_s": round(wall_s, 1),
+        "idle_wait_s": round(idle_wait, 2),
+        "requests_per_s": len(records) / load_s,
         "finished_per_s": len(fin) / load_s,
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
         "e2e_p50_stream_s": percentile([r.t_end - r.t_start for r in fin if r.stream], 50),
         "e2e_p50_nonstream_s": percentile([r.t_end - r.t_start for r in fin if not r.stream], 50),
-        "ttft_p50_stream_s": percentile(ttft, 50), "ttft_p99_stream_s": percentile(ttft, 99),
-        "finished_completion_tokens": tokens, "finished_completion_tok_per_s": tokens / load_s,
-        "engine_decode_tokens": counters.get("decode_tokens"), "engine_prefill_tokens": counters.get("prefill_tokens"),
+        "ttft_p50_stream_s": percentile(ttft, 50),
+        "ttft_p99_stream_s": percentile(ttft, 99),
+        "finished_completion_tokens": tokens,
+        "finished_completion_tok_per_s": tokens / load_s,
+        "engine_decode_tokens": counters.get("decode_tokens"),
+        "engine_prefill_tokens": counters.get("prefill_tokens"),
         "engine_decode_tok_per_s": (counters.get("decode_tokens") or 0) / load_s,
         "engine_prefill_tok_per_s": (counters.get("prefill_tokens") or 0) / load_s,
         "engine_preemptions": counters.get("preemptions"),
@@ -253,25 +296,35 @@ def _result(model, model_path, devices, settings, serve_cmd, url, start_s, plans
     for w in final.get("workers") or []:
         s = w.get("snapshot") or {}
         kv, pc = s.get("kv") or {}, s.get("prefix_cache") or {}
-        per_worker[w["name"]] = {"state": w.get("state"), "counters": w.get("counters"),
-                                 "engine_counters": s.get("counters"),
-                                 "page_states": dict(Counter(kv.get("page_states") or [])),
-                                 "total_pages": kv.get("total_pages"), "available_pages": kv.get("available_pages"),
-                                 "prefix_cache": {k: pc.get(k) for k in ("cached_pages", "idle_pages", "in_use_pages",
-                                                                         "hits", "lookups", "hit_rate", "evicted_pages")}}
+        per_worker[w["name"]] = {
+            "state": w.get("state"),
+            "counters": w.get("counters"),
+            "engine_counters": s.get("counters"),
+            "page_states": dict(Counter(kv.get("page_states") or [])),
+            "total_pages": kv.get("total_pages"),
+            "available_pages": kv.get("available_pages"),
+            "prefix_cache": {
+                k: pc.get(k)
+                for k in ("cached_pages", "idle_pages", "in_use_pages", "hits", "lookups", "hit_rate", "evicted_pages")
+            },
+        }
     routed = Counter(r.worker for r in fin if r.worker)
     failures = [asdict(r) for r in records
                 if r.outcome in ("http_error", "stream_error", "transport_error", "protocol_error")]
-    notes = (f"{len(records)} requests against `minivllm serve` ({', '.join(devices)}; {model}); "
-             f"cancel {settings.cancel_fraction:.0%}, disconnect {settings.disconnect_fraction:.0%}, "
-             f"max_tokens 1..{settings.max_new_tokens}, prompts {settings.min_prompt_tokens}..{settings.max_prompt_tokens} "
-             f"tokens, bursts {settings.burst[0]}..{settings.burst[1]} with {settings.gap_s[0]}..{settings.gap_s[1]} s "
-             f"gaps and a {settings.trickle_rate}/s trickle.")
+    notes = (
+        f"{len(records)} requests against `minivllm serve` ({', '.join(devices)}; {model}); "
+        f"cancel {settings.cancel_fraction:.0%}, disconnect {settings.disconnect_fraction:.0%}, "
+        f"max_tokens 1..{settings.max_new_tokens}, prompts {settings.min_prompt_tokens}..{settings.max_prompt_tokens} "
+        f"tokens, bursts {settings.burst[0]}..{settings.burst[1]} with {settings.gap_s[0]}..{settings.gap_s[1]} s "
+        f"gaps and a {settings.trickle_rate}/s trickle."
+    )
     cfg = {"model": model, "devices": devices, "url": url, "serve_args": serve_cmd, "max_model_len": max_model_len,
            "max_active_requests": max_active_requests, **asdict(settings)}
     return {
         "benchmark": "soak",
-        "provenance": provenance(_provenance_device(devices), sha256_file(Path(model_path)) if model_path else None, cfg),
+        "provenance": provenance(
+            _provenance_device(devices), sha256_file(Path(model_path)) if model_path else None, cfg
+        ),
         "notes": notes,
         "ok": all(c["ok"] for c in checks),
         "checks": checks,
@@ -282,21 +335,34 @@ def _result(model, model_path, devices, settings, serve_cmd, url, start_s, plans
             "by_outcome_streamed": dict(Counter(r.outcome for r in records if r.stream)),
             "by_outcome_chat": dict(Counter(r.outcome for r in records if r.endpoint == "chat")),
             "by_action": dict(Counter(r.action for r in records)),
-            "action_x_outcome": {a: dict(Counter(r.outcome for r in records if r.action == a))
-                                 for a in ("normal", "cancel", "disconnect")},
+            "action_x_outcome": {
+                a: dict(Counter(r.outcome for r in records if r.action == a))
+                for a in ("normal", "cancel", "disconnect")
+            },
             "cancel_phase": dict(Counter(r.cancel_phase for r in records if r.outcome == "cancelled")),
-            "cancel_mode_x_outcome": {m: dict(Counter(r.outcome for r, p in zip(records, plans) if p.cancel_mode == m))
-                                      for m in ("early", "timed", "mid_stream")},
+            "cancel_mode_x_outcome": {
+                m: dict(Counter(r.outcome for r, p in zip(records, plans) if p.cancel_mode == m))
+                for m in ("early", "timed", "mid_stream")
+            },
             "finish_reasons": dict(Counter(r.finish_reason for r in fin)),
-            "finished_by_kind": {f"{e}/{'stream' if st else 'json'}": sum(1 for r in fin if r.endpoint == e and r.stream == st)
-                                 for e in ("completions", "chat") for st in (False, True)},
+            "finished_by_kind": {
+                f"{e}/{'stream' if st else 'json'}": sum(1 for r in fin if r.endpoint == e and r.stream == st)
+                for e in ("completions", "chat")
+                for st in (False, True)
+            },
             "finished_by_worker": dict(routed),
             "http_statuses": dict(Counter(str(r.status) for r in records if r.status is not None)),
         },
-        "server": {"submitted": ledger.get("submitted", 0) - ledger0.get("submitted", 0), "ended": ended,
-                   "open": ledger.get("open"), "open_ids": ledger.get("open_ids"),
-                   "duplicate_terminals": ledger.get("duplicate_terminals"), "ledger_final": ledger,
-                   "engine_counters_delta": counters, "per_worker": per_worker},
+        "server": {
+            "submitted": ledger.get("submitted", 0) - ledger0.get("submitted", 0),
+            "ended": ended,
+            "open": ledger.get("open"),
+            "open_ids": ledger.get("open_ids"),
+            "duplicate_terminals": ledger.get("duplicate_terminals"),
+            "ledger_final": ledger,
+            "engine_counters_delta": counters,
+            "per_worker": per_worker,
+        },
         "rss": rss,
         "rss_series": sampler.series(t0) if sampler else {},
         "failures": failures,

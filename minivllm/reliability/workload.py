@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 OUTCOMES = ("finished", "http_error", "stream_error", "cancelled", "disconnected", "transport_error", "protocol_error")
 DEFAULT_DEVICES = ["cpu:1", "cpu:1"]
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
@@ -149,7 +148,13 @@ def make_plans(settings: SoakSettings, maker: PromptMaker, model_name: str | Non
     plans = []
     for i in range(s.requests):
         r = rng.random()
-        action = "cancel" if r < s.cancel_fraction else "disconnect" if r < s.cancel_fraction + s.disconnect_fraction else "normal"
+        action = (
+            "cancel"
+            if r < s.cancel_fraction
+            else "disconnect"
+            if r < s.cancel_fraction + s.disconnect_fraction
+            else "normal"
+        )
         chat = rng.random() < s.chat_fraction
         stream = True if action == "disconnect" else rng.random() < s.stream_fraction
         lo, hi = s.min_prompt_tokens, max(s.min_prompt_tokens, s.max_prompt_tokens)
@@ -208,7 +213,10 @@ def make_plans(settings: SoakSettings, maker: PromptMaker, model_name: str | Non
             if rng.random() < 0.3:
                 messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
             if rng.random() < 0.15:
-                messages += [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello! How can I help?"}]
+                messages += [
+                    {"role": "user", "content": "Hi."},
+                    {"role": "assistant", "content": "Hello! How can I help?"},
+                ]
             messages.append({"role": "user", "content": text})
             body["messages"] = messages
             if rng.random() < 0.2:

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from minivllm.errors import ConfigError
-from minivllm.sampling.structured import StructuredOutput, llguidance_module, short_text
 from minivllm.sampling.constrained_draw import draws_forced, mask_always_read
 from minivllm.sampling.mask_upload import MaskUpload
+from minivllm.sampling.structured import StructuredOutput, llguidance_module, short_text
 
 BITS = 32
 READY = "prepared_matcher"  # where `Constraints.prepare` leaves a matcher on its StructuredOutput

@@ -213,12 +213,16 @@ def _skip_quoted(text: str, at: int, close: str) -> int:
 # otherwise leave tens of thousands of tuples for the controller's garbage collector):
 # comments, strings and regexes are skipped whole; a name followed by ":" at a line's start
 # (after ? or !, a .priority or [attributes]) defines a rule; any other name is a reference.
-_LARK_SCAN = re.compile(r"""
+_LARK_SCAN = re.compile(
+    r"""
     (?P<skip> //[^\n]* | \#[^\n]* | "(?:\\.|[^"\\\n])*" | '(?:\\.|[^'\\\n])*' | /(?:\\.|[^/\\\n])+/ )
   | (?P<directive> %[A-Za-z_]+ )
-  | (?P<define> ^[ \t]*[?!]?(?P<defined>[A-Za-z_][A-Za-z0-9_]*)[ \t]*(?:\.[ \t]*-?[0-9]+[ \t]*)?(?:\[[^\]\n]*\][ \t]*)?:(?!:) )
+  | (?P<define> ^[ \t]*[?!]?(?P<defined>[A-Za-z_][A-Za-z0-9_]*)[ \t]*
+                (?:\.[ \t]*-?[0-9]+[ \t]*)?(?:\[[^\]\n]*\][ \t]*)?:(?!:) )
   | (?P<name> [A-Za-z_][A-Za-z0-9_]* )
-""", re.VERBOSE | re.MULTILINE)
+""",
+    re.VERBOSE | re.MULTILINE,
+)
 
 
 def lark_rules(field: str, text: str) -> dict[str, set[str]]:

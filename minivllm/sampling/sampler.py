@@ -31,7 +31,9 @@ def apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], p: SamplingParams) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, context_ids: list[int], output_ids: list[int], p: SamplingParams
+) -> torch.Tensor:
     """The logit_bias, then the repetition / presence / frequency penalties, in place: every
     draw (plain, batched, constrained, speculative verification and drafts) goes through here."""
     apply_logit_bias(logits, p)

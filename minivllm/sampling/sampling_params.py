@@ -7,7 +7,6 @@ value raises `ConfigError` naming the field and the allowed range.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from minivllm.errors import ConfigError
@@ -57,7 +56,9 @@ class SamplingParams:
         self._check("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)")
         if self.top_k == -1:
             self.top_k = 0
-        self._check("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0 (0 or -1 disables it)")
+        self._check(
+            "top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0 (0 or -1 disables it)"
+        )
         self._check("top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         self._check("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]")
         self._check("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 disables it)")

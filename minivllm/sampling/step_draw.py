@@ -28,9 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.sampling.constrained_draw import (checks_candidates, draws_forced, first_allowed,
-                                                launch_greedy_candidates, penalized, read_greedy_candidates,
-                                                sampled_candidates)
+from minivllm.sampling.constrained_draw import (
+    checks_candidates,
+    draws_forced,
+    first_allowed,
+    launch_greedy_candidates,
+    penalized,
+    read_greedy_candidates,
+    sampled_candidates,
+)
 from minivllm.sampling.sampler import sample
 
 
@@ -76,7 +82,11 @@ def draw_step(rows: list[tuple[object, torch.Tensor]], masks: dict, constraints,
             out[req.id] = Drawn(constraint.forced_token(), row)
         elif checks_candidates(p) and constraint.checks_tokens() and not (p.greedy and mask is not None):
             # Sampled rows check even with a mask ready: a seed's tokens never depend on timing.
-            (greedy.append(_Greedy(req, row, row, checked=True)) if p.greedy else check_sampled.append((req, row, mask)))
+            (
+                greedy.append(_Greedy(req, row, row, checked=True))
+                if p.greedy
+                else check_sampled.append((req, row, mask))
+            )
         else:
             to_mask.append((req, row, mask, None))
 
@@ -140,7 +150,9 @@ def _greedy_draws(greedy: list[_Greedy], constraints, out: dict) -> list:
     else:
         picks = forbidden
     late = []
-    for k, candidates in zip(forbidden, read_greedy_candidates(launched, picks, [greedy[k].request for k in forbidden])):
+    for k, candidates in zip(
+        forbidden, read_greedy_candidates(launched, picks, [greedy[k].request for k in forbidden])
+    ):
         g = greedy[k]
         token = first_allowed(g.request.constraint, candidates)
         if token is None:

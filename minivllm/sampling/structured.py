@@ -22,8 +22,13 @@ from typing import Any
 
 from minivllm.errors import ConfigError
 from minivllm.sampling.constraint_compiler import compile_constraint
-from minivllm.sampling.constraint_limits import (check_choices, check_grammar, check_schema, check_size,
-                                                 loads_client_json)
+from minivllm.sampling.constraint_limits import (
+    check_choices,
+    check_grammar,
+    check_schema,
+    check_size,
+    loads_client_json,
+)
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
@@ -99,7 +104,9 @@ class StructuredOutput:
             if unknown:
                 raise ConfigError("structured", unknown, f"unknown keys; use {', '.join(KINDS)}")
             return cls(**value)
-        raise ConfigError("structured", type(value).__name__, "must be a StructuredOutput or a dict such as {'regex': ...}")
+        raise ConfigError(
+            "structured", type(value).__name__, "must be a StructuredOutput or a dict such as {'regex': ...}"
+        )
 
     @property
     def kind(self) -> str:

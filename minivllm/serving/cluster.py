@@ -19,11 +19,11 @@ cannot (a node without the file) fails alone while the others start.
 from __future__ import annotations
 
 import asyncio
-import threading
 import itertools
+import json
 import os
 import signal
-import json
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,9 +33,9 @@ from pathlib import Path
 from minivllm.devices import resolve_dtype
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request_checks import check_prompt, is_token_ids
+from minivllm.errors import ConfigError, MinivllmError
 from minivllm.sampling.outputs import RequestOutput
 from minivllm.sampling.sampling_params import SamplingParams
-from minivllm.errors import ConfigError, MinivllmError
 from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
@@ -72,8 +72,9 @@ class Cluster:
                  max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
                  backend: str = "local", ray_address: str | None = "auto", **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
-        `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers). `fault_injection=True` lets `inject_fault` make a worker's step
-        loop hang (drills, tests, teaching); workers refuse it otherwise. Chat messages are
+        `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers).
+        `fault_injection=True` lets `inject_fault` make a worker's step loop hang (drills,
+        tests, teaching); workers refuse it otherwise. Chat messages are
         always encoded with control tokens only where the template puts them
         (`Tokenizer.encode_chat`); `prompt_special_tokens` says whether control-token text in
         a raw string prompt becomes control ids (True, the default, as in llama.cpp and vLLM:
@@ -81,7 +82,8 @@ class Cluster:
         servers whose raw prompts carry untrusted text). `max_queued_prompt_tokens` bounds
         each worker's queued prompt work (see `_admissible`; None: no bound). A worker that
         dies or is killed as hung restarts by itself, after a backoff, at most
-        `max_worker_restarts` times in 10 minutes (0: never; worker_recovery.py). `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
+        `max_worker_restarts` times in 10 minutes (0: never; worker_recovery.py).
+        `engine_options` are EngineConfig fields (max_model_len, page_size, prefix_cache,
         batch_invariant, draft_policy, ...), applied to every worker. `on_progress(worker,
         state, stage)` is called while workers load (the widgets show it). `backend` is
         "local" (one child process per worker, the default) or "ray" (one Ray actor per
@@ -115,7 +117,9 @@ class Cluster:
         if backend == "ray":  # each node resolves the names itself and checks it has the same files
             from minivllm.models.cache import quick_fingerprint
 
-            self.worker_config.update({"model_spec": str(model), "model_fingerprint": quick_fingerprint(self.model_path)})
+            self.worker_config.update(
+                {"model_spec": str(model), "model_fingerprint": quick_fingerprint(self.model_path)}
+            )
             if draft_model:
                 self.worker_config.update({"draft_model_spec": str(draft_model),
                                            "draft_model_fingerprint": quick_fingerprint(self.draft_model_path)})
@@ -123,7 +127,9 @@ class Cluster:
         if max_queued_prompt_tokens is not None and (not isinstance(max_queued_prompt_tokens, int)
                                                      or isinstance(max_queued_prompt_tokens, bool)
                                                      or max_queued_prompt_tokens < 1):
-            raise ConfigError("max_queued_prompt_tokens", max_queued_prompt_tokens, "must be an integer >= 1, or None for no limit")
+            raise ConfigError(
+                "max_queued_prompt_tokens", max_queued_prompt_tokens, "must be an integer >= 1, or None for no limit"
+            )
         self.max_queued_prompt_tokens = max_queued_prompt_tokens
         self.admission_counters = {"refused": 0}
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -181,7 +187,9 @@ class Cluster:
             handle.wait_ready(max(0.0, deadline - time.monotonic()))
         failed = [h for h in self.workers.values() if h.state != "ready"]
         if failed and (self.backend == "local" or len(failed) == len(self.workers)):
-            message = "; ".join(f"{h.name}: {h.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}" for h in failed)
+            message = "; ".join(
+                f"{h.name}: {h.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}" for h in failed
+            )
             self.stop()
             raise WorkerStartError(f"{len(failed)} of {len(self.workers)} workers did not start: {message}")
         self.started = True
@@ -259,7 +267,10 @@ class Cluster:
         self.workers[name] = handle
         handle.start()
         if not handle.wait_ready(self.ready_timeout_s) or handle.state != "ready":
-            raise WorkerStartError(f"worker {name} did not restart: {handle.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}")
+            raise WorkerStartError(
+                f"worker {name} did not restart: "
+                f"{handle.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}"
+            )
 
     def set_router(self, policy: str) -> None:
         """Switch the routing policy; later requests use it (decisions so far are kept)."""
@@ -346,7 +357,9 @@ class Cluster:
         with self._route_lock:
             handles = list(self.workers.values())
             cached = self._cached_tokens(handles, prompt_ids) if self.router.policy == "cost" or worker else {}
-            candidates = self._admissible([h.candidate(cached.get(h.name, 0)) for h in handles], len(prompt_ids), worker)
+            candidates = self._admissible(
+                [h.candidate(cached.get(h.name, 0)) for h in handles], len(prompt_ids), worker
+            )
             rates = {h.name: h.rates for h in handles}
             if worker is not None:
                 forced = Router(f"forced:{worker}")
@@ -402,7 +415,9 @@ class Cluster:
         live = [h for h in handles if h.healthy]
         if not live:
             return {}
-        answers = self._query_pool.map(lambda h: h.query("prefix_query", PREFIX_QUERY_TIMEOUT_S, prompt_ids=prompt_ids), live)
+        answers = self._query_pool.map(
+            lambda h: h.query("prefix_query", PREFIX_QUERY_TIMEOUT_S, prompt_ids=prompt_ids), live
+        )
         return {h.name: int(a["tokens"]) if a else 0 for h, a in zip(live, answers)}
 
     def _cancel(self, request_id: str) -> None:
@@ -449,7 +464,10 @@ class Cluster:
         for h in self.workers.values():
             r = h.rates
             if r.known:
-                out[h.name] = {"prefill_tps": r.prefill_rate(), "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points}}
+                out[h.name] = {
+                    "prefill_tps": r.prefill_rate(),
+                    "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points},
+                }
         return {"model": self.model_name, "workers": out}
 
     def save_rates_profile(self, path: str | Path) -> Path:

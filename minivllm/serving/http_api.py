@@ -24,10 +24,10 @@ with finish_reason, an optional usage chunk (stream_options.include_usage), then
 "tool_calls") when the output holds calls (tool_calls.py, tool_call_parser.py); streamed,
 content goes out until a call may start and each call comes whole in one `delta.tool_calls`
 chunk at the end. A constraint (response_format, guided_*, a forced tool call) that the
-engine finds it cannot complete is a 400 naming its field. Every response carries a `minivllm` extension object with the request's
-timing (TTFT, prefill and decode tok/s, the worker, tokens restored from the prefix
-cache). A client that disconnects, streaming or not, cancels its request, which frees
-its KV pages.
+engine finds it cannot complete is a 400 naming its field. Every response carries a
+`minivllm` extension object with the request's timing (TTFT, prefill and decode tok/s, the
+worker, tokens restored from the prefix cache). A client that disconnects, streaming or
+not, cancels its request, which frees its KV pages.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.errors import ConfigError, MinivllmError
+from minivllm.sampling.constraint_limits import MAX_JSON_DEPTH
 from minivllm.serving.cluster import AdmissionRefused
 from minivllm.serving.http_guards import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit, ServerLimits, error_body
 from minivllm.serving.http_origin import LocalOnlyGuard
@@ -52,7 +53,6 @@ from minivllm.serving.off_loop import in_thread, thread_future
 from minivllm.serving.openai_schema import ChatCompletionRequest, CompletionRequest
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import NoWorkerAvailable
-from minivllm.sampling.constraint_limits import MAX_JSON_DEPTH
 from minivllm.serving.tool_call_parser import ToolCallStream, reply_calls
 from minivllm.serving.tool_calls import ToolRequest
 
@@ -139,7 +139,9 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             detail = (f"the request body nests JSON deeper than the parser can follow; schemas, grammars' %json, "
                       f"tools and tool-call arguments may nest at most {MAX_JSON_DEPTH} levels of objects and arrays")
         elif exc.status_code == 400 and "parsing the body" in detail:
-            detail = "the request body is not valid JSON in UTF-8; send a JSON object with Content-Type: application/json"
+            detail = (
+                "the request body is not valid JSON in UTF-8; send a JSON object with Content-Type: application/json"
+            )
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, detail, kind)
 
@@ -149,22 +151,33 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
         metrics.rejected.labels("validation").inc()
         if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
             at = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
-            return error_response(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'bad JSON')}"
-                                       f"{f' at character {at}' if at is not None else ''}); send a JSON object with "
-                                       "Content-Type: application/json", "invalid_request_error", None)
+            return error_response(
+                400,
+                f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'bad JSON')}"
+                f"{f' at character {at}' if at is not None else ''}); send a JSON object with "
+                "Content-Type: application/json",
+                "invalid_request_error",
+                None,
+            )
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'bad value')}",
                               "invalid_request_error", where)
 
     @app.get("/health")
     async def health():
-        h = without_file_paths(cluster.health(), model_dirs)  # open to all, key or not: a worker's error may name a file
+        h = without_file_paths(
+            cluster.health(), model_dirs
+        )  # open to all, key or not: a worker's error may name a file
         return JSONResponse(h, status_code=200 if h["status"] != "down" else 503)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "minivllm", "root": model_name}]}  # never the server's file path
+        return {
+            "object": "list",
+            "data": [
+                {"id": model_name, "object": "model", "created": created, "owned_by": "minivllm", "root": model_name}
+            ],
+        }  # never the server's file path
 
     @app.get("/v1/cluster/snapshot")
     async def cluster_snapshot(fresh: bool = False):
@@ -290,13 +303,23 @@ def create_app(cluster, *, api_key: str | None = None, served_model_name: str | 
             def chunk(text: str | None, finish: str | None, first_chunk: bool = False,
                       tool_calls: list[dict] | None = None) -> str:
                 if chat:
-                    delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
+                    delta = (
+                        {"role": "assistant", "content": text or ""}
+                        if first_chunk
+                        else ({"content": text} if text else {})
+                    )
                     if tool_calls:
                         delta["tool_calls"] = tool_calls
                     choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-                payload = {"id": rid, "object": chunk_kind, "created": created_at, "model": model_name, "choices": [choice]}
+                payload = {
+                    "id": rid,
+                    "object": chunk_kind,
+                    "created": created_at,
+                    "model": model_name,
+                    "choices": [choice],
+                }
                 if finish is not None:
                     payload["minivllm"] = timing_extension(stream)
                 return f"data: {json.dumps(payload)}\n\n"

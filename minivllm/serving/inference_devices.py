@@ -94,7 +94,9 @@ def _split_node(text: str) -> tuple[str | None, str]:
         return None, spec
     node, sep, entry = spec[5:].partition(":")
     if not node or not sep or not entry:
-        raise ConfigError("inference_device", text, "expected node=ADDR:ENTRY, e.g. node=10.0.0.2:cpu:4 or node=10.0.0.2:gpu")
+        raise ConfigError(
+            "inference_device", text, "expected node=ADDR:ENTRY, e.g. node=10.0.0.2:cpu:4 or node=10.0.0.2:gpu"
+        )
     return node, entry
 
 
@@ -136,8 +138,11 @@ def parse_inference_devices(specs: list[str] | tuple[str, ...] | str, *, cuda_co
     explicit = [idx for kind, idx, _ in parsed if kind == "cuda" and idx is not None]
     for spec, (kind, idx, _) in zip(specs, parsed):
         if kind == "cuda" and idx is not None and idx >= count:
-            raise DeviceError(f"inference device {spec!r} does not exist: this machine has "
-                              + (f"cuda:0..cuda:{count - 1}" if count else "no CUDA device") + "; use --inference-device cpu")
+            raise DeviceError(
+                f"inference device {spec!r} does not exist: this machine has "
+                + (f"cuda:0..cuda:{count - 1}" if count else "no CUDA device")
+                + "; use --inference-device cpu"
+            )
     duplicates = {i for i in explicit if explicit.count(i) > 1}
     if duplicates:
         raise ConfigError("inference_device", f"cuda:{min(duplicates)}", "is listed twice; each GPU runs one worker")

@@ -18,10 +18,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.errors import ConfigError
 from minivllm.sampling.constraint_limits import check_json_depth, loads_client_json
 from minivllm.sampling.sampling_params import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_ENTRIES, SamplingParams
 from minivllm.sampling.structured import StructuredOutput
-from minivllm.errors import ConfigError
 from minivllm.serving.structured_request import structured_from_request
 from minivllm.serving.tool_calls import ToolRequest, tool_request
 
@@ -206,7 +206,9 @@ def _template_call(field: str, call: dict) -> dict:
         raise ConfigError(f"{field}.function", fn, 'must be {"name": ..., "arguments": "<JSON text>"}')
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
-        args = loads_client_json(f"{field}.function.arguments", checked_text(f"{field}.function.arguments", args) or "{}")
+        args = loads_client_json(
+            f"{field}.function.arguments", checked_text(f"{field}.function.arguments", args) or "{}"
+        )
     else:
         check_json_depth(f"{field}.function.arguments", args)
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}

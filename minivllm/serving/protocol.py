@@ -50,4 +50,6 @@ def event_to_wire(event: TokenEvent, metrics: dict | None = None) -> dict:
 
 def event_from_wire(d: dict) -> TokenEvent:
     logprobs = None if d.get("logprobs") is None else {int(t): float(lp) for t, lp in d["logprobs"]}
-    return TokenEvent(d["request_id"], d["token_id"], d["text"], d["finished"], d["finish_reason"], logprobs, d.get("error"))
+    return TokenEvent(
+        d["request_id"], d["token_id"], d["text"], d["finished"], d["finish_reason"], logprobs, d.get("error")
+    )

@@ -154,8 +154,12 @@ class RayBackend:
             if d.node is not None:
                 node = find_node(d.node, nodes)
                 if not need.fits(node):
-                    raise ConfigError("inference_device", f"node={d.node}", f"worker {d.name} needs {need}; that node "
-                                      f"has {node['Resources'].get('CPU', 0):g} CPU and {node['Resources'].get('GPU', 0):g} GPU")
+                    raise ConfigError(
+                        "inference_device",
+                        f"node={d.node}",
+                        f"worker {d.name} needs {need}; that node "
+                        f"has {node['Resources'].get('CPU', 0):g} CPU and {node['Resources'].get('GPU', 0):g} GPU",
+                    )
             elif not any(need.fits(n) for n in nodes):
                 raise ConfigError("inference_device", d.name, f"needs {need}, and no node of the Ray cluster has that "
                                   f"much in all ({len(nodes)} nodes); add a node or ask for fewer threads")

@@ -90,7 +90,9 @@ def parse_router_policy(policy: str) -> str:
         return policy
     if isinstance(policy, str) and policy.startswith("forced:") and len(policy) > len("forced:"):
         return policy
-    raise ConfigError("router", policy, "allowed: round-robin, least-loaded, cost, forced:<worker> (e.g. forced:cuda:0)")
+    raise ConfigError(
+        "router", policy, "allowed: round-robin, least-loaded, cost, forced:<worker> (e.g. forced:cuda:0)"
+    )
 
 
 class Router:
@@ -145,7 +147,9 @@ class Router:
             if c.worker == target:
                 if not c.healthy:
                     self.counters["no_worker"] += 1
-                    raise NoWorkerAvailable(f"router forced:{target}: worker {target} is down; restart it or pick another policy")
+                    raise NoWorkerAvailable(
+                        f"router forced:{target}: worker {target} is down; restart it or pick another policy"
+                    )
                 return c
         raise ConfigError("router", self.policy, f"no worker is named {target!r}; workers: "
                           + ", ".join(c.worker for c in candidates))

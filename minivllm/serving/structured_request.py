@@ -8,10 +8,11 @@ Three ways of asking, as in OpenAI's API and vLLM's:
     "guided_choice": ["yes", "no"]
     "structured_outputs": {"json": ... | "regex": ... | "grammar": ... | "choice": [...] | "json_object": true}
 
-`strict: true` closes the schema's objects (strict_schema.py). A request uses one source; two (say response_format and guided_regex, or a schema and a
-forced tool call) are a ConfigError naming both. Every error names the request's own
-field (`response_format.json_schema.schema`, `guided_regex`, `structured_outputs.grammar`),
-so a schema or grammar that does not compile is a 400 pointing at what the client sent.
+`strict: true` closes the schema's objects (strict_schema.py). A request uses one source;
+two (say response_format and guided_regex, or a schema and a forced tool call) are a
+ConfigError naming both. Every error names the request's own field
+(`response_format.json_schema.schema`, `guided_regex`, `structured_outputs.grammar`), so a
+schema or grammar that does not compile is a 400 pointing at what the client sent.
 """
 
 from __future__ import annotations

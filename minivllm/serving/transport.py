@@ -107,8 +107,12 @@ class ProcessTransport(WorkerTransport):
         ours, theirs = socket.socketpair()
         self._endpoint = Endpoint(Connection(ours.detach()))
         env = {**os.environ, "MINIVLLM_WORKER_NAME": name}
-        self._process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                         stdin=subprocess.DEVNULL, env=env)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", module, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         theirs.close()  # only the worker holds it now, so its death closes the link
         self._endpoint.send(config)
 

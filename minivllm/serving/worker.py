@@ -56,7 +56,9 @@ def serve_worker(endpoint, config: dict) -> None:
     try:
         worker = Worker(config, endpoint)
     except BaseException as exc:  # noqa: BLE001 - everything must reach the controller
-        message = str(exc) if isinstance(exc, MinivllmError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        message = (
+            str(exc) if isinstance(exc, MinivllmError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        )
         where = (config.get("placement") or {}).get("where")
         if where:
             message = f"on {where}: {message}"
@@ -107,9 +109,15 @@ class Worker:
         self._last_state = 0.0  # when the last state snapshot went out
         self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
         self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
-        info = {**self.llm.info(), "name": self.name, "pid": os.getpid(), "device_spec": device,
-                "placement": config.get("placement") or {},
-                "vocab_size": self.llm.model.config.vocab_size, "max_active_requests": self.engine.config.max_active_requests}
+        info = {
+            **self.llm.info(),
+            "name": self.name,
+            "pid": os.getpid(),
+            "device_spec": device,
+            "placement": config.get("placement") or {},
+            "vocab_size": self.llm.model.config.vocab_size,
+            "max_active_requests": self.engine.config.max_active_requests,
+        }
         endpoint.send({"op": "ready", "info": info, "rates": self.rates.as_dict()})
 
     # -- threads ------------------------------------------------------------------------------
@@ -135,7 +143,9 @@ class Worker:
                 self.inbox.put({"op": "shutdown"})
                 return
             if msg.get("op") == "prefix_query":
-                self._send({"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}})
+                self._send(
+                    {"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}}
+                )
             elif msg.get("op") == "submit":
                 self.inbox.put(self.matcher_builds.start(msg))
             else:

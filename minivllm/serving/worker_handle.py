@@ -49,9 +49,17 @@ class InFlight:
 
 
 class WorkerHandle:
-    def __init__(self, device: InferenceDevice, config: dict, *, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, on_progress=None, on_down=None,
-                 transport_factory=ProcessTransport):
+    def __init__(
+        self,
+        device: InferenceDevice,
+        config: dict,
+        *,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        on_progress=None,
+        on_down=None,
+        transport_factory=ProcessTransport,
+    ):
         self.device = device
         self.name = device.name
         self.config = {**config, "device": device.as_dict()}
@@ -124,7 +132,9 @@ class WorkerHandle:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, cached_estimate: int) -> None:
+    def submit(
+        self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, cached_estimate: int
+    ) -> None:
         with self.lock:
             if not self.healthy:
                 stream.fail(f"worker {self.name} is {self.state}: {self.error or 'not ready'}")
@@ -177,15 +187,31 @@ class WorkerHandle:
             else:
                 queued.append([max(0, f.prompt_tokens - f.cached_estimate), f.max_tokens])
         work = active + queued
-        return Candidate(worker=self.name, healthy=self.healthy, active=len(active), queued=len(queued),
-                         existing_prefill_tokens=sum(p for p, _ in work), existing_decode_tokens=sum(d for _, d in work),
-                         max_active=int(self.info.get("max_active_requests", 1)), cached_tokens=cached_tokens,
-                         active_work=active, queued_work=queued)
+        return Candidate(
+            worker=self.name,
+            healthy=self.healthy,
+            active=len(active),
+            queued=len(queued),
+            existing_prefill_tokens=sum(p for p, _ in work),
+            existing_decode_tokens=sum(d for _, d in work),
+            max_active=int(self.info.get("max_active_requests", 1)),
+            cached_tokens=cached_tokens,
+            active_work=active,
+            queued_work=queued,
+        )
 
     def describe(self) -> dict:
         with self.lock:
-            in_flight = [{"request_id": rid, "prompt_tokens": f.prompt_tokens, "cached_estimate": f.cached_estimate,
-                          "max_tokens": f.max_tokens, "output_tokens": f.output_tokens} for rid, f in self.in_flight.items()]
+            in_flight = [
+                {
+                    "request_id": rid,
+                    "prompt_tokens": f.prompt_tokens,
+                    "cached_estimate": f.cached_estimate,
+                    "max_tokens": f.max_tokens,
+                    "output_tokens": f.output_tokens,
+                }
+                for rid, f in self.in_flight.items()
+            ]
         return {"name": self.name, "device": self.device.torch_device, "threads": self.device.threads,
                 "state": self.state, "stage": self.stage, "error": self.error,
                 "pid": self.transport.pid if self.transport is not None else None,

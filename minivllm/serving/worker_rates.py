@@ -109,12 +109,18 @@ class WorkerRates:
     # -- wire format ------------------------------------------------------------------------
 
     def as_dict(self) -> dict:
-        return {"prefill_tps": self.prefill_rate(),
-                "decode_tps": {str(b): r for b, r in self.corrected_decode_points().items()},
-                "calibrated": {"prefill_tps": self.prefill_tps, "decode_tps": {str(b): r for b, r in sorted(self.decode_points.items())}},
-                "prefill_correction": self.prefill_correction,
-                "decode_corrections": {str(b): c for b, c in sorted(self.decode_corrections.items())},
-                "observations": dict(self.observations), "source": self.source}
+        return {
+            "prefill_tps": self.prefill_rate(),
+            "decode_tps": {str(b): r for b, r in self.corrected_decode_points().items()},
+            "calibrated": {
+                "prefill_tps": self.prefill_tps,
+                "decode_tps": {str(b): r for b, r in sorted(self.decode_points.items())},
+            },
+            "prefill_correction": self.prefill_correction,
+            "decode_corrections": {str(b): c for b, c in sorted(self.decode_corrections.items())},
+            "observations": dict(self.observations),
+            "source": self.source,
+        }
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "WorkerRates":
@@ -122,8 +128,12 @@ class WorkerRates:
         become the new base so `decode_rate(b)` is what the worker currently measures."""
         if not d or d.get("prefill_tps") is None:
             return cls()
-        return cls(prefill_tps=float(d["prefill_tps"]), decode_points={int(b): float(r) for b, r in d["decode_tps"].items()},
-                   source=d.get("source", "profile"), observations=dict(d.get("observations", {})))
+        return cls(
+            prefill_tps=float(d["prefill_tps"]),
+            decode_points={int(b): float(r) for b, r in d["decode_tps"].items()},
+            source=d.get("source", "profile"),
+            observations=dict(d.get("observations", {})),
+        )
 
 
 def _interpolate(points: dict[int, float], batch: int) -> float:
@@ -148,10 +158,16 @@ def load_profile(path: str | Path, worker: str) -> WorkerRates:
         rates = WorkerRates(prefill_tps=float(entry["prefill_tps"]),
                             decode_points={int(b): float(r) for b, r in entry["decode_tps"].items()}, source="profile")
     except FileNotFoundError:
-        raise ConfigError("rates_profile", str(path), "no such file; write one with Cluster.save_rates_profile()") from None
+        raise ConfigError(
+            "rates_profile", str(path), "no such file; write one with Cluster.save_rates_profile()"
+        ) from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError("rates_profile", str(path), f"has no valid entry for worker {worker!r} ({exc!r}); expected "
-                          '{"workers": {"<worker>": {"prefill_tps": float, "decode_tps": {"<batch>": float}}}}') from None
+        raise ConfigError(
+            "rates_profile",
+            str(path),
+            f"has no valid entry for worker {worker!r} ({exc!r}); expected "
+            '{"workers": {"<worker>": {"prefill_tps": float, "decode_tps": {"<batch>": float}}}}',
+        ) from None
     if rates.prefill_tps <= 0 or not rates.decode_points or min(rates.decode_points.values()) <= 0:
         raise ConfigError("rates_profile", str(path), f"rates for {worker!r} must be positive")
     return rates

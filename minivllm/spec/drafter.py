@@ -43,7 +43,9 @@ class SpecState:
                 "gate": gate.describe() if gate is not None else None}
 
 
-def processed_logits(row: torch.Tensor, context_ids: list[int], output_ids: list[int], params, vocab: int) -> torch.Tensor:
+def processed_logits(
+    row: torch.Tensor, context_ids: list[int], output_ids: list[int], params, vocab: int
+) -> torch.Tensor:
     """A logits row over the shared vocabulary with the request's penalties applied: the
     same processing for the target's and the draft's rows."""
     return apply_penalties(row[:vocab].float().clone(), context_ids, output_ids, params)

@@ -1,8 +1,9 @@
 """The pay-off gate: a request speculates only while that measurably beats decoding
 without the draft, and probes again later when it stops.
 
-Adaptive policies alone can only shrink proposals to one token: on creative text even one-token rounds lost to the target alone (0.63x), because
-a round always pays a draft forward and a wider verification forward.
+Adaptive policies alone can only shrink proposals to one token: on creative text even
+one-token rounds lost to the target alone (0.63x), because a round always pays a draft
+forward and a wider verification forward.
 
 Per request, in the batch it actually runs in, the gate compares two measured rates:
   plain       tokens per second of its decode steps without the draft (1 token per step);

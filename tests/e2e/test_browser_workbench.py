@@ -30,7 +30,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 CHROMIUM = "/usr/bin/chromium"
@@ -42,9 +41,14 @@ def _ensure_chromium() -> None:
     if os.path.exists(CHROMIUM):
         return
     if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip("needs Debian's chromium at /usr/bin/chromium (apt-get install chromium), and cannot install it here")
+        pytest.skip(
+            "needs Debian's chromium at /usr/bin/chromium (apt-get install chromium), and cannot install it here"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+    ):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             pytest.skip(f"could not install chromium ({' '.join(cmd)}): {done.stderr.strip()[-300:]}")
@@ -56,8 +60,9 @@ def _ensure_playwright():
     try:
         from playwright.sync_api import sync_playwright  # noqa: F401
     except ImportError:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "playwright"], capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "playwright"], capture_output=True, text=True, timeout=600
+        )
         if done.returncode != 0:
             pytest.skip(f"could not pip install playwright: {done.stderr.strip()[-300:]}")
     from playwright.sync_api import sync_playwright
@@ -79,10 +84,26 @@ def jupyter_lab(tmp_path, smollm2_path):
     _side_by_side_notebook(root / "side_by_side.ipynb")
     port = _free_port()
     log = open(tmp_path / "jupyter.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-                             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root}",
-                             "--ServerApp.disable_check_xsrf=True", "--allow-root", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={TOKEN}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.disable_check_xsrf=True",
+            "--allow-root",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=root,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -127,7 +148,10 @@ def _side_by_side_notebook(path: Path) -> None:
     spec = json.loads((REPO_ROOT / "notebooks" / "speculative.ipynb").read_text())
     cell = next("".join(c["source"]) for c in spec["cells"] if "sampled[D, SEEDS[0]]" in "".join(c["source"]))
     setup = f"SEEDS = [1]\nsampled = {{(D, 1): {INDENTED!r} for D in (0.0, 0.5, 1.0)}}"
-    code = lambda src: {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+
+    def code(src: str) -> dict:
+        return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+
     path.write_text(json.dumps({"cells": [code(setup), code(cell)], "metadata": spec["metadata"], "nbformat": 4,
                                 "nbformat_minor": 5}))
 
@@ -162,8 +186,10 @@ def _screenshot(page, selector: str, name: str, *, vbox: bool = True, max_height
     box.evaluate("el => el.scrollIntoView({block: 'start'})")  # its top at the top of the notebook's scroller
     page.wait_for_timeout(300)
     b = box.bounding_box()
-    page.screenshot(path=str(ARTIFACTS / name),
-                    clip={"x": b["x"], "y": max(0, b["y"]), "width": b["width"], "height": min(b["height"], max_height)})
+    page.screenshot(
+        path=str(ARTIFACTS / name),
+        clip={"x": b["x"], "y": max(0, b["y"]), "width": b["width"], "height": min(b["height"], max_height)},
+    )
 
 
 def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):

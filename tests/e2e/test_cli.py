@@ -12,7 +12,9 @@ import torch
 
 def _run(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "minivllm", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "minivllm", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_generate_streams_a_greedy_completion(smollm2_path):

@@ -135,7 +135,9 @@ def test_no_underscore_names_imported_across_modules():
 
 def test_no_module_is_over_500_lines():
     mods = _modules()
-    long = {str(p.relative_to(REPO_ROOT)): n for p in mods.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(REPO_ROOT)): n for p in mods.values() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
 
 

@@ -51,5 +51,10 @@ def run(s: Settings) -> int:
     return 0
 
 
-DRIVER = Driver("continuous-batching", "aggregate tok/s batched vs sequential for N requests; paged vs contiguous decode",
-                add_arguments, Settings, run)
+DRIVER = Driver(
+    "continuous-batching",
+    "aggregate tok/s batched vs sequential for N requests; paged vs contiguous decode",
+    add_arguments,
+    Settings,
+    run,
+)

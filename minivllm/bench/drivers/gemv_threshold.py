@@ -26,7 +26,9 @@ def add_arguments(p) -> None:
     common.add_activation_dtype(p)
     common.add_runs(p, 3, max_help="per N, more rounds while any mode's tok/s CV exceeds 5%%, up to this "
                                    "(default 3 x --runs)")
-    p.add_argument("--concurrency", type=common.int_list, default=list(range(1, 9)), help="comma list of N (default 1..8)")
+    p.add_argument(
+        "--concurrency", type=common.int_list, default=list(range(1, 9)), help="comma list of N (default 1..8)"
+    )
     common.add_max_tokens(p, 32, "output tokens per request")
     p.add_argument("--batch-invariant", action="store_true", help="add a batched batch_invariant=True column")
 

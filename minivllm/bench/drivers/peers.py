@@ -31,15 +31,22 @@ def add_arguments(p) -> None:
     common.add_runs(p, 3, "timed runs per engine (after a warm-up)", max_default=8,
                     max_help="at most this many runs while a CV exceeds 5%%")
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
-    p.add_argument("--llama-cpp-path", default=None,
-                   help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
+    p.add_argument(
+        "--llama-cpp-path",
+        default=None,
+        help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)",
+    )
     common.add_option(p, "engine option for minivllm (repeatable; default: the engine's kernel defaults)")
     common.add_inference_device(p, help="cpu (prefill/decode vs transformers and llama-cpp-python), or cuda:N / gpu: "
                                         "batched generation vs transformers' own generate")
-    common.add_activation_dtype(p, default=None, repeatable=True,
-                                help="repeatable. CPU: minivllm rows in these dtypes, f32 (default) and/or bf16 (the fast "
-                                     "mode: int8-activation GEMV, bf16 GEMM); GPU: the one dtype, f16 (default; T4 "
-                                     "has no bf16), bf16, f32")
+    common.add_activation_dtype(
+        p,
+        default=None,
+        repeatable=True,
+        help="repeatable. CPU: minivllm rows in these dtypes, f32 (default) and/or bf16 (the fast "
+        "mode: int8-activation GEMV, bf16 GEMM); GPU: the one dtype, f16 (default; T4 "
+        "has no bf16), bf16, f32",
+    )
     p.add_argument("--batch-sizes", default="1,8,32", help="GPU only: comma-separated batch sizes")
 
 
@@ -48,9 +55,17 @@ def run(s: Settings) -> int:
         from minivllm.bench.peers_gpu import run as run_gpu
 
         sizes = tuple(int(x) for x in s.batch_sizes.split(",") if x.strip())
-        run_gpu(s.model, s.inference_device, (s.activation_dtype or ["f16"])[-1], batch_sizes=sizes, prompt_len=s.prompt_tokens,
-                decode_tokens=s.max_tokens, runs=s.runs, max_runs=s.max_runs,
-                engine_options=common.engine_options(s.option))
+        run_gpu(
+            s.model,
+            s.inference_device,
+            (s.activation_dtype or ["f16"])[-1],
+            batch_sizes=sizes,
+            prompt_len=s.prompt_tokens,
+            decode_tokens=s.max_tokens,
+            runs=s.runs,
+            max_runs=s.max_runs,
+            engine_options=common.engine_options(s.option),
+        )
         return 0
     from minivllm.bench.peers import run
 

@@ -34,7 +34,9 @@ def add_arguments(p) -> None:
                                    "time's CV exceeds 5%%, up to this (default 3 x --runs)")
     p.add_argument("--parts", type=lambda v: v.split(","), default=None,
                    help="comma list: warm-prefix, cold-burst, incremental, single-flight, distinct (default all)")
-    p.add_argument("--groups", type=common.int_list, default=[2, 4, 8], help="request counts for incremental/single-flight")
+    p.add_argument(
+        "--groups", type=common.int_list, default=[2, 4, 8], help="request counts for incremental/single-flight"
+    )
     common.add_max_tokens(p, None, "tokens per request (default 128; 32 on CPU)")
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--max-active-requests", type=int, default=8)

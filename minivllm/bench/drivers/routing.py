@@ -70,5 +70,11 @@ def run(s: Settings) -> int:
     return 0
 
 
-DRIVER = Driver("routing", "routing policies on a burst with a warm shared prefix: forced onto the fastest worker vs "
-                "round-robin vs cost (completion time, throughput, TTFT, per-worker counts)", add_arguments, Settings, run)
+DRIVER = Driver(
+    "routing",
+    "routing policies on a burst with a warm shared prefix: forced onto the fastest worker vs "
+    "round-robin vs cost (completion time, throughput, TTFT, per-worker counts)",
+    add_arguments,
+    Settings,
+    run,
+)

@@ -70,7 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     common.add_prompt_tokens(p, 128, "prompt tokens (approximate without a tokenizer)")
     common.add_max_tokens(p, 128, "max_tokens of every request")
-    p.add_argument("--prompt-tokens-range", type=length_range, default=None, metavar="A:B", help="uniform prompt length")
+    p.add_argument(
+        "--prompt-tokens-range", type=length_range, default=None, metavar="A:B", help="uniform prompt length"
+    )
     p.add_argument("--max-tokens-range", type=length_range, default=None, metavar="A:B", help="uniform max_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -99,7 +101,9 @@ def add_arguments(p) -> None:
     p.add_argument("--peer-threads", type=int, default=None, help="--start-peer's CPU threads (default: all cores)")
     p.add_argument("--peer-gpu-layers", type=int, default=0, help="--start-peer's n_gpu_layers (default 0: CPU)")
     p.add_argument("--llama-cpp-path", default=None, help="site-packages holding llama-cpp-python, if not this env's")
-    p.add_argument("--ready-timeout", type=float, default=900.0, help="with --start-server: seconds to wait for /health")
+    p.add_argument(
+        "--ready-timeout", type=float, default=900.0, help="with --start-server: seconds to wait for /health"
+    )
     common.add_out(p)
     p.add_argument("--tag", default=None, help="result files serve-<label>-<tag>-<stamp>")
 

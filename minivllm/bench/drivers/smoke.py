@@ -51,8 +51,8 @@ def add_arguments(p) -> None:
 def run(s: Settings) -> int:
     from minivllm.bench.common import provenance
     from minivllm.bench.routing import backend_label
-    from minivllm.sampling.sampling_params import SamplingParams
     from minivllm.models.cache import sha256_file
+    from minivllm.sampling.sampling_params import SamplingParams
     from minivllm.serving import Cluster
 
     devices = s.inference_device or ["cpu"]

@@ -44,8 +44,11 @@ def add_arguments(p) -> None:
     p.add_argument("--cases", type=lambda v: v.split(","), default=None,
                    help="greedy cases to run besides target-only (default all): fixed-4, fixed-6, fixed-8, "
                         "acceptance-rate, accepted-length, adaptive, draft-only")
-    p.add_argument("--sampling-policy", default="fixed:8",
-                   help="draft policy of the TV-budget rows; several separated by / (fixed:4/fixed:8) each get every budget")
+    p.add_argument(
+        "--sampling-policy",
+        default="fixed:8",
+        help="draft policy of the TV-budget rows; several separated by / (fixed:4/fixed:8) each get every budget",
+    )
     p.add_argument("--synthetic-pair", action="store_true",
                    help="synthetic Qwen2.5-7B Q4_K_M target + 0.5B-class draft, random weights (GPU cost study)")
     p.add_argument("--synthetic-tokenizer", default=None, help="GGUF to copy the synthetic models' tokenizer from")

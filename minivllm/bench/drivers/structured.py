@@ -36,9 +36,17 @@ def add_arguments(p) -> None:
 def run(s: Settings) -> int:
     from minivllm.bench.structured_cost import run
 
-    run(s.model, s.inference_device, max_tokens=s.max_tokens, runs=s.runs,
-        batches=tuple(int(b) for b in s.batches.split(",")), synthetic=s.synthetic,
-        synthetic_tokenizer=s.synthetic_tokenizer, dtype=s.activation_dtype, engine_options=common.engine_options(s.option))
+    run(
+        s.model,
+        s.inference_device,
+        max_tokens=s.max_tokens,
+        runs=s.runs,
+        batches=tuple(int(b) for b in s.batches.split(",")),
+        synthetic=s.synthetic,
+        synthetic_tokenizer=s.synthetic_tokenizer,
+        dtype=s.activation_dtype,
+        engine_options=common.engine_options(s.option),
+    )
     return 0
 
 

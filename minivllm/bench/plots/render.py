@@ -31,7 +31,9 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure as MplFigure
     except ImportError as exc:
-        raise MatplotlibMissing(f"minivllm bench plot needs matplotlib, which is not installed: {INSTALL_HINT}") from exc
+        raise MatplotlibMissing(
+            f"minivllm bench plot needs matplotlib, which is not installed: {INSTALL_HINT}"
+        ) from exc
     return MplFigure, FigureCanvasAgg
 
 

@@ -37,8 +37,8 @@ approximate: one word per token (these common words are one token each with Smol
 tokenizer, and with most BPE vocabularies; general prose runs nearer 1.3 tokens per word).
 The actual prompt tokens come back in `usage` and are what the table reports. Requests are
 greedy (temperature 0) and `ignore_eos` by default, so output lengths match `--max-tokens`
-on servers that honour `ignore_eos` or `min_tokens` (minivllm, vLLM, llama-cpp-python); the summary counts requests whose
-output length differs from the requested one.
+on servers that honour `ignore_eos` or `min_tokens` (minivllm, vLLM, llama-cpp-python); the summary
+counts requests whose output length differs from the requested one.
 
 Usage:
 
@@ -80,10 +80,35 @@ the table and exits 1 when a target completed no request at all.
 
 from minivllm.bench.serve_load.client import drive, endpoint_path, probe, stream_request
 from minivllm.bench.serve_load.load import default_label, run
-from minivllm.bench.serve_load.metrics import RequestResult, meets_slo, peak_in_flight, request_metrics, stats, summarize
+from minivllm.bench.serve_load.metrics import (
+    RequestResult,
+    meets_slo,
+    peak_in_flight,
+    request_metrics,
+    stats,
+    summarize,
+)
 from minivllm.bench.serve_load.report import markdown, table
 from minivllm.bench.serve_load.workload import LoadSettings, RequestSpec, arrival_offsets, make_requests, request_body
 
-__all__ = ["LoadSettings", "RequestResult", "RequestSpec", "arrival_offsets", "default_label", "drive", "endpoint_path",
-           "make_requests", "markdown", "meets_slo", "peak_in_flight", "probe", "request_body", "request_metrics", "run",
-           "stats", "stream_request", "summarize", "table"]
+__all__ = [
+    "LoadSettings",
+    "RequestResult",
+    "RequestSpec",
+    "arrival_offsets",
+    "default_label",
+    "drive",
+    "endpoint_path",
+    "make_requests",
+    "markdown",
+    "meets_slo",
+    "peak_in_flight",
+    "probe",
+    "request_body",
+    "request_metrics",
+    "run",
+    "stats",
+    "stream_request",
+    "summarize",
+    "table",
+]

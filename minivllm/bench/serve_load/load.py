@@ -91,7 +91,9 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
         try:
             tok = _load_tokenizer(tok_name)
         except Exception as exc:  # noqa: BLE001 - sizing by words still works
-            print(f"bench serve: tokenizer {tok_name!r} not available ({exc}); prompt lengths are approximate", flush=True)
+            print(
+                f"bench serve: tokenizer {tok_name!r} not available ({exc}); prompt lengths are approximate", flush=True
+            )
             tok_name = None
     specs = make_requests(settings, tok)
     out = Path(out_dir) if out_dir else _results.RESULTS_DIR
@@ -166,8 +168,13 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
             if kind in ("start", "peer") and server is not None:
                 exit_code, server = server.stop(), None
             summary = summarize(results, duration, settings.slo_ttft_ms, settings.slo_tpot_ms, settings.ignore_eos)
-            cfg = {"bench": "serve", **asdict(settings), "warmup": warmup, "tokenizer": tok_name,
-                   "prompt_sizing": "exact (tokenizer)" if tok is not None else f"approximate (words * {TOKENS_PER_WORD})"}
+            cfg = {
+                "bench": "serve",
+                **asdict(settings),
+                "warmup": warmup,
+                "tokenizer": tok_name,
+                "prompt_sizing": "exact (tokenizer)" if tok is not None else f"approximate (words * {TOKENS_PER_WORD})",
+            }
             prov = provenance("cpu", model_sha, _jsonable(cfg))
             prov["device_note"] = "`device` is the load generator's machine; the server is described under `target`"
             target = {
@@ -190,7 +197,12 @@ def run(urls: list[str] | None = None, labels: list[str] | None = None, settings
             server.stop()
     result = {"targets": targets, "table": table(targets), "files": [f for t in targets for f in t.get("files", [])]}
     if write and len(targets) > 1:
-        name = "serve-compare-" + "-vs-".join(_safe(t["label"]) for t in targets) + (f"-{_safe(tag)}" if tag else "") + f"-{stamp}"
+        name = (
+            "serve-compare-"
+            + "-vs-".join(_safe(t["label"]) for t in targets)
+            + (f"-{_safe(tag)}" if tag else "")
+            + f"-{stamp}"
+        )
         combined = {"benchmark": "serve-compare", "labels": [t["label"] for t in targets],
                     "provenance": targets[0]["provenance"],
                     "targets": [{k: t[k] for k in ("label", "target", "notes", "summary", "files")} for t in targets]}

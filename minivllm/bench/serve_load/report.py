@@ -63,14 +63,16 @@ def table(targets: list[dict]) -> str:
     head = ["metric"] + labels + [f"{lb} / {labels[0]}" for lb in labels[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     names = [r[0] for r in rows[0]]
-    for k, name in enumerate(names):
+    for name in names:
         cells = [name]
         values = []
         for rs in rows:
             match = [r for r in rs if r[0] == name]
             v, fmt = (match[0][1], match[0][2]) if match else (None, "")
             values.append(v)
-            cells.append("" if v is None else fmt.format(v) if not (fmt == "{:d}" and isinstance(v, float)) else f"{v:g}")
+            cells.append(
+                "" if v is None else fmt.format(v) if not (fmt == "{:d}" and isinstance(v, float)) else f"{v:g}"
+            )
         for v in values[1:]:
             base = values[0]
             cells.append(f"{v / base:.3f}" if isinstance(v, (int, float)) and isinstance(base, (int, float)) and base

@@ -6,7 +6,6 @@ import math
 import random
 from dataclasses import dataclass
 
-
 # Common English words; with SmolLM2's (Llama-style BPE) tokenizer nearly every " word" is one token.
 WORDS = """the of and to in is was for on are with as be at by this had not but from have they which one you
 were her all she there would their we him been has when who will more no if out so said what up its about into

@@ -41,6 +41,25 @@ from minivllm.bench.suite.plan import EXTRA_ARGS_ENV, Run, device_tag, is_cuda, 
 from minivllm.bench.suite.run import package_commit, run_suite, write_index
 from minivllm.bench.suite.table import ALL, CPU, EACH, EXCLUDED, GPU, NONE, NOT_IMPLEMENTED, PAIR, SUITE, Bench, by_name
 
-__all__ = ["ALL", "CPU", "EACH", "EXCLUDED", "EXTRA_ARGS_ENV", "GPU", "NONE", "NOT_IMPLEMENTED", "PAIR", "SUITE", "Bench",
-           "Run", "by_name", "device_tag", "is_cuda", "package_commit", "plan", "run_suite", "supported_dtypes",
-           "write_index"]
+__all__ = [
+    "ALL",
+    "CPU",
+    "EACH",
+    "EXCLUDED",
+    "EXTRA_ARGS_ENV",
+    "GPU",
+    "NONE",
+    "NOT_IMPLEMENTED",
+    "PAIR",
+    "SUITE",
+    "Bench",
+    "Run",
+    "by_name",
+    "device_tag",
+    "is_cuda",
+    "package_commit",
+    "plan",
+    "run_suite",
+    "supported_dtypes",
+    "write_index",
+]

@@ -86,10 +86,29 @@ def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, strid
 
 
 @triton.jit
-def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
-                    H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr):
+def _rope_qk_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_c,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    HALF: tl.constexpr,
+    ADJACENT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c,

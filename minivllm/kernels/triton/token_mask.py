@@ -39,7 +39,9 @@ def mask_rows_inplace(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tens
     if logits.stride(-1) != 1 or bitmask.stride(-1) != 1 or bitmask.dtype != torch.int32:
         raise ValueError("mask_rows_inplace: contiguous rows and an int32 bitmask expected")
     if bitmask.shape[0] != rows or bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"mask_rows_inplace: bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+        raise ValueError(
+            f"mask_rows_inplace: bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}"
+        )
     require_triton_device({"logits": logits, "bitmask": bitmask}, "mask_rows_inplace")
     if rows:
         _mask_rows_kernel[(rows, triton.cdiv(vocab, BLOCK))](logits, bitmask, logits.stride(0), bitmask.stride(0),

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import PROVENANCE_KEYS  # the results_dir fixture is in conftest too
+
 from minivllm.bench.common import runs_until_stable
 from minivllm.errors import ConfigError
 

@@ -28,7 +28,9 @@ def test_every_bench_subcommand_is_in_the_suite():
     registered = _registered()
     covered = {argv[1] for argv in _suite_commands() if argv[0] == "bench"}
     missing = registered - covered - set(suite.EXCLUDED)
-    assert not missing, f"add these to minivllm/bench/suite/table.py SUITE (or EXCLUDED with a reason): {sorted(missing)}"
+    assert not missing, (
+        f"add these to minivllm/bench/suite/table.py SUITE (or EXCLUDED with a reason): {sorted(missing)}"
+    )
     assert set(suite.EXCLUDED) <= registered, "stale exclusions"
     assert ("smoke",) in _suite_commands()  # the top-level smoke command runs too
     names = [b.name for b in suite.SUITE]
@@ -36,7 +38,9 @@ def test_every_bench_subcommand_is_in_the_suite():
 
 
 def test_dry_run_lists_every_registered_benchmark(capsys):
-    assert main(["bench", "all", "--quick", "--dry-run", "--inference-device", "cpu", "--inference-device", "cuda:0"]) == 0
+    assert (
+        main(["bench", "all", "--quick", "--dry-run", "--inference-device", "cpu", "--inference-device", "cuda:0"]) == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     listed = {line.split(":")[0].split("[")[0] for line in lines if not line.startswith("#")}
     registered = _registered() - set(suite.EXCLUDED)
@@ -82,8 +86,14 @@ def test_unknown_names_are_refused():
 def _bench_all(cwd, *extra, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != suite.EXTRA_ARGS_ENV}
     env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "all", "--quick", "--inference-device", "cpu", *extra],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm", "bench", "all", "--quick", "--inference-device", "cpu", *extra],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     results = cwd / "benchmarks" / "results"
     index = sorted(results.glob("bench-all-cpu-*.json"))
     assert len(index) == 1, (proc.stdout[-3000:], proc.stderr[-3000:])

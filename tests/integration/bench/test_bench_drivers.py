@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import PROVENANCE_KEYS  # the results_dir fixture is in conftest too
 
 
@@ -219,7 +218,9 @@ def test_decode_driver_with_baselines(results_dir, smollm2_path):
         assert llama["status"].startswith("not installed")
     else:
         assert llama["status"] == "ok" and llama["decode_tok_s_median"] > 0
-        assert llama["minivllm/this_prefill"] == pytest.approx(ours["prefill_tok_s_median"] / llama["prefill_tok_s_median"])
+        assert llama["minivllm/this_prefill"] == pytest.approx(
+            ours["prefill_tok_s_median"] / llama["prefill_tok_s_median"]
+        )
     assert len(rows) == 3
 
 
@@ -296,4 +297,7 @@ def test_speculative_driver(results_dir, tmp_path):
     sampling = tables["sampling"]
     tv1 = next(r for r in sampling if r["case"] == "fixed:8 TV=1")
     assert tv1["acceptance"] == 1.0 and tv1["n"] == 2  # a TV budget of 1 accepts every draft token
-    assert all(r["texts"] for r in sampling) and "## Generated texts" in next(results_dir.glob("speculative-*.md")).read_text()
+    assert (
+        all(r["texts"] for r in sampling)
+        and "## Generated texts" in next(results_dir.glob("speculative-*.md")).read_text()
+    )

@@ -6,7 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import PROVENANCE_KEYS  # the results_dir fixture is in conftest too
 
 
@@ -86,7 +85,9 @@ def test_offline_driver_tiny(results_dir, smollm2_path):
     assert run_row["output_lens"] == s["output_lens"]
     assert run_row["output_tokens"] == sum(s["output_lens"]) and run_row["prompt_tokens"] == sum(s["prompt_lens"])
     assert run_row["output_tok_s"] == pytest.approx(run_row["output_tokens"] / run_row["wall_s"])
-    assert run_row["total_tok_s"] == pytest.approx((run_row["output_tokens"] + run_row["prompt_tokens"]) / run_row["wall_s"])
+    assert run_row["total_tok_s"] == pytest.approx(
+        (run_row["output_tokens"] + run_row["prompt_tokens"]) / run_row["wall_s"]
+    )
     assert run_row["requests_s"] == pytest.approx(5 / run_row["wall_s"])
     assert summary["output_tok_s_mean"] == pytest.approx(run_row["output_tok_s"]) and summary["output_tok_s_std"] == 0
     md = files[0].with_name(files[0].name[:-5] + ".md").read_text()

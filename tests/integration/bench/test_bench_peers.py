@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import PROVENANCE_KEYS  # the results_dir fixture is in conftest too
 
 

@@ -31,8 +31,9 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     assert settings["prompt_tokens"] == 64 and settings["prefix_tokens"] == 48
     # one run asked for, at most one allowed: exactly one run per (policy, burst), recorded with its CV
     assert settings["max_runs"] == 1 and settings["cv_target"] == 0.05
-    assert [(r["burst"], r["policy"], r["runs"], r["max_runs"], r["stopped"], r["watched"]) for r in settings["rounds"]] \
-        == [(4, p, 1, 1, "stable", ["completion_s"]) for p in ("forced-fastest", "round-robin", "cost")]
+    assert [
+        (r["burst"], r["policy"], r["runs"], r["max_runs"], r["stopped"], r["watched"]) for r in settings["rounds"]
+    ] == [(4, p, 1, 1, "stable", ["completion_s"]) for p in ("forced-fastest", "round-robin", "cost")]
     assert [w["name"] for w in meta["workers"]] == ["cpu", "cpu#2"]
     fastest = meta["forced_fastest"]["worker"]
     assert fastest in ("cpu", "cpu#2")
@@ -40,7 +41,7 @@ def test_bench_routing_quick(results_dir, smollm2_path, capsys):
     rows = {r["policy"]: r for r in data["rows"]}
     assert set(rows) == {"forced-fastest", "round-robin", "cost"}
     assert rows["forced-fastest"]["router"] == f"forced:{fastest}"
-    for policy, row in rows.items():
+    for row in rows.values():
         assert row["burst"] == 4 and len(row["runs"]) == 1
         assert row["runs_n"] == 1 and row["completion_s_cv"] == row["cv"] == 0 and row["stopped"] == "stable"
         assert row["completion_s_mean"] > 0 and row["output_tok_s_mean"] > 0

@@ -15,8 +15,15 @@ import httpx
 import numpy as np
 import pytest
 
-from minivllm.bench.serve_load import (LoadSettings, RequestResult, arrival_offsets, make_requests, request_metrics,
-                                       stream_request, summarize)
+from minivllm.bench.serve_load import (
+    LoadSettings,
+    RequestResult,
+    arrival_offsets,
+    make_requests,
+    request_metrics,
+    stream_request,
+    summarize,
+)
 from minivllm.cli.main import build_parser
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,8 +128,13 @@ def _exchange(status: int, content: bytes) -> RequestResult:
         ticks = iter(range(100))
         rec = RequestResult(0, 5, 3)
         async with httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(handler)) as client:
-            await stream_request(client, "/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True}},
-                                 rec, lambda: float(next(ticks)))
+            await stream_request(
+                client,
+                "/v1/chat/completions",
+                {"stream": True, "stream_options": {"include_usage": True}},
+                rec,
+                lambda: float(next(ticks)),
+            )
         return rec
 
     return asyncio.run(go())
@@ -262,7 +274,9 @@ def test_result_files_with_provenance(served):
     assert len(files) == 6, names  # two targets and the comparison, .json and .md each
     assert result["files"] and all(str(f) in result["files"] for f in files)
     for t in result["targets"]:
-        data = json.loads((out / [n for n in names if n.startswith(f"serve-{t['label']}-ci-") and n.endswith(".json")][0]).read_text())
+        data = json.loads(
+            (out / [n for n in names if n.startswith(f"serve-{t['label']}-ci-") and n.endswith(".json")][0]).read_text()
+        )
         assert data["benchmark"] == "serve" and data["label"] == t["label"]
         assert PROVENANCE_KEYS <= set(data["provenance"])
         cfg = data["provenance"]["settings"]

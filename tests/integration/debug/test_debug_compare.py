@@ -16,15 +16,14 @@ import sys
 
 import pytest
 import torch
+from conftest import DATA_DIR
 
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.debug import DivergenceReport, compare
-from minivllm.engine.options import engine_option_names, parse_option_value, parse_overrides
 from minivllm.debug.hidden_state_diff import diff_hidden_states, engine_forward_schedule
+from minivllm.engine.options import engine_option_names, parse_option_value, parse_overrides
 from minivllm.errors import ConfigError
-
-from conftest import DATA_DIR
 
 CASE = DATA_DIR / "divergence" / "smollm2-gemm-vs-gemv.json"
 PROMPT = "The lighthouse keeper had not seen a ship in eleven years. On the night of the storm,"
@@ -106,7 +105,10 @@ def test_identical_options_report_no_divergence(llm):
 def test_layer_diffs_are_exactly_zero_for_identical_options(llm):
     ids = llm.tokenizer.encode(PROMPT)
     n_prompt = len(ids) - 5  # five decode rows after the prefill, like a generation
-    side_1, side_2 = llm.fork(gemv_max_rows=4096, max_batched_tokens=8), llm.fork(gemv_max_rows=4096, max_batched_tokens=8)
+    side_1, side_2 = (
+        llm.fork(gemv_max_rows=4096, max_batched_tokens=8),
+        llm.fork(gemv_max_rows=4096, max_batched_tokens=8),
+    )
     diffs, logits_1, logits_2 = diff_hidden_states(side_1, side_2, ids, n_prompt)
     assert len(diffs) == llm.config.n_layers + 1 and diffs[0].layer == "embedding"
     for d in diffs:

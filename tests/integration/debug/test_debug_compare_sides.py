@@ -20,11 +20,11 @@ import sys
 
 import pytest
 import torch
+from conftest import transformers_greedy
 
 from minivllm import LLM, SamplingParams
 from minivllm.debug import compare
 from minivllm.debug.sides import parse_side
-from conftest import transformers_greedy
 from minivllm.errors import ConfigError, EngineNotInstalledError
 
 PROMPT = "The lighthouse keeper had not seen a ship in eleven years. On the night of the storm,"
@@ -162,7 +162,11 @@ def test_layer_report_lines_up_with_transformers_layers(vs_transformers, llm, re
     here = ((theirs - ours).double().norm(dim=(1, 2)) / ours.double().norm(dim=(1, 2))).tolist()
     for d, mine in zip(diffs, here):
         # Over more rows (the generated ones too) and another chunking: the same order of size.
-        assert d.prefix_rel_l2 <= 10 * mine + 1e-7 and mine <= 10 * d.prefix_rel_l2 + 1e-7, (d.layer, d.prefix_rel_l2, mine)
+        assert d.prefix_rel_l2 <= 10 * mine + 1e-7 and mine <= 10 * d.prefix_rel_l2 + 1e-7, (
+            d.layer,
+            d.prefix_rel_l2,
+            mine,
+        )
     # Where b first leaves a: the earliest position any layer differs at, and the first
     # layer differing there.
     first = report.first_layer_difference

@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import DATA_DIR
+
 from minivllm import LLM, SamplingParams
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig

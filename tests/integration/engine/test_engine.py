@@ -23,22 +23,22 @@ import json
 
 import pytest
 import torch
+from conftest import DATA_DIR
+from engine_invariants import check_invariants, free_equals_total
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
-
-from conftest import DATA_DIR
-from engine_invariants import FINISH_REASONS, check_invariants, free_equals_total
 from sampling_margin import draw_margin
+
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.page_pool import PagePool
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.sampling.outputs import RequestOutput
 from minivllm.engine.request import Status
-from minivllm.sampling.sampler import make_generator, sample
 from minivllm.errors import ConfigError
+from minivllm.sampling.outputs import RequestOutput
+from minivllm.sampling.sampler import make_generator, sample
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 NEAR_TIE = 1e-4  # tiny model: top-2 logit margin below which a flipped greedy token is tolerated
@@ -638,8 +638,19 @@ PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_
                "flights", "released", "flight_counters"}
 KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cpu_gemv", "cuda_graphs", "weight_bytes",
                "gemv_kinds"}
-ENGINE_KEYS = {"model", "architecture", "device", "activation_dtype", "kv_dtype", "kv_mode", "page_size", "max_model_len",
-               "max_batched_tokens", "max_active_requests", "policy"}
+ENGINE_KEYS = {
+    "model",
+    "architecture",
+    "device",
+    "activation_dtype",
+    "kv_dtype",
+    "kv_mode",
+    "page_size",
+    "max_model_len",
+    "max_batched_tokens",
+    "max_active_requests",
+    "policy",
+}
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}
 KV_KEYS = {"page_size", "total_pages", "free_pages", "available_pages", "used_pages", "bytes", "page_states",
            "ref_counts", "reserved_pages"}
@@ -734,7 +745,7 @@ def steps_until_first_token(llm, policy: str) -> tuple[int, list[list[str]], lis
     longs = [engine.add_request(tok.encode(p), SamplingParams(temperature=0.0, max_tokens=2)) for p in PROMPTS[:3]]
     short = engine.add_request(tok.encode("Hi"), SamplingParams(temperature=0.0, max_tokens=2))
     orders = []
-    for n in range(1, 30):
+    for _ in range(29):
         engine.step()
         orders.append([r["id"] for r in engine.last_step["rows"] if r["phase"] == "prefill"])
         if engine.request_state(short).output_ids:
@@ -742,7 +753,7 @@ def steps_until_first_token(llm, policy: str) -> tuple[int, list[list[str]], lis
     for r in longs + [short]:
         engine.abort(r)
     free_equals_total(engine)
-    return n, orders, longs
+    return len(orders), orders, longs  # the steps taken: one order per step
 
 
 def test_policies(llm):

@@ -26,14 +26,14 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import DATA_DIR
+from engine_invariants import check_invariants, free_equals_total
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
+from sampling_margin import draw_margin
 
 import minivllm.cache.prefix_index as prefix_index_module
-from conftest import DATA_DIR
-from engine_invariants import check_invariants, free_equals_total
-from sampling_margin import draw_margin
 from minivllm import LLM, SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.flight_coordinator import FlightCoordinator, UnknownFlightRequestError
@@ -42,9 +42,9 @@ from minivllm.cache.prefix_index import ROOT_KEY, PrefixIndex
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Status
-from minivllm.sampling.sampler import make_generator, sample
 from minivllm.errors import ConfigError
 from minivllm.kernels.kernel_options import KernelOptions
+from minivllm.sampling.sampler import make_generator, sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

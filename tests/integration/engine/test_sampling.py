@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from minivllm.engine.llm import LLM
+from minivllm.errors import ConfigError
 from minivllm.sampling.sampler import apply_penalties, filtered_probs, make_generator, sample
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.sampling.stop_strings import StopStringMatcher
-from minivllm.errors import ConfigError
 
 # --- SamplingParams validation ---------------------------------------------------------------
 

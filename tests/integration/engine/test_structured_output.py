@@ -11,12 +11,12 @@ import re
 import jsonschema
 import lark
 import pytest
+from synthetic_gguf import write_tiny_model
 
 from minivllm.engine.llm import LLM
 from minivllm.errors import ConfigError
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.sampling.structured import StructuredOutput
-from synthetic_gguf import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,10 +9,10 @@ import json
 import re
 
 import pytest
+from synthetic_gguf import write_tiny_model
 
 from minivllm.engine.llm import LLM
 from minivllm.sampling.sampling_params import SamplingParams
-from synthetic_gguf import write_tiny_model
 
 pytestmark = pytest.mark.cuda
 

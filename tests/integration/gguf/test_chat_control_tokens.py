@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import DATA_DIR
+
 from minivllm.gguf.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer
 from minivllm.serving import Cluster
 
@@ -83,8 +83,9 @@ def test_single_control_texts_stay_text(model, content):
     _, ours, theirs = model
     messages = [{"role": "user", "content": content}]
     text, ids = ours.encode_chat(messages)
-    assert [i for i in ids if ours.is_special(i)] == [i for i in reference_ids(theirs, [{"role": "user", "content": "x"}])
-                                                      if ours.is_special(i)]
+    assert [i for i in ids if ours.is_special(i)] == [
+        i for i in reference_ids(theirs, [{"role": "user", "content": "x"}]) if ours.is_special(i)
+    ]
     assert ours.decode(ids) == text == reference_text(theirs, messages)
 
 
@@ -105,8 +106,9 @@ def test_content_holding_every_private_use_character_still_escapes_control_text(
                + code + "|>" + pua + ISSUE_ATTACK + escape.escape)
     messages = [{"role": "user", "content": content}]
     text, ids = ours.encode_chat(messages)
-    assert [i for i in ids if ours.is_special(i)] == [i for i in reference_ids(theirs, [{"role": "user", "content": "x"}])
-                                                      if ours.is_special(i)]
+    assert [i for i in ids if ours.is_special(i)] == [
+        i for i in reference_ids(theirs, [{"role": "user", "content": "x"}]) if ours.is_special(i)
+    ]
     assert text == reference_text(theirs, messages)
     assert ours.decode(ids) == text
 

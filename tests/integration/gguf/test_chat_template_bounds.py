@@ -11,12 +11,17 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
+from tokenizer_fixtures import write_byte_vocab_gguf
 
 from minivllm.gguf import chat_template as ct
-from minivllm.gguf.chat_template import (MAX_TEMPLATE_CHARS, MAX_TEMPLATE_NESTING, MAX_TEMPLATE_TOKENS,
-                                         ChatTemplateTooLarge, check_template_bounds)
+from minivllm.gguf.chat_template import (
+    MAX_TEMPLATE_CHARS,
+    MAX_TEMPLATE_NESTING,
+    MAX_TEMPLATE_TOKENS,
+    ChatTemplateTooLarge,
+    check_template_bounds,
+)
 from minivllm.gguf.tokenizer import Tokenizer
-from tokenizer_fixtures import write_byte_vocab_gguf
 
 
 def load(tmp_path, template: str) -> Tokenizer:

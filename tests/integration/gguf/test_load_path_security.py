@@ -20,14 +20,13 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 
 from minivllm.errors import ModelSourceError
 from minivllm.models import resolve_model
 
-from conftest import REPO_ROOT
 PACKAGE = REPO_ROOT / "minivllm"
 
 _PROBE = textwrap.dedent("""

@@ -486,7 +486,11 @@ _WRONG = [
     ("tokenizer.ggml.tokens", (STR, "abc"), "expected an array of strings"),
     ("tokenizer.ggml.merges", (U32, 5), "expected an array of strings"),
     ("tokenizer.ggml.token_type", (ARR, ["1"] * VOCAB, STR), "expected an array of integers"),
-    ("tokenizer.ggml.token_type", (ARR, [1] * (VOCAB + 5), I32), f"expected one per token of tokenizer.ggml.tokens ({VOCAB})"),
+    (
+        "tokenizer.ggml.token_type",
+        (ARR, [1] * (VOCAB + 5), I32),
+        f"expected one per token of tokenizer.ggml.tokens ({VOCAB})",
+    ),
     ("tokenizer.ggml.bos_token_id", (STR, "1"), "expected an integer"),
     ("tokenizer.ggml.add_bos_token", (STR, "false"), "expected a bool"),
     ("tokenizer.chat_template", (U32, 1), "expected a string"),

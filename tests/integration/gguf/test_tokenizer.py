@@ -111,7 +111,11 @@ def test_corpus_covers_every_recorded_case(subject):
 
 def test_token_ids_match_llamacpp(subject):
     tok, _, ref = subject
-    wrong = [(c["text"], c["add_bos"], c["special"], c["ids"], _ours(tok, c)) for c in ref["cases"] if _ours(tok, c) != c["ids"]]
+    wrong = [
+        (c["text"], c["add_bos"], c["special"], c["ids"], _ours(tok, c))
+        for c in ref["cases"]
+        if _ours(tok, c) != c["ids"]
+    ]
     assert not wrong, f"{len(wrong)} of {len(ref['cases'])} cases differ from llama.cpp; first: " + "\n".join(
         f"{t!r} add_bos={b} special={s}\n  llama.cpp {want}\n  ours      {got}" for t, b, s, want, got in wrong[:5]
     )
@@ -323,11 +327,16 @@ def test_qwen_opens_without_per_token_python_calls(qwen05_path):
     tok = Tokenizer.from_gguf(GGUFFile(qwen05_path))
     profile.disable()
     vocab = tok.vocab_size
-    python_calls = {f"{file}:{line}({name})": stats[1] for (file, line, name), stats in pstats.Stats(profile).stats.items()
-                    if file != "~" and not file.startswith("<")}
+    python_calls = {
+        f"{file}:{line}({name})": stats[1]
+        for (file, line, name), stats in pstats.Stats(profile).stats.items()
+        if file != "~" and not file.startswith("<")
+    }
     busiest = max(python_calls, key=python_calls.get)
     assert vocab > 150_000 and python_calls[busiest] < vocab // 20, (busiest, python_calls[busiest], vocab)
 
 
 def _tiny_gguf(tmp_path, *, model: str = "gpt2", pre: str | None = "gpt-2", chat_template: str | None = None):
-    return write_byte_vocab_gguf(tmp_path / f"tiny-{model}-{pre}.gguf", model=model, pre=pre, chat_template=chat_template)
+    return write_byte_vocab_gguf(
+        tmp_path / f"tiny-{model}-{pre}.gguf", model=model, pre=pre, chat_template=chat_template
+    )

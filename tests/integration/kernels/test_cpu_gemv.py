@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT  # noqa: E402
 from gguf import GGMLQuantizationType
+from test_cpu_packed import _random_weight
 
 from minivllm.gguf.reader import GGUFFile
 from minivllm.kernels import cpu_gemv
 from minivllm.kernels.quant_weight import QuantizedWeight
-from test_cpu_packed import _random_weight
-from conftest import REPO_ROOT  # noqa: E402
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from test_cpu_gemv import needs_ext
+from test_cpu_packed import _random_weight
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import cpu_gemv
-from test_cpu_gemv import needs_ext
-from test_cpu_packed import _random_weight
 
 T = GGMLQuantizationType
 PACKED = [T.Q4_0, T.Q4_1, T.Q5_0]

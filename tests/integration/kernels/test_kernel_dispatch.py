@@ -91,7 +91,7 @@ def test_gemv_path_stays_close_to_the_float32_gemm(llm):
     for rows in (0, 4096):
         seen = []
         other = llm.fork(gemv_max_rows=rows)
-        other.engine.logits_hook = lambda rid, logits: seen.append(logits.clone())
+        other.engine.logits_hook = lambda rid, logits, seen=seen: seen.append(logits.clone())
         other.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         out[rows] = seen
     first_gemm, first_gemv = out[0][0], out[4096][0]  # same history: the prompt only

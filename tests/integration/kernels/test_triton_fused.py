@@ -11,12 +11,12 @@ import os
 
 import pytest
 import torch
+from conftest import REPO_ROOT  # noqa: E402
 from triton_devices import DEVICES  # sets TRITON_INTERPRET before any kernel module loads
 
 from minivllm.kernels.rmsnorm import rms_norm  # noqa: E402
 from minivllm.kernels.rope import RotaryEmbedding  # noqa: E402
 from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, swiglu  # noqa: E402
-from conftest import REPO_ROOT  # noqa: E402
 
 
 @pytest.fixture
@@ -124,7 +124,6 @@ def test_fused_decoder_forward_matches_the_torch_steps(tmp_path, monkeypatch):
     """A small synthetic Qwen2 file (k-quant and Q5_0/Q8_0 fallback tensors) on CUDA: the
     fused forward's logits match the torch steps' (MINIVLLM_FUSED=0), and greedy decoding
     gives the same tokens; batch-invariant mode stays bit-identical solo vs batched."""
-    from pathlib import Path
 
     from minivllm.bench.synthetic_model import scaled_down, write_synthetic_model
     from minivllm.engine.llm import LLM

@@ -22,7 +22,9 @@ def _logits(path, dtype, monkeypatch, plan: str):
     llm = LLM(str(path), device="cpu", dtype=dtype, progress=False)
     seen = []
     llm.engine.logits_hook = lambda rid, logits: seen.append((rid, logits.clone()))
-    outs = llm.generate(["The quick brown fox", "Write a haiku about the sea"], SamplingParams(temperature=0.0, max_tokens=10))
+    outs = llm.generate(
+        ["The quick brown fox", "Write a haiku about the sea"], SamplingParams(temperature=0.0, max_tokens=10)
+    )
     ran = any(plan.ok for plan in getattr(llm.model, "_cpu_layer_plans", {}).values())
     return [o.token_ids for o in outs], seen, ran
 

@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import DATA_DIR, transformers_greedy
+
 from minivllm import LLM, SamplingParams
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
@@ -115,6 +115,7 @@ def test_incremental_decode_matches_full_prefill(pair):
 def test_cuda_logits_and_greedy_match_transformers(model, smollm2_path, qwen05_path):
     """The same comparisons with minivllm on the GPU (transformers stays on the CPU)."""
     from conftest import cuda_devices
+
     from minivllm.cache.contiguous import ContiguousKVCache
 
     path = smollm2_path if model == "smollm2" else qwen05_path

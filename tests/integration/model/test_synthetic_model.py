@@ -23,7 +23,6 @@ from minivllm.bench.synthetic_model import (
     QWEN25_7B,
     SyntheticSpec,
     T,
-    TensorPlan,
     plan_tensors,
     q4_k_blocks,
     q6_k_blocks,
@@ -43,14 +42,22 @@ def test_full_size_plan_matches_published_qwen25_7b():
     expected = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
     for i in range(LAYERS):
         p = f"blk.{i}."
-        expected.update({
-            p + "attn_norm.weight": (HIDDEN,), p + "ffn_norm.weight": (HIDDEN,),
-            p + "attn_q.weight": (HIDDEN, HIDDEN), p + "attn_q.bias": (HIDDEN,),
-            p + "attn_k.weight": (KV_HEADS * head_dim, HIDDEN), p + "attn_k.bias": (KV_HEADS * head_dim,),
-            p + "attn_v.weight": (KV_HEADS * head_dim, HIDDEN), p + "attn_v.bias": (KV_HEADS * head_dim,),
-            p + "attn_output.weight": (HIDDEN, HIDDEN),
-            p + "ffn_gate.weight": (FFN, HIDDEN), p + "ffn_up.weight": (FFN, HIDDEN), p + "ffn_down.weight": (HIDDEN, FFN),
-        })
+        expected.update(
+            {
+                p + "attn_norm.weight": (HIDDEN,),
+                p + "ffn_norm.weight": (HIDDEN,),
+                p + "attn_q.weight": (HIDDEN, HIDDEN),
+                p + "attn_q.bias": (HIDDEN,),
+                p + "attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+                p + "attn_k.bias": (KV_HEADS * head_dim,),
+                p + "attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+                p + "attn_v.bias": (KV_HEADS * head_dim,),
+                p + "attn_output.weight": (HIDDEN, HIDDEN),
+                p + "ffn_gate.weight": (FFN, HIDDEN),
+                p + "ffn_up.weight": (FFN, HIDDEN),
+                p + "ffn_down.weight": (HIDDEN, FFN),
+            }
+        )
     assert {n: t.shape for n, t in plan.items()} == expected
     n_params = sum(math.prod(t.shape) for t in plan.values())
     assert 7.61e9 <= n_params < 7.62e9  # "7.61B"
@@ -97,8 +104,8 @@ def test_write_refuses_rows_that_are_not_whole_k_quant_blocks(tmp_path, qwen05_p
 def test_scaled_down_file_loads_and_generates(tmp_path, qwen05_path):
     """All 28 layers (so activations must stay finite through the full depth), small widths."""
     from minivllm.engine.llm import LLM
-    from minivllm.sampling.sampling_params import SamplingParams
     from minivllm.gguf.tokenizer import Tokenizer
+    from minivllm.sampling.sampling_params import SamplingParams
 
     spec = scaled_down(name="tiny", d_model=256, n_heads=2, n_kv_heads=1, d_ff=512)
     path = write_synthetic_model(tmp_path / "tiny.gguf", spec, tokenizer_source=qwen05_path)

@@ -22,8 +22,8 @@ import time
 import httpx
 import pytest
 
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
 from minivllm.serving.cluster import AdmissionRefused
 from minivllm.serving.http_server import start_server_in_background
@@ -55,7 +55,10 @@ def test_queued_prompt_tokens_bound_admission(smollm2_path):
         async def drill():
             async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
                 def complete(prompt):
-                    return client.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+                    return client.post(
+                        srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0}
+                    )
+
                 first = asyncio.create_task(complete(long_prompt))
                 await asyncio.to_thread(wait_for, lambda: len(handle.in_flight) == 1, "the first prompt to be routed")
                 refused = await complete(long_prompt + " again")

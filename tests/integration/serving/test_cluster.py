@@ -28,8 +28,8 @@ import signal
 import time
 
 import pytest
-
 from conftest import DATA_DIR
+
 from minivllm import LLM, SamplingParams
 from minivllm.errors import ConfigError, ModelSourceError
 from minivllm.serving import Cluster

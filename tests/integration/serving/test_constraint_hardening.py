@@ -19,8 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from minivllm.sampling.constraint_limits import (MAX_CHOICES, MAX_CONSTRAINT_BYTES, MAX_JSON_DEPTH, MAX_RULE_DEPTH,
-                                                 MAX_SCHEMA_DEPTH)
+from minivllm.sampling.constraint_limits import (
+    MAX_CHOICES,
+    MAX_CONSTRAINT_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_RULE_DEPTH,
+    MAX_SCHEMA_DEPTH,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

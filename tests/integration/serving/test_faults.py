@@ -118,23 +118,32 @@ def test_kill_9_mid_burst_over_http(smollm2_path, tmp_path, devices, survivor_na
             async def drill():
                 async with httpx.AsyncClient(timeout=120) as client:
                     started = [asyncio.Event() for _ in prompts]
-                    tasks = [asyncio.create_task(stream_one(client, srv.url, p, max_tokens, e)) for p, e in zip(prompts, started)]
+                    tasks = [
+                        asyncio.create_task(stream_one(client, srv.url, p, max_tokens, e))
+                        for p, e in zip(prompts, started)
+                    ]
                     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-                    holding = {w["name"]: {f["request_id"] for f in w["in_flight"]} for w in cluster.snapshot()["workers"]}
+                    holding = {
+                        w["name"]: {f["request_id"] for f in w["in_flight"]} for w in cluster.snapshot()["workers"]
+                    }
                     victim_pid = cluster.workers[victim_name].transport.pid
                     os.kill(victim_pid, signal.SIGKILL)  # kill -9, as the OOM killer or a user would
                     killed_at = time.monotonic()
                     return holding, killed_at, await asyncio.gather(*tasks)
 
             holding, killed_at, results = asyncio.run(drill())
-            assert holding[survivor_name] and holding[victim_name], f"round-robin should have used both workers: {holding}"
+            assert holding[survivor_name] and holding[victim_name], (
+                f"round-robin should have used both workers: {holding}"
+            )
             errors = 0
             for rid, ending, ended_at, tokens in results:
                 if rid in holding[victim_name] and ending[0] == "error":
                     errors += 1
                     assert victim_name in ending[1] and "killed by SIGKILL" in ending[1], ending
                     assert "automatic restarts are off" in ending[1], ending
-                    assert ended_at - killed_at < 5.0, f"{rid} got its error {ended_at - killed_at:.1f} s after the kill"
+                    assert ended_at - killed_at < 5.0, (
+                        f"{rid} got its error {ended_at - killed_at:.1f} s after the kill"
+                    )
                 else:
                     # A survivor's stream, or a victim's that completed before the kill landed
                     # (a fast machine can finish one between the snapshot and the signal).
@@ -205,7 +214,9 @@ def test_a_dead_or_hung_worker_restarts_by_itself(smollm2_path, tmp_path, fault,
         wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the dead process to be reaped")
 
         # While it is down or loading, round-robin sends everything to the survivor.
-        meanwhile = [cluster.submit(f"Name {i} animals:", SamplingParams(temperature=0.0, max_tokens=4)) for i in range(2)]
+        meanwhile = [
+            cluster.submit(f"Name {i} animals:", SamplingParams(temperature=0.0, max_tokens=4)) for i in range(2)
+        ]
         skipped = 0
         for stream in meanwhile:
             healthy = {c["worker"]: c["healthy"] for c in stream.decision["candidates"]}

@@ -79,7 +79,9 @@ def test_slow_and_silent_clients_are_closed_after_the_header_timeout(cluster):
     started = time.monotonic()
     assert cluster.submit("Hi", SamplingParams(temperature=0.0, max_tokens=3)).result(120).finish_reason == "length"
     header_timeout_s = max(HEADER_TIMEOUT_S, 5 * (time.monotonic() - started))
-    srv = start_server_in_background(cluster, limits=ServerLimits(header_timeout_s=header_timeout_s, max_connections=64))
+    srv = start_server_in_background(
+        cluster, limits=ServerLimits(header_timeout_s=header_timeout_s, max_connections=64)
+    )
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
     try:
         async def drill():
@@ -105,7 +107,9 @@ def test_slow_and_silent_clients_are_closed_after_the_header_timeout(cluster):
             assert r["sent"] < r["header_len"]  # the headers never finished: the timeout closed it
         assert srv.connection_stats["header_timeouts"] == SLOW + SILENT
         # and a client that behaves is still served afterwards
-        assert client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert (
+            client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        )
     finally:
         srv.stop()
 
@@ -173,7 +177,9 @@ async def kept_alive_connection(port: int):
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), head
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     await reader.readexactly(length)
     return reader, writer
 
@@ -196,7 +202,9 @@ def test_connections_over_the_cap_get_a_503_when_all_are_busy(cluster):
         assert srv.connection_stats == {"header_timeouts": 0, "refused": 1, "evicted": 0}
         # Once the held sockets are closed, requests are served again.
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=5, timeout=120)
-        assert client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert (
+            client.completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        )
     finally:
         srv.stop()
 
@@ -219,7 +227,7 @@ def test_idle_connections_are_evicted_before_the_cap_refuses_a_new_one(cluster):
                 health = (await client.get(srv.url + "/health")).status_code
             evicted = [await reader.read() for reader, _ in kept + silent]  # closed by the server: EOF
             # the busy requests were never cut: their connections still take their bodies
-            for reader, writer in busy:
+            for _reader, writer in busy:
                 writer.write(b'"prompt": "Hi", "max_tokens": 2}'.ljust(99))
                 await writer.drain()
             answers = [await reader.readuntil(b"\r\n") for reader, _ in busy]

@@ -17,8 +17,8 @@ import time
 
 import httpx
 import pytest
-
 from conftest import transformers_greedy
+
 from minivllm.serving import Cluster
 from minivllm.serving.http_server import start_server_in_background
 
@@ -183,7 +183,9 @@ def test_two_nodes_stream_route_by_prefix_and_survive_a_node_crash(nodes, smollm
             assert ending and ending.startswith("error") and "cpu#2" in ending, ending
             assert "restarting it automatically" in ending, ending
             print(f"kill drill: the dead node's stream ended {ended_at - killed_at:.2f} s after the kill")
-            assert ended_at - killed_at <= DEATH_NOTICE_S, f"the dead node's stream ended {ended_at - killed_at:.2f} s after the kill"
+            assert ended_at - killed_at <= DEATH_NOTICE_S, (
+                f"the dead node's stream ended {ended_at - killed_at:.2f} s after the kill"
+            )
         assert cluster.workers["cpu#2"].state != "ready"  # dead, or its replacement waits for a node
         snap = cluster.snapshot(fresh=True)
         survivor = next(w for w in snap["workers"] if w["name"] == "cpu")
@@ -199,7 +201,9 @@ def test_two_nodes_stream_route_by_prefix_and_survive_a_node_crash(nodes, smollm
         third_id = nodes.add_node()
         wait_for(lambda: cluster.health()["status"] == "ok", 300, "cpu#2 to restart by itself on the new node")
         assert cluster.health()["workers"][1]["restarts"]["automatic"] >= 1
-        assert cluster.workers["cpu#2"].transport.location.get("node_id") == third_id or wait_location(cluster, third_id)
+        assert cluster.workers["cpu#2"].transport.location.get("node_id") == third_id or wait_location(
+            cluster, third_id
+        )
         cluster.set_router("forced:cpu#2")
         assert cluster.submit(prompt, _params(clear)).result().text == want
     finally:

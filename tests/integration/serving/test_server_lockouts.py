@@ -34,12 +34,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_hardening import assert_idle
 
 from minivllm.errors import MESSAGE_LIMIT
 from minivllm.serving import Cluster, memory_release
 from minivllm.serving.http_guards import ServerLimits
 from minivllm.serving.http_server import start_server_in_background
-from test_server_hardening import assert_idle
 
 LIMIT = 3
 KEY = "lockout-key"
@@ -129,8 +129,9 @@ def test_a_failing_offloaded_call_gets_a_500_and_frees_its_slot(servers, monkeyp
 
     async def hammer():  # as many at once as the concurrency limit lets in
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-            return await asyncio.gather(*(client.request(method, srv.url + path, json=CHAT if method == "POST" else None)
-                                          for _ in range(LIMIT)))
+            return await asyncio.gather(
+                *(client.request(method, srv.url + path, json=CHAT if method == "POST" else None) for _ in range(LIMIT))
+            )
 
     for r in asyncio.run(hammer()):
         err = assert_error(r, 500, type(exc).__name__)
@@ -204,7 +205,9 @@ def test_a_cross_origin_simple_post_cannot_restart_a_worker(servers):
     pid = cluster.workers["cpu"].transport.pid
     url = srv.url + "/v1/cluster/workers/cpu/restart"
     plain = {"Content-Type": "text/plain"}
-    assert_error(httpx.post(url, content=b"{}", headers={**plain, "Origin": "http://evil.example"}), 403, "cross-origin")
+    assert_error(
+        httpx.post(url, content=b"{}", headers={**plain, "Origin": "http://evil.example"}), 403, "cross-origin"
+    )
     assert_error(httpx.post(url, content=b"{}", headers={**plain, "Origin": "null"}), 403, "cross-origin")
     assert_error(httpx.post(url, content=b"{}", headers=plain), 415, "application/json")
     for form in ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):

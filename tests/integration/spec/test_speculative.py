@@ -29,8 +29,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from engine_invariants import check_invariants, free_equals_total
+
 from minivllm import SamplingParams
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.page_pool import PagePool
@@ -963,11 +963,22 @@ def test_failed_draft_forward_costs_only_speed(pair, monkeypatch):
     all_free(engine)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("draft_policy", "fixed:0"), ("draft_policy", "fixed:33"), ("draft_policy", "sometimes"),
-    ("draft_policy", "acceptance-rate:4,0.9,0.5"), ("draft_policy", "accepted-length:4,0"),
-    ("tv_budget", 1.5), ("tv_budget", -0.1), ("tv_budget", True), ("num_draft_tokens", 0), ("num_draft_tokens", 33), ("num_draft_tokens", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("draft_policy", "fixed:0"),
+        ("draft_policy", "fixed:33"),
+        ("draft_policy", "sometimes"),
+        ("draft_policy", "acceptance-rate:4,0.9,0.5"),
+        ("draft_policy", "accepted-length:4,0"),
+        ("tv_budget", 1.5),
+        ("tv_budget", -0.1),
+        ("tv_budget", True),
+        ("num_draft_tokens", 0),
+        ("num_draft_tokens", 33),
+        ("num_draft_tokens", True),
+    ],
+)
 def test_invalid_speculation_settings_name_the_field(field, value):
     """Invalid speculation settings raise ConfigError naming the field."""
     with pytest.raises(ConfigError) as info:

@@ -5,7 +5,6 @@ llama-bench's JSON for the arguments it got) stands in for the CUDA build."""
 
 from __future__ import annotations
 
-import json
 import stat
 import sys
 

@@ -76,7 +76,9 @@ def _every_kind(results: Path) -> dict[str, Path]:
     prefix += [{"table": "single-flight", "requests": n, "release": rel, **_mean_std("mean_ttft_s", v * n, 0.01)}
                for n in (2, 8) for rel, v in (("independent", 0.1), ("at_completion", 0.5), ("after_prefill", 0.03))]
     offline_runs = [{"run": i, "output_tok_s": 40.0 + i, "total_tok_s": 90.0 + i} for i in (1, 2, 3)]
-    offline_runs.append({"run": "mean ± std (n=3)", **_mean_std("output_tok_s", 42.0), **_mean_std("total_tok_s", 92.0)})
+    offline_runs.append(
+        {"run": "mean ± std (n=3)", **_mean_std("output_tok_s", 42.0), **_mean_std("total_tok_s", 92.0)}
+    )
     dtype_rows = [{"dtype": dt, **_mean_std("ttft_ms", 25.0), **_mean_std("decode_tok_s", v), "peak_mib": mib,
                    "after_load_mib": mib / 4, "memory_method": "torch.cuda.max_memory_allocated"}
                   for dt, v, mib in (("f32", 190.0, 840.0), ("f16", 170.0, 620.0), ("bf16", 165.0, 620.0))]
@@ -93,24 +95,55 @@ def _every_kind(results: Path) -> dict[str, Path]:
         "activation-dtype": _write(results, "activation-dtype-smollm2-135m-cpu", stamp, dtype_rows),
         "gemv-threshold": _write(results, "gemv-threshold-smollm2-135m", stamp, _gemv_rows()),
         "h200-gemv-threshold": _write(results, "h200-gemv-threshold-smollm2-135m", stamp, _gemv_rows(20.0)),
-        "continuous-batching": _write(results, "continuous-batching-smollm2-135m", stamp, [
-            {"concurrency": n, **_mean_std("batched_tok_s", 9.0 * n), **_mean_std("sequential_tok_s", 9.5)}
-            for n in (1, 2, 4)]),
-        "paged-vs-contiguous": _write(results, "paged-vs-contiguous-smollm2-135m", stamp, [
-            {"decode_tokens": n, **_mean_std("paged_decode_tok_s", 9.7), **_mean_std("contiguous_decode_tok_s", 9.8)}
-            for n in (128, 512)]),
+        "continuous-batching": _write(
+            results,
+            "continuous-batching-smollm2-135m",
+            stamp,
+            [
+                {"concurrency": n, **_mean_std("batched_tok_s", 9.0 * n), **_mean_std("sequential_tok_s", 9.5)}
+                for n in (1, 2, 4)
+            ],
+        ),
+        "paged-vs-contiguous": _write(
+            results,
+            "paged-vs-contiguous-smollm2-135m",
+            stamp,
+            [
+                {
+                    "decode_tokens": n,
+                    **_mean_std("paged_decode_tok_s", 9.7),
+                    **_mean_std("contiguous_decode_tok_s", 9.8),
+                }
+                for n in (128, 512)
+            ],
+        ),
         "prefix-cache": _write(results, "prefix-cache-smollm2-135m-cuda", stamp, prefix),
         "speculative-greedy": _write(results, "speculative-a-from-b-cpu", stamp, spec),
         "routing": _write(results, "routing-smollm2-135m", stamp, _routing_rows()),
         "h200-routing": _write(results, "h200-routing-qwen", stamp, _routing_rows()),
         "peers": _write(results, "peers-smollm2-135m", stamp, _engine_rows()),
-        "peers-gpu": _write(results, "peers-gpu-smollm2-135m", stamp, [
-            {"batch": b, "engine": e, **_mean_std("output_tok_s", b * k)}
-            for b in (1, 8, 32) for e, k in (("minivllm", 100.0), ("transformers", 60.0))]),
+        "peers-gpu": _write(
+            results,
+            "peers-gpu-smollm2-135m",
+            stamp,
+            [
+                {"batch": b, "engine": e, **_mean_std("output_tok_s", b * k)}
+                for b in (1, 8, 32)
+                for e, k in (("minivllm", 100.0), ("transformers", 60.0))
+            ],
+        ),
         "decode": _write(results, "decode-smollm2-135m", stamp, _engine_rows(device="cpu", dtype="f32")),
         "offline": _write(results, "offline-smollm2-135m", stamp, offline_runs),
-        "serve": _write(results, "serve-compare-minivllm-vs-other", stamp, None, targets=[
-            {"label": "minivllm", "summary": _serve_summary(50.0)}, {"label": "other", "summary": _serve_summary(80.0)}]),
+        "serve": _write(
+            results,
+            "serve-compare-minivllm-vs-other",
+            stamp,
+            None,
+            targets=[
+                {"label": "minivllm", "summary": _serve_summary(50.0)},
+                {"label": "other", "summary": _serve_summary(80.0)},
+            ],
+        ),
     }
 
 

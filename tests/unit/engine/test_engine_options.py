@@ -12,8 +12,13 @@ import pytest
 
 from minivllm.cli.main import build_parser
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.engine.options import (add_engine_flags, engine_option_names, engine_options_from_args, option_default,
-                                     parse_overrides)
+from minivllm.engine.options import (
+    add_engine_flags,
+    engine_option_names,
+    engine_options_from_args,
+    option_default,
+    parse_overrides,
+)
 from minivllm.errors import ConfigError
 
 
@@ -34,7 +39,9 @@ def test_every_option_is_a_flag_with_the_engine_default(command):
                                       "--prefix-cache", "off", "--dequant-cache", "auto", "--kv-mode", "contiguous"])
     assert engine_options_from_args(given) == {"page_size": 32, "gemv_max_rows": 0, "batch_invariant": True,
                                                "prefix_cache": False, "dequant_cache": "auto", "kv_mode": "contiguous"}
-    help_text = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == command)[1].format_help()
+    help_text = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == command)[
+        1
+    ].format_help()
     missing = [f for f in flags if f not in help_text]
     assert not missing, f"`minivllm {command}` lacks {missing}"
 
@@ -82,12 +89,11 @@ def test_a_new_option_reaches_the_launcher_the_llm_docstring_and_the_snapshot_sc
     pytest.importorskip("ipywidgets")
     from dataclasses import dataclass
 
-    from minivllm_widgets.launcher import Launcher
-
     from minivllm.engine import llm as llm_module
     from minivllm.engine import snapshot
     from minivllm.kernels.kernel_options import KernelOptions, KernelSettings
     from minivllm.option_field import option
+    from minivllm_widgets.launcher import Launcher
 
     # Without the new option, the docstrings are the derived ones.
     assert llm_module.LLM.__init__.__doc__ == llm_module.init_docstring()

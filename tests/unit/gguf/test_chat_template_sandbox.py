@@ -18,13 +18,13 @@ from pathlib import Path
 
 import jinja2.sandbox
 import pytest
+from conftest import REPO_ROOT
+from tokenizer_fixtures import write_byte_vocab_gguf
 
 from minivllm.errors import TokenizerError
 from minivllm.gguf.chat_template import _environment
 from minivllm.gguf.tokenizer import Tokenizer
-from tokenizer_fixtures import write_byte_vocab_gguf
 
-from conftest import REPO_ROOT
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
@@ -125,7 +125,8 @@ def test_no_file_is_opened_while_rendering(tmp_path):
         import json, sys
         events, recording = [], [False]
         def hook(event, args):
-            if recording[0] and event in ("open", "os.listdir", "os.system", "subprocess.Popen", "os.exec", "os.posix_spawn"):
+            if recording[0] and event in ("open", "os.listdir", "os.system", "subprocess.Popen", "os.exec",
+                                          "os.posix_spawn"):
                 events.append([event, repr(args)[:200]])
         sys.addaudithook(hook)
         from minivllm.errors import TokenizerError

@@ -20,8 +20,7 @@ from minivllm.errors import (
     ModelSourceError,
     UnknownModelError,
 )
-from minivllm.models import DEFAULT_MODEL, cached_model_path, list_models, pull_model, resolve_model
-from minivllm.models import cache, pypi_mirror
+from minivllm.models import DEFAULT_MODEL, cache, cached_model_path, list_models, pull_model, pypi_mirror, resolve_model
 from minivllm.models.registry import REGISTRY, ModelEntry, PyPISource, WheelPart
 
 SMOLLM_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -227,7 +226,7 @@ def test_cli_with_real_model(pulled_smollm, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == str(path)
     args = _parse(["models", "list"])
     assert args.func(args) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("smollm2-135m"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("smollm2-135m"))
     assert "yes" in line
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 from minivllm.errors import MinivllmError
-from conftest import REPO_ROOT
 from minivllm.obs import trace
 from minivllm.obs.trace import (
     SCOPE_KINDS,
@@ -290,7 +290,7 @@ def test_nvtx_scopes_on_gpu(tmp_path):
                     y = x @ x
             with pytest.raises(ZeroDivisionError):
                 with trace_scope("sample"):
-                    1 / 0
+                    raise ZeroDivisionError
     torch.cuda.synchronize()
     assert y.shape == (256, 256)
     events = _complete(_load(flush_trace()))
@@ -301,7 +301,6 @@ def test_every_scope_kind_the_code_opens_is_allowed():
     # An unknown kind raises ValueError at run time, and only with tracing on: speculative
     # decoding's "draft"/"verify" scopes once broke `generate --trace-directory --draft-model`.
     import re
-    from pathlib import Path
 
     from minivllm.obs.trace import _NVTX_COLORS, SCOPE_KINDS
 

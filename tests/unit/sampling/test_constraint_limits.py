@@ -9,10 +9,21 @@ import json
 import pytest
 
 from minivllm.errors import ConfigError
-from minivllm.sampling.constraint_limits import (MAX_CHOICES, MAX_CONSTRAINT_BYTES, MAX_JSON_DEPTH, MAX_RULE_DEPTH,
-                                                 MAX_SCHEMA_DEPTH, check_grammar, gbnf_rules, json_depth,
-                                                 json_text_depth, lark_rules, loads_client_json, rule_depth,
-                                                 schema_depth)
+from minivllm.sampling.constraint_limits import (
+    MAX_CHOICES,
+    MAX_CONSTRAINT_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_RULE_DEPTH,
+    MAX_SCHEMA_DEPTH,
+    check_grammar,
+    gbnf_rules,
+    json_depth,
+    json_text_depth,
+    lark_rules,
+    loads_client_json,
+    rule_depth,
+    schema_depth,
+)
 from minivllm.sampling.structured import StructuredOutput
 
 

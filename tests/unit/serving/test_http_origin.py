@@ -70,4 +70,7 @@ def test_refusals(request_scope, status):
 
 def test_the_flag_is_repeatable_and_empty_by_default():
     assert build_parser().parse_args(["serve"]).allowed_host == []
-    assert build_parser().parse_args(["serve", "--allowed-host", "a.lan", "--allowed-host", "b"]).allowed_host == ["a.lan", "b"]
+    assert build_parser().parse_args(["serve", "--allowed-host", "a.lan", "--allowed-host", "b"]).allowed_host == [
+        "a.lan",
+        "b",
+    ]

@@ -18,7 +18,9 @@ NODES = [{"NodeID": "a1b2c3d4e5f60000", "NodeManagerAddress": "10.0.0.1", "Resou
 
 
 def test_ray_entries_ask_for_resources_and_name_workers_uniquely():
-    devices = parse_inference_devices(["cpu", "cpu:4", "gpu", "node=10.0.0.2:gpu", "node=a1b2c3d4:cpu:2"], backend="ray")
+    devices = parse_inference_devices(
+        ["cpu", "cpu:4", "gpu", "node=10.0.0.2:gpu", "node=a1b2c3d4:cpu:2"], backend="ray"
+    )
     assert [d.name for d in devices] == ["cpu", "cpu#2", "gpu", "gpu#2", "cpu#3"]
     assert [d.threads for d in devices if d.kind == "cpu"] == [1, 4, 2]
     assert [d.node for d in devices] == [None, None, None, "10.0.0.2", "a1b2c3d4"]
@@ -28,8 +30,15 @@ def test_ray_entries_ask_for_resources_and_name_workers_uniquely():
                                                  Resources(2, 0)]
 
 
-@pytest.mark.parametrize("entry, message", [("cuda:1", "Ray assigns"), ("node=:cpu", "node=ADDR:ENTRY"),
-                                            ("node=10.0.0.1", "node=ADDR:ENTRY"), ("node=10.0.0.1:tpu", "expected cpu")])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("cuda:1", "Ray assigns"),
+        ("node=:cpu", "node=ADDR:ENTRY"),
+        ("node=10.0.0.1", "node=ADDR:ENTRY"),
+        ("node=10.0.0.1:tpu", "expected cpu"),
+    ],
+)
 def test_bad_ray_entries_name_the_entry(entry, message):
     with pytest.raises(ConfigError, match=message):
         parse_inference_devices([entry], backend="ray")

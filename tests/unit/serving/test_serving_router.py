@@ -14,8 +14,8 @@ import math
 
 import pytest
 
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError, DeviceError
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.inference_devices import InferenceDevice, parse_inference_devices
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router, parse_router_policy
@@ -32,7 +32,13 @@ def rel(a: float, b: float) -> bool:
 
 def test_cpu_entries_threads_and_names():
     (d,) = parse_inference_devices(["cpu"], cpu_cores=8)
-    assert (d.kind, d.index, d.threads, d.name, d.torch_device) == ("cpu", None, 7, "cpu", "cpu")  # one core kept for the controller
+    assert (d.kind, d.index, d.threads, d.name, d.torch_device) == (
+        "cpu",
+        None,
+        7,
+        "cpu",
+        "cpu",
+    )  # one core kept for the controller
     (d,) = parse_inference_devices("cpu:4", cpu_cores=8)
     assert (d.kind, d.threads, d.name) == ("cpu", 4, "cpu")
     two = parse_inference_devices(["cpu", "cpu"], cpu_cores=8)
@@ -40,7 +46,14 @@ def test_cpu_entries_threads_and_names():
     three = parse_inference_devices(["cpu:1", "cpu", "CPU:2"], cpu_cores=9)
     assert [(x.name, x.threads) for x in three] == [("cpu", 1), ("cpu#2", 5), ("cpu#3", 2)]  # 9 - 1 reserved - 3 pinned
     assert len({x.name for x in three}) == 3
-    assert three[1].as_dict() == {"kind": "cpu", "index": None, "threads": 5, "name": "cpu#2", "torch_device": "cpu", "node": None}
+    assert three[1].as_dict() == {
+        "kind": "cpu",
+        "index": None,
+        "threads": 5,
+        "name": "cpu#2",
+        "torch_device": "cpu",
+        "node": None,
+    }
 
 
 def test_gpu_claims_next_unclaimed_index():
@@ -258,7 +271,9 @@ def test_cost_falls_back_to_least_loaded_without_rates():
     assert rec["reason"].startswith("least-loaded") and "b" in rec["reason"] and "no measured rates" in rec["reason"]
     assert router.counters["fallbacks"] == 1
     # a worker absent from the rates map entirely counts as unpriced too
-    rec = router.choose(IncomingRequest("r2", 10, 10), cands(("a", True, 0, 0, 0), ("c", True, 2, 0, 0)), {"a": rates["a"]})
+    rec = router.choose(
+        IncomingRequest("r2", 10, 10), cands(("a", True, 0, 0, 0), ("c", True, 2, 0, 0)), {"a": rates["a"]}
+    )
     assert rec["chosen"] == "a" and "least-loaded" in rec["reason"] and "c" in rec["reason"]
     # an unhealthy worker without rates does not force a fallback: it is not a candidate
     rec = router.choose(IncomingRequest("r3", 10, 10), cands(("a", True, 3, 0, 0), ("b", False, 0, 0, 0)), rates)
@@ -281,8 +296,10 @@ def test_round_robin_cycles_and_skips_unhealthy():
 
 def test_least_loaded_picks_fewest_in_flight():
     router = Router("least-loaded")
-    rec = router.choose(IncomingRequest("r", 1, 1),
-                        cands(("a", True, 2, 1, 0), ("b", True, 1, 1, 500), ("c", False, 0, 0, 0), ("d", True, 3, 0, 0)))
+    rec = router.choose(
+        IncomingRequest("r", 1, 1),
+        cands(("a", True, 2, 1, 0), ("b", True, 1, 1, 500), ("c", False, 0, 0, 0), ("d", True, 3, 0, 0)),
+    )
     assert rec["chosen"] == "b"
     rec = router.choose(IncomingRequest("r", 1, 1), cands(("a", True, 1, 1, 90), ("b", True, 2, 0, 80)))
     assert rec["chosen"] == "b"  # tie on in-flight: less decode work
@@ -428,7 +445,9 @@ def test_load_profile(tmp_path):
 
 
 def flight(rid: str, prompt: int, cached: int, max_tokens: int, output: int = 0) -> tuple[str, InFlight]:
-    return rid, InFlight(RequestStream(rid, None, list(range(prompt))), prompt, cached, max_tokens, output_tokens=output)
+    return rid, InFlight(
+        RequestStream(rid, None, list(range(prompt))), prompt, cached, max_tokens, output_tokens=output
+    )
 
 
 def test_worker_handle_candidate_counts():

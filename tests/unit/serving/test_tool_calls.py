@@ -40,7 +40,9 @@ def fn(call: dict) -> tuple[str, dict]:
 
 
 def test_qwen_tagged_call_with_text_around_it():
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    )
     content, calls = parse_tool_calls(text, NAMES)
     assert content == "Let me check.\n"
     assert [fn(c) for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
@@ -306,12 +308,24 @@ def test_parameters_with_defs_keep_their_references():
 
 
 def test_chat_messages_carry_tool_calls_and_tool_answers():
-    body = ChatCompletionRequest(messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-    ], tools=[WEATHER])
+    body = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ],
+        tools=[WEATHER],
+    )
     user, assistant, tool = body.chat_messages()
     assert assistant["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert assistant["content"] == ""
