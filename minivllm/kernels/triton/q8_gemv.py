@@ -1,4 +1,5 @@
-"""GEMV with int8 activations and `dp4a` over the repacked layout (opt-in: MINIVLLM_Q8_GEMV=1).
+"""GEMV with int8 activations and `dp4a` over the repacked layout (the T4 path; elsewhere
+opt-in: MINIVLLM_Q8_GEMV=1, chosen in `kernels/gpu_profile.py`).
 
 Why: the float32 repacked GEMV (`repacked_gemv.py`) is bound by instruction issue on the
 H200 (~5 instructions per weight; 20-30% of copy bandwidth, docs/gpu-decode-vs-llama-cpp.md).
@@ -32,10 +33,6 @@ from minivllm.kernels.repacked_layout import R, RepackedWeight
 
 _T = GGMLQuantizationType
 Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K})
-
-
-def enabled() -> bool:
-    return os.environ.get("MINIVLLM_Q8_GEMV") == "1"
 
 
 def _interpreting() -> bool:
