@@ -13,11 +13,13 @@ rows: that is what keeps batch-invariant mode bit-identical with one launch shap
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("gemv_configs.json")
+TABLE_ENV = "MINIVLLM_GEMV_CONFIGS"  # another table file (a sweep's output, before it is committed)
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,10 @@ def shape_key(type_name: str, n: int, k: int) -> str:
 
 @lru_cache(maxsize=None)
 def _table() -> dict:
-    if not TABLE_PATH.is_file():
+    path = Path(os.environ.get(TABLE_ENV) or TABLE_PATH)
+    if not path.is_file():
         return {}
-    return json.loads(TABLE_PATH.read_text())
+    return json.loads(path.read_text())
 
 
 def default_config(n: int, k: int, sm_count: int = 132) -> GemvConfig:

@@ -61,7 +61,7 @@ def _tiled_gemv_kernel(
         ok = nb_ok & (gg < g_hi)
         gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
         w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
-                    eviction_policy="evict_first")
+                    eviction_policy="evict_first")  # 16-byte loads (ld.global.v4 in the sm_90 PTX)
         # x[g*32 + p*T + t]: one value per (g, t), shared by every row of the tile. Built
         # from [G, T] offsets (the weight tile's slice layout: no layout conversion).
         g2 = g_lo + i + offs_g[:, None]

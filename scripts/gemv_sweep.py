@@ -1,0 +1,160 @@
+"""Sweep the tiled decode GEMV's launch shapes on this GPU and write its config table.
+
+For each weight type and Qwen2.5-7B shape (the attention, K/V, FFN up/gate, FFN down and
+LM-head matrices) this times, at M = 1 from CUDA-graph replays over weight copies larger
+than the L2 (`bench/kernels.graph_us`), every candidate (row groups per program, groups
+per trip, warps, pipeline stages, K slices) of `kernels/triton/tiled_gemv.py`, the older
+one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the int8-activation kernel
+(`q8_gemv.py`, activations quantized in the same call) and f16 cuBLAS on the dense
+matrix, against the measured copy bandwidth (bytes read + written).
+
+    python3 scripts/gemv_sweep.py OUTDIR [--types Q4_K,Q6_K] [--quick Q4_0,Q4_1]
+
+Writes OUTDIR/gemv-sweep-<key>.json (every timing, the device, the winners),
+OUTDIR/gemv-sweep-<key>.md and OUTDIR/gemv_configs.json: the committed table
+(minivllm/kernels/gemv_configs.json) with this profile's row replaced, which
+MINIVLLM_GEMV_CONFIGS=OUTDIR/gemv_configs.json makes the engine use before it is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+SHAPES = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584)]
+LM_HEAD_TYPES = {"Q4_K", "Q6_K", "Q8_0"}  # the big matrix only for the types an LM head has
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"]
+# (block_nb, block_g, num_warps, num_stages): the tile a program reads per trip is
+# block_nb * block_g * 64 bytes (4-bit types), 2 - 8 KB.
+CANDIDATES = [(1, 64, 4, 2), (2, 32, 4, 2), (4, 32, 4, 2), (4, 16, 4, 3), (8, 16, 4, 2), (2, 64, 8, 2),
+              (8, 32, 8, 2), (4, 64, 8, 3)]
+QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2)]
+
+
+def _splits(n: int, k: int, block_nb: int, block_g: int, sms: int) -> list[int]:
+    tiles = -(-(-(-n // 4)) // block_nb)
+    groups = k // 32
+    out = [1]
+    for s in (2, 4, 8, 16):
+        if groups // s >= block_g and tiles * s <= 16 * sms and tiles < 4 * sms:
+            out.append(s)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--quick", default="", help="types (comma-separated) swept over 3 tile candidates instead of 8")
+    args = ap.parse_args()
+    from minivllm.bench.kernels import copy_bandwidth_gbs, graph_us, random_weight
+    from minivllm.kernels.gemv_configs import TABLE_PATH, GemvConfig, default_config, shape_key
+    from minivllm.kernels.gpu_profile import gpu_profile
+    from minivllm.kernels.repacked_layout import repack
+    from minivllm.kernels.triton import q8_gemv as q8
+    from minivllm.kernels.triton.repacked_gemv import repacked_gemv
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    prof = gpu_profile(dev)
+    name = torch.cuda.get_device_name(dev)
+    copy_gbs = copy_bandwidth_gbs(dev)
+    print(f"{name} ({prof.table_key}, {prof.sm_count} SMs): copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    rows, winners = [], {}
+    t0 = time.time()
+    for tname in args.types.split(","):
+        gt = GGMLQuantizationType[tname]
+        for n, k in SHAPES:
+            if n > 100_000 and tname not in LM_HEAD_TYPES:
+                continue
+            copies = max(2, -(-(160 << 20) // int(n * k * 0.6)))
+            ws = [repack(random_weight(gt, n, k, device=dev, seed=i)) for i in range(copies)]
+            nbytes = ws[0].nbytes
+            x = torch.randn(1, k, device=dev).half()
+
+            def frac(us):
+                return nbytes / (us * 1e-6) / 1e9 / copy_gbs
+
+            row = {"type": tname, "n": n, "k": k, "mbytes": nbytes / 1e6, "candidates": []}
+            os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
+            row["legacy_us"] = graph_us(lambda i: (lambda: repacked_gemv(x, ws[i], out_dtype=torch.float16, autotune=False)), nbytes)
+            os.environ.pop("MINIVLLM_GEMV_KERNEL")
+            best = None
+            for nb, g, nw, st in (QUICK if tname in args.quick.split(",") else CANDIDATES):
+                for split in _splits(n, k, nb, g, prof.sm_count):
+                    cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
+                    try:
+                        us = graph_us(lambda i: (lambda: tiled_gemv(x, ws[i], cfg, out_dtype=torch.float16)), nbytes)
+                    except Exception as exc:  # a config that does not compile here (registers, shared memory)
+                        row["candidates"].append({**cfg.as_dict(), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                        continue
+                    row["candidates"].append({**cfg.as_dict(), "us": us})
+                    if best is None or us < best[1]:
+                        best = (cfg, us)
+            dflt = default_config(n, k, prof.sm_count)
+            row["default"] = dflt.as_dict()
+            row["best"] = best[0].as_dict()
+            row["best_us"] = best[1]
+            row["best_frac_of_copy"] = frac(best[1])
+            row["legacy_frac_of_copy"] = frac(row["legacy_us"])
+            # Correctness of the winner against the legacy kernel (same arithmetic per weight,
+            # another sum order): a wrong config must not win on speed.
+            y = tiled_gemv(x, ws[0], best[0])
+            os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
+            y_legacy = repacked_gemv(x, ws[0], autotune=False)
+            os.environ.pop("MINIVLLM_GEMV_KERNEL")
+            row["best_max_rel_diff_vs_legacy"] = float((y - y_legacy).abs().max() / y_legacy.abs().max())
+            if gt in q8.Q8_TYPES:
+                def q8_call(i):
+                    return lambda: q8.q8_gemv(x, ws[i], out_dtype=torch.float16, xq=q8.quantize_q8(x))
+                row["q8_us"] = graph_us(q8_call, nbytes)
+                row["q8_frac_of_copy"] = frac(row["q8_us"])
+            dense = [ws[i].dequantize(torch.float16) for i in range(min(copies, max(2, -(-(160 << 20) // (n * k * 2)))))]
+            row["f16_cublas_us"] = graph_us(lambda i: (lambda: torch.nn.functional.linear(x, dense[i % len(dense)])), n * k * 2)
+            row["f16_cublas_frac_of_copy"] = n * k * 2 / (row["f16_cublas_us"] * 1e-6) / 1e9 / copy_gbs
+            del dense, ws
+            torch.cuda.empty_cache()
+            winners[shape_key(tname, n, k)] = row["best"]
+            rows.append(row)
+            print(f"{tname:5s} {n:6d}x{k:<6d} {nbytes / 1e6:7.1f} MB  best {best[1]:7.1f} us "
+                  f"{row['best_frac_of_copy']:5.0%} {best[0]}  legacy {row['legacy_us']:7.1f} us "
+                  f"{row['legacy_frac_of_copy']:5.0%}  q8 {row.get('q8_us', float('nan')):7.1f} us  "
+                  f"f16 cuBLAS {row['f16_cublas_us']:7.1f} us  [{time.time() - t0:.0f} s]", flush=True)
+    meta = {"device": name, "profile": prof.table_key, "sm_count": prof.sm_count, "copy_GBps": copy_gbs,
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "commit": os.environ.get("MINIVLLM_COMMIT", "unknown"),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timing": "median µs per call over 7 replays of a CUDA graph of 24 back-to-back calls, "
+                      "weight copies > 160 MB (from DRAM); M = 1, f16 activations and output"}
+    (out / f"gemv-sweep-{prof.table_key}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    table = json.loads(TABLE_PATH.read_text()) if TABLE_PATH.is_file() else {}
+    table[prof.table_key] = {"device": name, "source": f"scripts/gemv_sweep.py, {meta['date']}, copy "
+                             f"{copy_gbs:.0f} GB/s", "configs": winners}
+    (out / "gemv_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    md = [f"# GEMV sweep on {name} ({prof.table_key}), M = 1", "", f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); "
+          "fraction = weight bytes / time / copy bandwidth", "",
+          "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy | q8 µs | of copy | f16 cuBLAS µs | of copy |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["best"]
+        q8s = f"{r['q8_us']:.1f} | {r['q8_frac_of_copy']:.0%}" if "q8_us" in r else "— | —"
+        md.append(f"| {r['type']} | {r['n']}x{r['k']} | {r['mbytes']:.1f} | {r['best_us']:.1f} | {r['best_frac_of_copy']:.0%} "
+                  f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
+                  f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
+                  f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} |")
+    (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
