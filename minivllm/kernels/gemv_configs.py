@@ -2,7 +2,8 @@
 
 `gemv_configs.json` beside this file holds, per profile key ("sm90", "sm75", ... from
 `gpu_profile.py`), the configuration that `scripts/gemv_sweep.py` measured fastest for
-each (type, N, K) on that GPU, with the device and date it ran on. A shape that is not in
+each (type, N, K) on that GPU, for the float kernel ("configs") and the int8-activation
+one ("configs_int8"), with the device and date it ran on. A shape that is not in
 the table gets `default_config`: enough programs for every SM, split-K for narrow
 matrices.
 
@@ -62,8 +63,11 @@ def default_config(n: int, k: int, sm_count: int = 132) -> GemvConfig:
 
 
 @lru_cache(maxsize=None)
-def lookup(table_key: str, type_name: str, n: int, k: int, sm_count: int = 132) -> GemvConfig:
-    entry = _table().get(table_key, {}).get("configs", {}).get(shape_key(type_name, n, k))
+def lookup(table_key: str, type_name: str, n: int, k: int, sm_count: int = 132, *, int8: bool = False) -> GemvConfig:
+    """The table's configuration for the float kernel (or the int8 one: `int8=True`),
+    else `default_config`."""
+    section = "configs_int8" if int8 else "configs"
+    entry = _table().get(table_key, {}).get(section, {}).get(shape_key(type_name, n, k))
     if entry is None:
         return default_config(n, k, sm_count)
     return GemvConfig(**entry)

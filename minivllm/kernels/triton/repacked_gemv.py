@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.kernels.triton.quant_fields import field as _field, field_hi as _field_hi, i8_to_f32 as _i8_to_f32, u8_to_f32 as _u8_to_f32
-from minivllm.kernels.repacked_layout import R, REPACKED_TYPES, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
+from minivllm.kernels.repacked_layout import PLANE_ORDER, R, REPACKED_TYPES, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
 
 _T = GGMLQuantizationType
 
@@ -270,12 +270,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_PLANE_ORDER = {
-    _T.Q4_0: ("d", None, None, None), _T.Q4_1: ("d", "m", None, None), _T.Q5_0: ("d", "qh", None, None),
-    _T.Q8_0: ("d", None, None, None), _T.Q4_K: ("d", "dmin", "sc", "mn"), _T.Q6_K: ("d", "qh", "sc_lo", "sc_hi"),
-}
-
-
 def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False, out_dtype: torch.dtype | None = None,
                   bias: torch.Tensor | None = None, autotune: bool = True) -> torch.Tensor:
     """y = x @ W.T (+ bias) with float32 accumulation, rounded once to `out_dtype`
@@ -294,13 +288,15 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.triton import q8_gemv as q8
 
+    from minivllm.kernels.gemv_configs import lookup
+
     profile = gpu_profile(x.device)
+    # Launch shapes come from the GPU's table and depend on the weight's type and shape
+    # only, so these kernels are also the batch-invariant ones.
     if profile.int8_gemv and w.ggml_type in q8.Q8_TYPES:  # int8 activations + dp4a (the T4 path; opt-in elsewhere)
-        return q8.q8_gemv(x, w, out_dtype=out_dtype, bias=bias)
+        config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count, int8=True)
+        return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
     if (m == 1 or invariant) and os.environ.get("MINIVLLM_GEMV_KERNEL", "tiled") != "legacy":
-        # The decode GEMV: tiled for bandwidth, launch shape from the GPU's table (a
-        # function of the weight's type and shape only, so also the invariant kernel).
-        from minivllm.kernels.gemv_configs import lookup
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv
 
         config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count)
@@ -308,7 +304,7 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
         return out
-    names = _PLANE_ORDER[w.ggml_type]
+    names = PLANE_ORDER[w.ggml_type.name]
     ptrs = [w.planes[nm] if nm is not None else w.qs for nm in names]
     has_bias = bias is not None
     args = (x, w.qs, *ptrs, bias if has_bias else out, out, m, n, x.stride(0), x.stride(1), out.stride(0))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.gemv_configs import GemvConfig
-from minivllm.kernels.repacked_layout import R, RepackedWeight
+from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.quant_fields import field, field_hi, i8_to_f32, u8_to_f32
 
 
@@ -167,11 +167,25 @@ def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, stride_ws, SPLIT: tl.co
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-PLANE_ORDER = {
-    "Q4_0": ("d", None, None, None), "Q4_1": ("d", "m", None, None), "Q5_0": ("d", "qh", None, None),
-    "Q8_0": ("d", None, None, None), "Q4_K": ("d", "dmin", "sc", "mn"), "Q6_K": ("d", "qh", "sc_lo", "sc_hi"),
-}
 _SUM_BLOCK = 1024
+
+
+def launch_shape(n: int, k: int, m: int, config: GemvConfig) -> tuple[tuple[int, int, int], int, int]:
+    """(grid, groups per slice, slices) of `config` for an (n, k) weight and m rows: the
+    slices are whole loop trips, and none is empty."""
+    n_groups = k // 32
+    split = max(1, min(config.split, n_groups))
+    g_per = triton.cdiv(triton.cdiv(n_groups, split), config.block_g) * config.block_g
+    split = triton.cdiv(n_groups, g_per)
+    return (triton.cdiv(triton.cdiv(n, R), config.block_nb), split, m), g_per, split
+
+
+def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = the workspace's slices (split, m, n) summed in slice order (+ bias), rounded once."""
+    split, m, n = ws.shape
+    has_bias = bias is not None
+    _sum_splits_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, bias if has_bias else out, out, m * n, n, m * n,
+                                                          SPLIT=split, HAS_BIAS=has_bias, BLOCK=_SUM_BLOCK, num_warps=4)
 
 
 def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dtype: torch.dtype | None = None,
@@ -185,23 +199,15 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
         return out
-    n_groups = k // 32
-    split = max(1, min(config.split, n_groups))
-    g_per = triton.cdiv(triton.cdiv(n_groups, split), config.block_g) * config.block_g
-    split = triton.cdiv(n_groups, g_per)  # no empty slices
-    n_rb = triton.cdiv(n, R)
-    names = PLANE_ORDER[w.ggml_type.name]
-    ptrs = [w.planes[nm] if nm is not None else w.qs for nm in names]
+    grid, g_per, split = launch_shape(n, k, m, config)
+    ptrs = [w.planes[nm] if nm is not None else w.qs for nm in PLANE_ORDER[w.ggml_type.name]]
     has_bias = bias is not None
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n_rb, config.block_nb), split, m)
     _tiled_gemv_kernel[grid](
         x, w.qs, *ptrs, bias if has_bias else out, dest, m, n, x.stride(0), n, m * n, g_per,
-        N_GROUPS=n_groups, N_RB=n_rb, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
+        N_GROUPS=k // 32, N_RB=triton.cdiv(n, R), KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
-            dest, bias if has_bias else out, out, m * n, n, m * n, SPLIT=split, HAS_BIAS=has_bias,
-            BLOCK=_SUM_BLOCK, num_warps=4)
+        sum_splits(dest, out, bias)
     return out

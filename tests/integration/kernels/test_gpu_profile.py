@@ -63,11 +63,11 @@ def test_repacked_dispatch_takes_the_int8_path_on_the_t4_profile(monkeypatch, pr
     assert called == (["q8"] if expect_q8 else ["tiled"])
     # int8 activations (per-group scale max|x|/127) cost at most ~1% relative error here.
     assert ((y - ref).norm() / ref.norm()).item() < (2e-2 if expect_q8 else 1e-5)
-    # Q6_K has no int8 kernel: the float path on both profiles.
+    # On the native profile the int8 path is an opt-in switch.
     called.clear()
-    w6 = repack(random_weight(T.Q6_K, 8, 256, device=device, seed=52))
-    repacked_gemv(x, w6)
-    assert called == ["tiled"]
+    monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
+    repacked_gemv(x, w)
+    assert called == ["q8"]
 
 
 @pytest.mark.cuda

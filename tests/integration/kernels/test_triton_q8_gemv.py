@@ -17,10 +17,11 @@ from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kerne
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from test_triton_gemv import assert_close_to_reference, random_weight  # noqa: E402
+from minivllm.kernels.gemv_configs import GemvConfig  # noqa: E402
 from minivllm.kernels.triton.q8_gemv import Q8_TYPES, q8_gemv, quantize_q8, unpack_q8  # noqa: E402
 from minivllm.kernels.triton.repacked_gemv import repack, repacked_gemv  # noqa: E402
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1 (no GPU here)")
 
 
@@ -39,19 +40,19 @@ def _check_quantization(x: torch.Tensor) -> None:
     assert (q.view_as(groups).abs().amax(dim=2)[dx > 0] == 127).all()
 
 
-def _check_gemv(ggml_type: T, n: int, k: int, device: str, seed: int) -> None:
+def _check_gemv(ggml_type: T, n: int, k: int, device: str, seed: int, config=None) -> None:
     w = random_weight(ggml_type, n, k, device=device, seed=seed)
     rw = repack(w)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     x[1, :32] = 0.0  # an all-zero group
     xd, xq, _ = _dequant_x(x)
     ref = (xd @ w.dequantize(torch.float32).double().T).float()
-    y = q8_gemv(x, rw, xq=xq)
+    y = q8_gemv(x, rw, config, xq=xq)
     assert_close_to_reference(y, ref, k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)).to(device)
-    assert_close_to_reference(q8_gemv(x, rw, bias=bias), ref + bias, k)
+    assert_close_to_reference(q8_gemv(x, rw, config, bias=bias), ref + bias, k)
     # A row alone: the same bits.
-    assert torch.equal(q8_gemv(x[2:3].contiguous(), rw)[0], y[2])
+    assert torch.equal(q8_gemv(x[2:3].contiguous(), rw, config)[0], y[2])
 
 
 def test_types():
@@ -69,7 +70,9 @@ def test_quantize_q8_interpreted():
 @cpu_only
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_matches_quantized_reference_interpreted(ggml_type):
-    _check_gemv(ggml_type, 9, 256 if ggml_type == T.Q4_K else 96, "cpu", seed=3)
+    k = 512 if ggml_type in (T.Q4_K, T.Q6_K) else 96
+    for config in (None, GemvConfig(block_nb=2, block_g=2, split=3), GemvConfig(block_nb=4, block_g=8, split=1)):
+        _check_gemv(ggml_type, 9, k, "cpu", seed=3, config=config)
 
 
 @cpu_only
@@ -111,14 +114,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.kernels.triton import q8_gemv as q
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"), 3: ("*fp16", "*i32", "*i32", "*i32"),
-          4: ("*fp16", "*fp16", "*u8", "*u8")}
+planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"), 2: ("*fp16", "*i32", "*i32", "*i32"),
+          3: ("*fp16", "*i32", "*i32", "*i32"), 4: ("*fp16", "*fp16", "*u8", "*u8"), 5: ("*fp16", "*i16", "*i8", "*i8")}
 out = {}
 for kind, (a, b, c, e) in planes.items():
     sig = {"xw_ptr": "*i32", "dx_ptr": "*fp32", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e,
-           "bias_ptr": "*fp32", "out_ptr": "*fp16", "M": "i32", "N": "i32", "stride_om": "i32"}
-    const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_G": 64, "HAS_BIAS": True,
-             "EMULATE": False}
+           "bias_ptr": "*fp32", "out_ptr": "*fp16", "M": "i32", "N": "i32", "stride_om": "i32", "stride_os": "i32",
+           "G_PER_SPLIT": "i32"}
+    const = {"N_GROUPS": 112, "N_RB": 128, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
+             "BLOCK_G": 32, "IS_SPLIT": False, "HAS_BIAS": True, "EMULATE": False}
     sig.update({k: "constexpr" for k in const})
     k = triton.compile(ASTSource(q._q8_gemv_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
                        options={"num_warps": 4})
@@ -144,6 +148,6 @@ def test_kernels_compile_for_t4_sm75_with_dp4a():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 5
+    assert len(result) == 7
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False, "dp4a": key != "quantize"}, key
