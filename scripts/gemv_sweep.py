@@ -4,8 +4,9 @@ For each weight type and Qwen2.5-7B shape (the attention, K/V, FFN up/gate, FFN 
 LM-head matrices) this times, at M = 1 from CUDA-graph replays over weight copies larger
 than the L2 (`bench/kernels.graph_us`), every candidate (row groups per program, groups
 per trip, warps, pipeline stages, K slices) of `kernels/triton/tiled_gemv.py`, the older
-one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the int8-activation kernel
-(`q8_gemv.py`, activations quantized in the same call) and f16 cuBLAS on the dense
+one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the same candidates of the
+int8-activation kernel (`q8_gemv.py`; activations quantized once beforehand, as a layer's
+Q/K/V share one quantization; the quantize kernel is timed on its own) and f16 cuBLAS on the dense
 matrix, against the measured copy bandwidth (bytes read + written).
 
     python3 scripts/gemv_sweep.py OUTDIR [--types Q4_K,Q6_K] [--quick Q4_0,Q4_1]
@@ -69,7 +70,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(dev)
     copy_gbs = copy_bandwidth_gbs(dev)
     print(f"{name} ({prof.table_key}, {prof.sm_count} SMs): copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    rows, winners = [], {}
+    rows, winners, winners_int8 = [], {}, {}
     t0 = time.time()
     for tname in args.types.split(","):
         gt = GGMLQuantizationType[tname]
@@ -88,18 +89,31 @@ def main() -> int:
             os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
             row["legacy_us"] = graph_us(lambda i: (lambda: repacked_gemv(x, ws[i], out_dtype=torch.float16, autotune=False)), nbytes)
             os.environ.pop("MINIVLLM_GEMV_KERNEL")
-            best = None
-            for nb, g, nw, st in (QUICK if tname in args.quick.split(",") else CANDIDATES):
-                for split in _splits(n, k, nb, g, prof.sm_count):
-                    cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
-                    try:
-                        us = graph_us(lambda i: (lambda: tiled_gemv(x, ws[i], cfg, out_dtype=torch.float16)), nbytes)
-                    except Exception as exc:  # a config that does not compile here (registers, shared memory)
-                        row["candidates"].append({**cfg.as_dict(), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                        continue
-                    row["candidates"].append({**cfg.as_dict(), "us": us})
-                    if best is None or us < best[1]:
-                        best = (cfg, us)
+            cands = QUICK if tname in args.quick.split(",") else CANDIDATES
+            xq = q8.quantize_q8(x)
+            kernels = {"float": lambda cfg, i: (lambda: tiled_gemv(x, ws[i], cfg, out_dtype=torch.float16)),
+                       "int8": lambda cfg, i: (lambda: q8.q8_gemv(x, ws[i], cfg, out_dtype=torch.float16, xq=xq))}
+            bests = {}
+            for kernel, make in kernels.items():
+                best = None
+                for nb, g, nw, st in cands:
+                    for split in _splits(n, k, nb, g, prof.sm_count):
+                        cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
+                        try:
+                            us = graph_us(lambda i: make(cfg, i), nbytes)
+                        except Exception as exc:  # a config that does not compile here (registers, shared memory)
+                            row["candidates"].append({"kernel": kernel, **cfg.as_dict(),
+                                                      "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                            continue
+                        row["candidates"].append({"kernel": kernel, **cfg.as_dict(), "us": us})
+                        if best is None or us < best[1]:
+                            best = (cfg, us)
+                bests[kernel] = best
+            best = bests["float"]
+            row["best_int8"] = bests["int8"][0].as_dict()
+            row["best_int8_us"] = bests["int8"][1]
+            row["best_int8_frac_of_copy"] = frac(bests["int8"][1])
+            row["quantize_q8_us"] = graph_us(lambda i: (lambda: q8.quantize_q8(x)), 1 << 28)
             dflt = default_config(n, k, prof.sm_count)
             row["default"] = dflt.as_dict()
             row["best"] = best[0].as_dict()
@@ -113,21 +127,23 @@ def main() -> int:
             y_legacy = repacked_gemv(x, ws[0], autotune=False)
             os.environ.pop("MINIVLLM_GEMV_KERNEL")
             row["best_max_rel_diff_vs_legacy"] = float((y - y_legacy).abs().max() / y_legacy.abs().max())
-            if gt in q8.Q8_TYPES:
-                def q8_call(i):
-                    return lambda: q8.q8_gemv(x, ws[i], out_dtype=torch.float16, xq=q8.quantize_q8(x))
-                row["q8_us"] = graph_us(q8_call, nbytes)
-                row["q8_frac_of_copy"] = frac(row["q8_us"])
+            # The int8 winner against the float reference of its quantized activations.
+            xw, dxs = xq
+            xd = (q8.unpack_q8(xw).float().view(1, -1, 32) * dxs[:, :, None]).view(1, k)
+            y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
+            ref8 = xd @ ws[0].dequantize(torch.float32).T
+            row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
             dense = [ws[i].dequantize(torch.float16) for i in range(min(copies, max(2, -(-(160 << 20) // (n * k * 2)))))]
             row["f16_cublas_us"] = graph_us(lambda i: (lambda: torch.nn.functional.linear(x, dense[i % len(dense)])), n * k * 2)
             row["f16_cublas_frac_of_copy"] = n * k * 2 / (row["f16_cublas_us"] * 1e-6) / 1e9 / copy_gbs
             del dense, ws
             torch.cuda.empty_cache()
             winners[shape_key(tname, n, k)] = row["best"]
+            winners_int8[shape_key(tname, n, k)] = row["best_int8"]
             rows.append(row)
             print(f"{tname:5s} {n:6d}x{k:<6d} {nbytes / 1e6:7.1f} MB  best {best[1]:7.1f} us "
                   f"{row['best_frac_of_copy']:5.0%} {best[0]}  legacy {row['legacy_us']:7.1f} us "
-                  f"{row['legacy_frac_of_copy']:5.0%}  q8 {row.get('q8_us', float('nan')):7.1f} us  "
+                  f"{row['legacy_frac_of_copy']:5.0%}  int8 {row['best_int8_us']:7.1f} us {row['best_int8_frac_of_copy']:5.0%}  "
                   f"f16 cuBLAS {row['f16_cublas_us']:7.1f} us  [{time.time() - t0:.0f} s]", flush=True)
     meta = {"device": name, "profile": prof.table_key, "sm_count": prof.sm_count, "copy_GBps": copy_gbs,
             "torch": torch.__version__, "triton": __import__("triton").__version__,
@@ -138,15 +154,18 @@ def main() -> int:
     (out / f"gemv-sweep-{prof.table_key}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = json.loads(TABLE_PATH.read_text()) if TABLE_PATH.is_file() else {}
     table[prof.table_key] = {"device": name, "source": f"scripts/gemv_sweep.py, {meta['date']}, copy "
-                             f"{copy_gbs:.0f} GB/s", "configs": winners}
+                             f"{copy_gbs:.0f} GB/s", "configs": winners, "configs_int8": winners_int8}
     (out / "gemv_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     md = [f"# GEMV sweep on {name} ({prof.table_key}), M = 1", "", f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); "
           "fraction = weight bytes / time / copy bandwidth", "",
-          "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy | q8 µs | of copy | f16 cuBLAS µs | of copy |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
+          "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["best"]
-        q8s = f"{r['q8_us']:.1f} | {r['q8_frac_of_copy']:.0%}" if "q8_us" in r else "— | —"
+        b8 = r["best_int8"]
+        q8s = (f"{r['best_int8_us']:.1f} | {r['best_int8_frac_of_copy']:.0%} | {b8['block_nb']}, {b8['block_g']}, "
+               f"{b8['split']}, {b8['num_warps']}, {b8['num_stages']}")
         md.append(f"| {r['type']} | {r['n']}x{r['k']} | {r['mbytes']:.1f} | {r['best_us']:.1f} | {r['best_frac_of_copy']:.0%} "
                   f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
                   f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "

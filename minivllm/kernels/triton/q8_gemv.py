@@ -188,8 +188,8 @@ def _q8_gemv_kernel(
                 dot_hi = _dp4a(hi, xb_hi, _dp4a(lo, xa_hi, zero, EMULATE), EMULATE)
                 sum_lo = _dp4a(ones, xb_lo, _dp4a(ones, xa_lo, zero, EMULATE), EMULATE)
                 sum_hi = _dp4a(ones, xb_hi, _dp4a(ones, xa_hi, zero, EMULATE), EMULATE)
-                s_lo = tl.load(c_ptr + gr, mask=ok, other=0).to(tl.float32)
-                s_hi = tl.load(e_ptr + gr, mask=ok, other=0).to(tl.float32)
+                s_lo = _small_int_to_f32(tl.load(c_ptr + gr, mask=ok, other=0).to(tl.int32))  # int8 scales, no I2F
+                s_hi = _small_int_to_f32(tl.load(e_ptr + gr, mask=ok, other=0).to(tl.int32))
                 sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0
                 d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
                 acc += (_small_int_to_f32(dot_lo - 32 * sum_lo) * s_lo
