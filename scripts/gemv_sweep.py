@@ -49,14 +49,53 @@ def _splits(n: int, k: int, block_nb: int, block_g: int, sms: int) -> list[int]:
     return out
 
 
+def _precompile(tname: str, k: int, kernel: str, cands: list, splits: list[int]) -> str:
+    """Compile (into Triton's on-disk cache) every variant the timing loop will launch for
+    one (type, K, kernel): the launch constants do not depend on N, so a small N does."""
+    from minivllm.bench.kernels import random_weight
+    from minivllm.kernels.gemv_configs import GemvConfig
+    from minivllm.kernels.repacked_layout import repack
+    from minivllm.kernels.triton import q8_gemv as q8
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+
+    dev = torch.device("cuda")
+    w = repack(random_weight(GGMLQuantizationType[tname], 64, k, device=dev, seed=0))
+    x = torch.randn(1, k, device=dev).half()
+    xq = q8.quantize_q8(x)
+    for nb, g, nw, st in cands:
+        for split in splits:
+            cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
+            try:
+                if kernel == "float":
+                    tiled_gemv(x, w, cfg, out_dtype=torch.float16)
+                else:
+                    q8.q8_gemv(x, w, cfg, out_dtype=torch.float16, xq=xq)
+            except Exception:  # the timing loop records it
+                pass
+    torch.cuda.synchronize()
+    return f"{tname} K={k} {kernel}"
+
+
+def _precompile_all(types: list[str], quick: set[str], workers: int) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(t, k, kern, QUICK if t in quick else CANDIDATES, [1, 2])
+            for t in types for k in sorted({k for _, k in SHAPES}) for kern in ("float", "int8")]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in pool.map(_precompile, *zip(*jobs)):
+            print(f"compiled {done}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--quick", default="", help="types (comma-separated) swept over 3 tile candidates instead of 8")
+    ap.add_argument("--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)")
     args = ap.parse_args()
     from minivllm.bench.kernels import copy_bandwidth_gbs, graph_us, random_weight
-    from minivllm.kernels.gemv_configs import TABLE_PATH, GemvConfig, default_config, shape_key
+    from minivllm.kernels.gemv_configs import GemvConfig, default_config, shape_key
     from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.repacked_layout import repack
     from minivllm.kernels.triton import q8_gemv as q8
@@ -68,6 +107,10 @@ def main() -> int:
     dev = torch.device("cuda")
     prof = gpu_profile(dev)
     name = torch.cuda.get_device_name(dev)
+    if args.compile_workers:
+        t0 = time.time()
+        _precompile_all(args.types.split(","), set(args.quick.split(",")), args.compile_workers)
+        print(f"precompiled in {time.time() - t0:.0f} s", flush=True)
     copy_gbs = copy_bandwidth_gbs(dev)
     print(f"{name} ({prof.table_key}, {prof.sm_count} SMs): copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows, winners, winners_int8 = [], {}, {}
@@ -141,10 +184,21 @@ def main() -> int:
             winners[shape_key(tname, n, k)] = row["best"]
             winners_int8[shape_key(tname, n, k)] = row["best_int8"]
             rows.append(row)
+            write(out, rows, winners, winners_int8, name, prof, copy_gbs)
             print(f"{tname:5s} {n:6d}x{k:<6d} {nbytes / 1e6:7.1f} MB  best {best[1]:7.1f} us "
                   f"{row['best_frac_of_copy']:5.0%} {best[0]}  legacy {row['legacy_us']:7.1f} us "
                   f"{row['legacy_frac_of_copy']:5.0%}  int8 {row['best_int8_us']:7.1f} us {row['best_int8_frac_of_copy']:5.0%}  "
                   f"f16 cuBLAS {row['f16_cublas_us']:7.1f} us  [{time.time() - t0:.0f} s]", flush=True)
+    write(out, rows, winners, winners_int8, name, prof, copy_gbs)
+    print((out / f"gemv-sweep-{prof.table_key}.md").read_text())
+    return 0
+
+
+def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, prof, copy_gbs: float) -> None:
+    """The JSON, the Markdown table and the config table so far (rewritten after every row,
+    so a run stopped early keeps what it measured)."""
+    from minivllm.kernels.gemv_configs import TABLE_PATH
+
     meta = {"device": name, "profile": prof.table_key, "sm_count": prof.sm_count, "copy_GBps": copy_gbs,
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "commit": os.environ.get("MINIVLLM_COMMIT", "unknown"),
@@ -171,8 +225,6 @@ def main() -> int:
                   f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
                   f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} |")
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0
 
 
 if __name__ == "__main__":

@@ -125,11 +125,11 @@ def _small_int_to_f32(v):
     return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
-@triton.jit(do_not_specialize=["M", "G_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT"])
 def _q8_gemv_kernel(
     xw_ptr, dx_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
-    M, N, stride_om, stride_os, G_PER_SPLIT,
-    N_GROUPS: tl.constexpr, N_RB: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+    M, N, stride_om, stride_os, G_PER_SPLIT, N_RB,
+    N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     EMULATE: tl.constexpr,
 ):  # fmt: skip
@@ -257,8 +257,8 @@ def q8_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig | None = None
     has_bias = bias is not None
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xw.device)
     _q8_gemv_kernel[grid](
-        xw, dx, w.qs, *ptrs, bias if has_bias else out, dest, m, n, n, m * n, g_per,
-        N_GROUPS=k // 32, N_RB=triton.cdiv(n, R), KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R,
+        xw, dx, w.qs, *ptrs, bias if has_bias else out, dest, m, n, n, m * n, g_per, triton.cdiv(n, R),
+        N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
         EMULATE=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:

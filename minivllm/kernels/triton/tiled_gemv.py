@@ -35,11 +35,11 @@ from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.quant_fields import field, field_hi, i8_to_f32, u8_to_f32
 
 
-@triton.jit(do_not_specialize=["M", "G_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT"])
 def _tiled_gemv_kernel(
     x_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
-    M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT,
-    N_GROUPS: tl.constexpr, N_RB: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+    M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB,
+    N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -204,8 +204,8 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     has_bias = bias is not None
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _tiled_gemv_kernel[grid](
-        x, w.qs, *ptrs, bias if has_bias else out, dest, m, n, x.stride(0), n, m * n, g_per,
-        N_GROUPS=k // 32, N_RB=triton.cdiv(n, R), KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
+        x, w.qs, *ptrs, bias if has_bias else out, dest, m, n, x.stride(0), n, m * n, g_per, triton.cdiv(n, R),
+        N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:

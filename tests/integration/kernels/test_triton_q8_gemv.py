@@ -120,8 +120,8 @@ out = {}
 for kind, (a, b, c, e) in planes.items():
     sig = {"xw_ptr": "*i32", "dx_ptr": "*fp32", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e,
            "bias_ptr": "*fp32", "out_ptr": "*fp16", "M": "i32", "N": "i32", "stride_om": "i32", "stride_os": "i32",
-           "G_PER_SPLIT": "i32"}
-    const = {"N_GROUPS": 112, "N_RB": 128, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
+           "G_PER_SPLIT": "i32", "N_RB": "i32"}
+    const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
              "BLOCK_G": 32, "IS_SPLIT": False, "HAS_BIAS": True, "EMULATE": False}
     sig.update({k: "constexpr" for k in const})
     k = triton.compile(ASTSource(q._q8_gemv_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
