@@ -41,15 +41,17 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/timeline.txt"; }
 BUDGET=${BUDGET:-560}  # seconds this run may take (a device call stops at 600)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-step() {  # step NAME LOG CMD...: run CMD under the time left (skipped when under 30 s)
-  local name=$1 log=$2; shift 2
+step() {  # step NAME LOG CMD...: run CMD under the time left (skipped when under 30 s); the
+  # benchmarks/results files it writes are copied to R, prefixed with LOG's name
+  local name=$1 log=$2 rc f; shift 2
   if [ "$(left)" -lt 30 ]; then stamp "SKIPPED $name (out of time)"; return 0; fi
+  touch "$R/.marker"
   timeout "$(left)" "$@" > "$log" 2>&1
-  stamp "$name exit $?"
-}
-
-files_of() {  # the new benchmarks/results files since the marker
-  find benchmarks/results -newer "$R/.marker" -type f 2>/dev/null
+  rc=$?
+  for f in $(find benchmarks/results -newer "$R/.marker" -type f 2>/dev/null); do
+    cp "$f" "${log%.*}--$(basename "$f")"
+  done
+  stamp "$name exit $rc"
 }
 
 synthetic() {  # path of a synthetic file (written if missing)
@@ -97,21 +99,21 @@ else
     stamp "no llama.cpp build here (a fresh machine?): building now"
     bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 > "$W/llama-build.log" 2>&1
   fi
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 3; done  # run 1's writer, if still going
   S05=$(synthetic qwen2.5-0.5b-q4_k_m | tail -n 1); S7=$(synthetic qwen2.5-7b-q4_k_m | tail -n 1)
   stamp "files: $S05 $S7"
   while pgrep -f build_on_gpu.sh > /dev/null; do sleep 5; done
   stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | tr '\n' ' ')"
-  touch "$R/.marker"
-  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128"
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode $s (+ llama-bench)" "$R/decode-$s.log" \
       $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
   done
-  step "batched 0.5b" "$R/batched-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" "$R/batched-0.5b.json" \
-    --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
-  step "batched 7b" "$R/batched-7b.log" python3 scripts/gpu_batched_decode.py "$S7" "$R/batched-7b.json" \
-    --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
+  step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
+    python3 -m minivllm bench offline --model "$S05" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
+  step "batched 7b (bench offline --llama-batched-bench)" "$R/batched-7b.log" \
+    python3 -m minivllm bench offline --model "$S7" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
   # the int8 GEMV (opt-in natively): minivllm only, batch 1
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode int8 $s" "$R/decode-int8-$s.log" env MINIVLLM_Q8_GEMV=1 $DEC $SYN $s --prompt-tokens 512
@@ -119,8 +121,8 @@ else
   # decode after 4096 tokens of context (7B): minivllm, then llama-bench -d 0,512,4096
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
   echo "$LLAMA_BIN/llama-bench -m $S7 -ngl 99 -p 0 -n 128 -d 0,512,4096 -r 3 -o json" > "$R/llama-bench-7b-depth.cmd"
-  step "llama-bench depth" "$R/llama-bench-7b-depth.json" "$LLAMA_BIN/llama-bench" -m "$S7" -ngl 99 -p 0 -n 128 \
-    -d 0,512,4096 -r 3 -o json
+  step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \
+    -n 128 -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b-depth.json'"
   # the T4 profile on this GPU, and batch-invariant mode's cost (batch 1 and 8)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode T4 profile $s" "$R/decode-sm75-$s.log" env MINIVLLM_GPU_PROFILE=sm75 $DEC $SYN $s --prompt-tokens 512
@@ -129,7 +131,6 @@ else
     "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
   step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
     "$R/batched-default-0.5b.json" --npl 1,8
-  for f in $(files_of); do cp "$f" "$R/"; done
 fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"

@@ -99,3 +99,46 @@ def minivllm_batched_decode(llm, sequences: int, prompt_tokens: int = 128, decod
     samples.sort()
     return {"engine": "minivllm", "sequences": sequences, "prompt_tokens": prompt_tokens,
             "decode_tokens": decode_tokens, "decode_tok_s": samples[len(samples) // 2], "samples": samples}
+
+
+def compare(model_path: str | Path, binary: str | None, *, npl: tuple[int, ...] = DEFAULT_NPL,
+            prompt_tokens: int = 128, decode_tokens: int = 128, repeats: int = 3,
+            engine_options: dict | None = None) -> dict:
+    """Both engines on one file (minivllm first, then llama-batched-bench when `binary`):
+    {"meta", "minivllm": rows, "llama_cpp": rows}, each minivllm row with the peer's S_TG
+    and `ratio_vs_llama_cpp` for its B."""
+    import torch
+
+    from minivllm.engine.llm import LLM
+
+    options = dict(engine_options or {})
+    llm = LLM(str(model_path), device="cuda", dtype="float16", progress=False,
+              max_model_len=prompt_tokens + decode_tokens + 8, max_active_requests=max(npl), **options)
+    rows = []
+    for b in npl:
+        t0 = time.time()
+        r = minivllm_batched_decode(llm, b, prompt_tokens, decode_tokens, repeats=repeats)
+        print(f"minivllm B={b}: {r['decode_tok_s']:.1f} tok/s ({time.time() - t0:.0f} s)", flush=True)
+        rows.append(r)
+    del llm
+    torch.cuda.empty_cache()
+    peer = llama_batched_rows(binary, model_path, prompt_tokens, decode_tokens, npl) if binary else []
+    by_b = {p["sequences"]: p for p in peer if p.get("status") == "ok"}
+    for r in rows:
+        p = by_b.get(r["sequences"])
+        if p is not None:
+            r["llama_cpp_decode_tok_s"] = p["decode_tok_s"]
+            r["ratio_vs_llama_cpp"] = r["decode_tok_s"] / p["decode_tok_s"]
+        print(f"B={r['sequences']}: minivllm {r['decode_tok_s']:.1f} tok/s, llama.cpp "
+              f"{r.get('llama_cpp_decode_tok_s', float('nan')):.1f}, ratio {r.get('ratio_vs_llama_cpp', float('nan')):.3f}",
+              flush=True)
+    meta = {"device": torch.cuda.get_device_name(0), "model": str(model_path), "engine_options": options,
+            "commit": os.environ.get("MINIVLLM_COMMIT", "unknown"),
+            "env": {k: v for k, v in os.environ.items()
+                    if k in ("MINIVLLM_GPU_PROFILE", "MINIVLLM_Q8_GEMV", "MINIVLLM_GEMV_CONFIGS", "MINIVLLM_GEMV_KERNEL")},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "minivllm_measure": "B random-token prompts of P tokens through LLM.generate (f16, greedy, EOS ignored); "
+                                "S_TG = B * (G - 1) / (t_G - t_1), median of the repeats after one warm-up",
+            "llama_cpp_measure": "llama-batched-bench speed_tg = B * G / t_tg"}
+    return {"meta": meta, "minivllm": rows, "llama_cpp": peer}
+

@@ -42,9 +42,11 @@ class GpuProfile:
 
     @property
     def int8_gemv(self) -> bool:
-        """The int8-activation GEMV for the types that have it: always on the T4 path (its
-        float32 FMA rate makes the float decode compute-bound there), else opt-in
-        (MINIVLLM_Q8_GEMV=1) until the H100/H200 sweep says it wins."""
+        """The int8-activation GEMV, for f16/bf16 activations (float32 stays float32):
+        always on the T4 path (its float32 FMA rate makes the float decode compute-bound
+        there), else opt-in (MINIVLLM_Q8_GEMV=1): it rounds activations to 8 bits per group
+        as llama.cpp does, and the greedy-agreement tests on real files have not run with
+        it on a GPU yet."""
         if self.capability < (8, 0):
             return True
         return os.environ.get("MINIVLLM_Q8_GEMV") == "1"

@@ -293,7 +293,9 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     profile = gpu_profile(x.device)
     # Launch shapes come from the GPU's table and depend on the weight's type and shape
     # only, so these kernels are also the batch-invariant ones.
-    if profile.int8_gemv and w.ggml_type in q8.Q8_TYPES:  # int8 activations + dp4a (the T4 path; opt-in elsewhere)
+    # int8 activations + dp4a: the T4 path (opt-in elsewhere), for half-precision activations
+    # only: float32 means float32 (the reference path, and what the f32 tests pin).
+    if profile.int8_gemv and x.dtype != torch.float32 and w.ggml_type in q8.Q8_TYPES:
         config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count, int8=True)
         return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
     if (m == 1 or invariant) and os.environ.get("MINIVLLM_GEMV_KERNEL", "tiled") != "legacy":

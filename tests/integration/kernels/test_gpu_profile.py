@@ -57,12 +57,16 @@ def test_repacked_dispatch_takes_the_int8_path_on_the_t4_profile(monkeypatch, pr
     monkeypatch.setattr(q8, "q8_gemv", lambda *a, **k: called.append("q8") or real_q8(*a, **k))
     monkeypatch.setattr(tg, "tiled_gemv", lambda *a, **k: called.append("tiled") or real_tiled(*a, **k))
     w = repack(random_weight(T.Q4_K, 8, 256, device=device, seed=51))
-    x = torch.randn(1, 256, device=device)
+    x = torch.randn(1, 256, device=device).half()
     y = repacked_gemv(x, w)
-    ref = x @ w.dequantize(torch.float32).T
+    ref = x.float() @ w.dequantize(torch.float32).T
     assert called == (["q8"] if expect_q8 else ["tiled"])
     # int8 activations (per-group scale max|x|/127) cost at most ~1% relative error here.
     assert ((y - ref).norm() / ref.norm()).item() < (2e-2 if expect_q8 else 1e-5)
+    # float32 activations keep the float kernel on every profile (float32 means float32).
+    called.clear()
+    repacked_gemv(x.float(), w)
+    assert called == ["tiled"]
     # On the native profile the int8 path is an opt-in switch.
     called.clear()
     monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
