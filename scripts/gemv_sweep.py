@@ -133,12 +133,12 @@ def main() -> int:
 
             row = {"type": tname, "n": n, "k": k, "mbytes": nbytes / 1e6, "candidates": []}
             os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
-            row["legacy_us"] = graph_us(lambda i: (lambda: repacked_gemv(x, ws[i], out_dtype=torch.float16, autotune=False)), nbytes)
+            row["legacy_us"] = graph_us(lambda i: (lambda: repacked_gemv(x, ws[i % copies], out_dtype=torch.float16, autotune=False)), nbytes)
             os.environ.pop("MINIVLLM_GEMV_KERNEL")
             cands = QUICK if tname in args.quick.split(",") else CANDIDATES
             xq = q8.quantize_q8(x)
-            kernels = {"float": lambda cfg, i: (lambda: tiled_gemv(x, ws[i], cfg, out_dtype=torch.float16)),
-                       "int8": lambda cfg, i: (lambda: q8.q8_gemv(x, ws[i], cfg, out_dtype=torch.float16, xq=xq))}
+            kernels = {"float": lambda cfg, i: (lambda: tiled_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16)),
+                       "int8": lambda cfg, i: (lambda: q8.q8_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16, xq=xq))}
             bests = {}
             for kernel, make in kernels.items():
                 best = None

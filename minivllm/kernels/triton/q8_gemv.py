@@ -23,6 +23,7 @@ numerics (activations rounded to 8 bits per group, as llama.cpp does).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -78,20 +79,31 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xw, dx
 
 
-# The last activation quantized, by identity: a layer's Q/K/V (and gate/up) read the same
-# x, so they share one quantize launch (also inside a CUDA graph capture).
-_LAST: list = [None, -1, None]  # [weakref to x, x._version, (xw, dx)]
+# A layer's Q/K/V (and gate/up) read the same x: inside `sharing_quantization(x)`
+# (kernels/linear.py's project_many) the first int8 GEMV quantizes x and the others reuse
+# it (also inside a CUDA graph capture). Scoped, not cached by identity: a buffer reused
+# with new contents (persistent inputs, in-place kernels) can never hit a stale entry,
+# and inference tensors, which keep no version counter, need none.
+_SCOPE: list = [None, None]  # [x whose quantization may be shared, its (xw, dx) once made]
 
 
-def quantize_q8_cached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    import weakref
+@contextmanager
+def sharing_quantization(x: torch.Tensor):
+    saved = _SCOPE[:]
+    _SCOPE[:] = [x, None]
+    try:
+        yield
+    finally:
+        _SCOPE[:] = saved
 
-    ref, version, got = _LAST
-    if ref is not None and ref() is x and version == x._version:
-        return got
-    got = quantize_q8(x.contiguous())
-    _LAST[:] = [weakref.ref(x), x._version, got]
-    return got
+
+def quantize_shared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_q8(x)`, made once per `sharing_quantization(x)` scope."""
+    if _SCOPE[0] is x:
+        if _SCOPE[1] is None:
+            _SCOPE[1] = quantize_q8(x.contiguous())
+        return _SCOPE[1]
+    return quantize_q8(x.contiguous())
 
 
 def unpack_q8(xw: torch.Tensor) -> torch.Tensor:
@@ -246,7 +258,7 @@ def q8_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig | None = None
     n, k = w.shape
     if w.ggml_type not in Q8_TYPES:
         raise ValueError(f"q8_gemv: {w.ggml_type.name} has no int8-activation kernel")
-    xw, dx = xq if xq is not None else quantize_q8_cached(x)
+    xw, dx = xq if xq is not None else quantize_shared(x)
     m = xw.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=xw.device)
     if m == 0:

@@ -79,7 +79,7 @@ def test_matches_quantized_reference_interpreted(ggml_type):
 def test_opt_in_switch_routes_repacked_gemv(monkeypatch):
     w = random_weight(T.Q4_0, 5, 64, seed=5)
     rw = repack(w)
-    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(6)).half()  # float32 never takes int8
     monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
     assert torch.equal(repacked_gemv(x, rw), q8_gemv(x, rw))
     monkeypatch.setenv("MINIVLLM_Q8_GEMV", "0")
@@ -91,12 +91,29 @@ def test_projections_of_one_input_share_its_quantization():
     from minivllm.kernels.triton import q8_gemv as q8
 
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
-    first = q8.quantize_q8_cached(x)
-    assert q8.quantize_q8_cached(x) is first  # the same tensor, unchanged: reused
-    x.mul_(2)  # changed in place: quantized again
-    again = q8.quantize_q8_cached(x)
-    assert again is not first and torch.equal(again[1], first[1] * 2)
-    assert q8.quantize_q8_cached(x.clone()) is not again  # another tensor
+    with q8.sharing_quantization(x):
+        first = q8.quantize_shared(x)
+        assert q8.quantize_shared(x) is first  # the same tensor in the scope: reused
+        assert q8.quantize_shared(x.clone()) is not first  # another tensor
+    assert q8.quantize_shared(x) is not first  # outside the scope: quantized again
+    x.mul_(2)
+    with q8.sharing_quantization(x):  # a new scope over the same buffer sees its new contents
+        assert torch.equal(q8.quantize_shared(x)[1], first[1] * 2)
+
+
+@cpu_only
+def test_inference_tensors_quantize(monkeypatch):
+    """The engine runs under torch.inference_mode(), whose tensors keep no version counter
+    (an identity cache keyed on x._version broke every int8 GEMV there)."""
+    monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
+    w = random_weight(T.Q4_K, 8, 256, seed=9)
+    rw = repack(w)
+    with torch.inference_mode():
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(10)).half()
+        y = repacked_gemv(x, rw)
+        with __import__("minivllm.kernels.triton.q8_gemv", fromlist=["x"]).sharing_quantization(x):
+            assert torch.equal(repacked_gemv(x, rw), y)
+    assert torch.equal(y, q8_gemv(x, rw))
 
 
 @pytest.mark.cuda
