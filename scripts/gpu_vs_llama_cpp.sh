@@ -21,12 +21,13 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
   DEST=${2:?usage: gpu_vs_llama_cpp.sh stage DEST}
-  MODELS="" PYTHON=${PYTHON:-/work/main/.venv/bin/python} bash "$HERE/scripts/stage_offline_gpu.sh" "$DEST"
+  MODELS="" WHEELS=${WHEELS:-gguf platformdirs llguidance} PYTHON=${PYTHON:-/work/main/.venv/bin/python} \
+    bash "$HERE/scripts/stage_offline_gpu.sh" "$DEST"
   exit $?
 fi
 
@@ -62,7 +63,49 @@ print(ensure_synthetic_model(sys.argv[1], tokenizer_source=sys.argv[2], progress
 PY
 }
 
-if [ "$MODE" = 1 ]; then
+run_pytest() {  # both profiles side by side, each under the time left minus RESERVE seconds
+  local PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider -rfE -n 4 --dist loadfile --timeout 120" t p1 p2 e1 e2
+  python3 -c "import xdist, pytest_timeout" 2>/dev/null || PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider -rfE"
+  t=$(( $(left) - ${RESERVE:-0} )); [ $t -lt 60 ] && t=60
+  timeout $t $PYTEST > "$R/pytest-cuda-native.log" 2>&1 &
+  p1=$!
+  MINIVLLM_GPU_PROFILE=sm75 timeout $t $PYTEST > "$R/pytest-cuda-sm75.log" 2>&1 &
+  p2=$!
+  wait $p1; e1=$?; wait $p2; e2=$?
+  stamp "pytest native exit $e1: $(tail -n 1 "$R/pytest-cuda-native.log")"
+  stamp "pytest sm75 exit $e2: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
+}
+
+if [ "$MODE" = 3 ]; then
+  # A third run (a fresh machine is fine): both pytest profiles again, then the int8 GEMV and
+  # the T4 profile beside the native path and llama.cpp (rebuilt here in the background).
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; } > "$R/device.txt" 2>&1
+  [ -x "$LLAMA_BIN/llama-batched-bench" ] || setsid nohup nice -n 15 bash ../peers/build_on_gpu.sh \
+    ../peers/llama.cpp.tar.xz "$W/llama" 90 > "$W/llama-build.log" 2>&1 < /dev/null &
+  ( synthetic qwen2.5-0.5b-q4_k_m; synthetic qwen2.5-7b-q4_k_m ) > "$W/synthetic.log" 2>&1 &
+  sp=$!
+  RESERVE=330 run_pytest
+  wait $sp
+  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
+  stamp "files: $S05 $S7"
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
+    step "decode int8 $s" "$R/decode-int8-$s.log" env MINIVLLM_Q8_GEMV=1 $DEC $SYN $s --prompt-tokens 512
+    step "decode native $s" "$R/decode-native-$s.log" $DEC $SYN $s --prompt-tokens 512
+    step "decode T4 profile $s" "$R/decode-sm75-$s.log" env MINIVLLM_GPU_PROFILE=sm75 $DEC $SYN $s --prompt-tokens 512
+  done
+  stamp "llama build: $(tail -n 1 "$W/llama-build.log")"
+  if [ -x "$LLAMA_BIN/llama-bench" ]; then
+    step "llama-bench 7b" "$R/llama-bench-7b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 512 -n 128 \
+      -d 0,512 -r 5 -o json > '$R/llama-bench-7b.json'"
+    step "batched int8 7b" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 python3 -m minivllm bench offline \
+      --model "$S7" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
+  else
+    step "batched int8 7b (no peer: build unfinished)" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 \
+      python3 scripts/gpu_batched_decode.py "$S7" "$R/batched-int8-7b.json"
+  fi
+elif [ "$MODE" = 1 ]; then
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
   if [ ! -x "$LLAMA_BIN/llama-batched-bench" ]; then
@@ -79,16 +122,7 @@ for n in ('qwen2.5-0.5b-q4_k_m', 'qwen2.5-7b-q4_k_m'):
   BUDGET=330 step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --quick Q4_0,Q4_1,Q5_0
   stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
   cp "$W"/sweep/* "$R/" 2>/dev/null
-  PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider -rfE -n 4 --dist loadfile --timeout 120"
-  python3 -c "import xdist, pytest_timeout" 2>/dev/null || PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider -rfE"
-  left=$(( 560 - ($(date +%s) - T0) )); [ $left -lt 60 ] && left=60
-  timeout $left $PYTEST > "$R/pytest-cuda-native.log" 2>&1 &
-  p1=$!
-  MINIVLLM_GPU_PROFILE=sm75 timeout $left $PYTEST > "$R/pytest-cuda-sm75.log" 2>&1 &
-  p2=$!
-  wait $p1; e1=$?; wait $p2; e2=$?
-  stamp "pytest native exit $e1: $(tail -n 1 "$R/pytest-cuda-native.log")"
-  stamp "pytest sm75 exit $e2: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
+  run_pytest
   stamp "llama build: $(tail -n 2 "$W/llama-build.log" | tr '\n' ' ')"
   stamp "synthetic: $(tr '\n' ' ' < "$W/synthetic.log" | tail -c 300)"
 else
