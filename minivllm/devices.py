@@ -61,11 +61,15 @@ def resolve_device(name: str | torch.device) -> torch.device:
 def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse bf16 on GPUs without bf16 arithmetic (T4 is sm_75; bf16 needs sm_80+)."""
     if device.type == "cuda" and dtype == torch.bfloat16:
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
+        from minivllm.kernels.gpu_profile import gpu_profile
+
+        profile = gpu_profile(device)  # MINIVLLM_GPU_PROFILE=sm75 refuses bf16 on any GPU, as a T4 must
+        if not profile.bf16:
+            major, minor = profile.capability
             name = torch.cuda.get_device_name(device)
+            forced = f", GPU profile {profile.name}" if profile.name != "native" else ""
             raise DeviceError(
-                f"activation dtype bf16 is not supported on {name} (sm_{major}{minor}); bf16 needs "
+                f"activation dtype bf16 is not supported on {name} (sm_{major}{minor}{forced}); bf16 needs "
                 f"sm_80 or newer. Use --activation-dtype f16 (or f32) on this GPU."
             )
 

@@ -164,7 +164,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
         max_tokens: int = 64, prompt_tokens: int = 512, repeats: int = 3, max_repeats: int | None = None,
         threads: int | None = None, baselines: bool = True, llama_cpp_path: str | None = None,
         synthetic: str | None = None, synthetic_tokenizer: str | None = None,
-        engine_options: dict | None = None, llama_bench: str | None = None) -> list[dict]:
+        engine_options: dict | None = None, llama_bench: str | None = None, eager_row: bool = True) -> list[dict]:
     """One row per (device, dtype) of minivllm, plus llama.cpp and transformers rows when a
     device is the CPU and `baselines`. `max_tokens`: decode tokens per run. `max_repeats`
     (default 3 x repeats): the most rounds when the decode tok/s CV stays above 5%."""
@@ -201,7 +201,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
         for dt in dtypes:
             r = MinivllmRunner(model_path, d, dt, max_len, prompt_tokens, engine_options)
             runners.append(r)
-            if resolve_device(d).type == "cuda" and not (engine_options or {}).get("enforce_eager"):
+            if eager_row and resolve_device(d).type == "cuda" and not (engine_options or {}).get("enforce_eager"):
                 # The same weights without CUDA graphs: what the graphs are worth, same run.
                 eager = object.__new__(MinivllmRunner)
                 eager.llm, eager.device, eager.dtype = r.llm.fork(enforce_eager=True), r.device, r.dtype

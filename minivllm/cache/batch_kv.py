@@ -190,7 +190,9 @@ def triton_paged_attention(pool: PagePool, invariant: bool):
     device = pool.k.device
     if device.type != "cuda":
         return None
-    if pool.k.dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0) and not invariant:
+    from minivllm.kernels.gpu_profile import gpu_profile
+
+    if pool.k.dtype == torch.bfloat16 and not gpu_profile(device).bf16 and not invariant:
         return None  # Triton cannot load bf16 below sm_80; the invariant path lets the kernel say so
     try:
         from minivllm.kernels.triton.paged_attention import paged_attention

@@ -19,10 +19,16 @@ Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K projections keep their blocks only in a repacked G
 layout built at load (`repacked_gemv.py`: int32 quant planes with 4 rows interleaved,
 the file's scales in arrays of their own, decoded with magic-number float tricks instead
 of int→float conversions; about the file size; `raw` rebuilt on demand for the GEMM
-path); the bias is added inside that kernel; several rows share one decode of each
-weight field (up to 8 per program); `q8_gemv.py` is an opt-in variant
-(`MINIVLLM_Q8_GEMV=1`, not yet measured) with int8 activations and `dp4a`; a type whose
-kernel fails to compile falls back to dequantize + cuBLAS with a warning naming it. With
+path); the bias is added inside that kernel. One activation row (decode) and
+batch-invariant mode take `tiled_gemv.py` (row groups x K slices per program, split-K
+summed in slice order, no atomics), whose launch shape per (type, N, K) comes from a
+per-GPU table (`gemv_configs.json`, written by `scripts/gemv_sweep.py` on that GPU);
+several rows share one decode of each weight field (up to 8 per program); `q8_gemv.py`
+(int8 activations per group of 32 and `dp4a`, same tiling, every repacked type) serves
+f16/bf16 activations on the T4 path and natively with `MINIVLLM_Q8_GEMV=1`. Every
+capability-based choice (bf16, the int8 path, the table row) reads `gpu_profile.py`, and
+`MINIVLLM_GPU_PROFILE=sm75` makes them a T4's on any GPU. A type whose kernel fails to
+compile falls back to dequantize + cuBLAS with a warning naming it. With
 the dequant cache on, CUDA GEMV serves 1 row and cuBLAS 2 or more. `paged_attention` is
 flash-decoding (splits of a fixed 64 tokens, then an in-order merge kernel) for any mix
 of rows (decode rows, prefill chunks after cached pages): one program per (row, KV head,

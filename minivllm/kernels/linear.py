@@ -286,6 +286,11 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     fused = (mode in ("f32", "q8") and not opts.batch_invariant and 0 < rows <= (opts.gemv_max_rows or 0)
              and all(lin._cpu_quant and lin.cpu_gemv_mode() == mode and lin.options is opts for lin in linears))
     if not fused:
+        if x.is_cuda and first._repacked is not None:
+            from minivllm.kernels.triton.q8_gemv import sharing_quantization
+
+            with sharing_quantization(x):  # the int8 GEMVs of x quantize it once
+                return [lin(x) for lin in linears]
         return [lin(x) for lin in linears]
     from minivllm.kernels import cpu_gemv
 

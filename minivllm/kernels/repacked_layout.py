@@ -43,6 +43,11 @@ R = 4  # rows interleaved per row group
 K_Q4_0, K_Q4_1, K_Q5_0, K_Q8_0, K_Q4_K, K_Q6_K = range(6)
 _KIND = {_T.Q4_0: K_Q4_0, _T.Q4_1: K_Q4_1, _T.Q5_0: K_Q5_0, _T.Q8_0: K_Q8_0, _T.Q4_K: K_Q4_K, _T.Q6_K: K_Q6_K}
 REPACKED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_KIND)
+# The planes a kernel takes as its four plane pointers (a, b, c, e), per type; None: unused.
+PLANE_ORDER = {
+    "Q4_0": ("d", None, None, None), "Q4_1": ("d", "m", None, None), "Q5_0": ("d", "qh", None, None),
+    "Q8_0": ("d", None, None, None), "Q4_K": ("d", "dmin", "sc", "mn"), "Q6_K": ("d", "qh", "sc_lo", "sc_hi"),
+}
 
 
 @dataclass

@@ -24,6 +24,7 @@ class Settings:
     synthetic_tokenizer: str | None
     option: list[str]
     llama_bench: str | None
+    no_eager_row: bool
 
 
 def add_arguments(p) -> None:
@@ -43,6 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="a llama-bench binary (llama.cpp CUDA): run it on the same file after minivllm's rounds; "
                         "GPU rows get ratio_vs_llama_cpp")
+    p.add_argument("--no-eager-row", action="store_true",
+                   help="on a GPU, skip the same weights without CUDA graphs (the minivllm-eager row)")
 
 
 def run(s: Settings) -> int:
@@ -52,7 +55,7 @@ def run(s: Settings) -> int:
         prompt_tokens=s.prompt_tokens, repeats=s.runs, max_repeats=s.max_runs, threads=s.threads,
         baselines=not s.no_baselines, llama_cpp_path=s.llama_cpp_path, synthetic=s.synthetic,
         synthetic_tokenizer=s.synthetic_tokenizer, engine_options=common.engine_options(s.option),
-        llama_bench=s.llama_bench)
+        llama_bench=s.llama_bench, eager_row=not s.no_eager_row)
     return 0
 
 

@@ -153,7 +153,9 @@ def _check_inputs(x: torch.Tensor, w: QuantizedWeight) -> None:
         raise DeviceError(f"triton_gemv({w.name!r}): x is on {x.device} but the weight is on {w.raw.device}; "
                           f"move them to one device")
     if x.device.type == "cuda":
-        if x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] < 8:
+        from minivllm.kernels.gpu_profile import gpu_profile
+
+        if x.dtype == torch.bfloat16 and not gpu_profile(x.device).bf16:
             raise DeviceError(f"triton_gemv({w.name!r}): bf16 activations need sm_80 or newer, "
                               f"{torch.cuda.get_device_name(x.device)} is older; use float16 or float32")
     elif not (x.device.type == "cpu" and _interpreting()):

@@ -236,8 +236,10 @@ def _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos) -> None:
         raise ConfigError("row_seq/row_pos", (tuple(row_seq.shape), tuple(row_pos.shape)), f"expected ({t},): one entry per query row")
     tensors = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_tables": block_tables, "row_seq": row_seq, "row_pos": row_pos}
     require_triton_device(tensors, "paged_attention")
-    if k_pages.dtype == torch.bfloat16 and k_pages.is_cuda and torch.cuda.get_device_capability(k_pages.device) < (8, 0):
-        major, minor = torch.cuda.get_device_capability(k_pages.device)
+    from minivllm.kernels.gpu_profile import gpu_profile
+
+    if k_pages.dtype == torch.bfloat16 and k_pages.is_cuda and not gpu_profile(k_pages.device).bf16:
+        major, minor = gpu_profile(k_pages.device).capability
         raise DeviceError(f"paged_attention: a bfloat16 KV cache needs an sm_80+ GPU, but {k_pages.device} is "
                           f"sm_{major}{minor} (e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU")
 

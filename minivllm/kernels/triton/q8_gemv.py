@@ -1,4 +1,5 @@
-"""GEMV with int8 activations and `dp4a` over the repacked layout (opt-in: MINIVLLM_Q8_GEMV=1).
+"""GEMV with int8 activations and `dp4a` over the repacked layout (the T4 path; elsewhere
+opt-in: MINIVLLM_Q8_GEMV=1, chosen in `kernels/gpu_profile.py`).
 
 Why: the float32 repacked GEMV (`repacked_gemv.py`) is bound by instruction issue on the
 H200 (~5 instructions per weight; 20-30% of copy bandwidth, docs/gpu-decode-vs-llama-cpp.md).
@@ -22,20 +23,18 @@ numerics (activations rounded to 8 bits per group, as llama.cpp does).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from minivllm.kernels.repacked_layout import R, RepackedWeight
+from minivllm.kernels.gemv_configs import GemvConfig, default_config
+from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 
 _T = GGMLQuantizationType
-Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K})
-
-
-def enabled() -> bool:
-    return os.environ.get("MINIVLLM_Q8_GEMV") == "1"
+Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
 
 
 def _interpreting() -> bool:
@@ -80,20 +79,31 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xw, dx
 
 
-# The last activation quantized, by identity: a layer's Q/K/V (and gate/up) read the same
-# x, so they share one quantize launch (also inside a CUDA graph capture).
-_LAST: list = [None, -1, None]  # [weakref to x, x._version, (xw, dx)]
+# A layer's Q/K/V (and gate/up) read the same x: inside `sharing_quantization(x)`
+# (kernels/linear.py's project_many) the first int8 GEMV quantizes x and the others reuse
+# it (also inside a CUDA graph capture). Scoped, not cached by identity: a buffer reused
+# with new contents (persistent inputs, in-place kernels) can never hit a stale entry,
+# and inference tensors, which keep no version counter, need none.
+_SCOPE: list = [None, None]  # [x whose quantization may be shared, its (xw, dx) once made]
 
 
-def quantize_q8_cached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    import weakref
+@contextmanager
+def sharing_quantization(x: torch.Tensor):
+    saved = _SCOPE[:]
+    _SCOPE[:] = [x, None]
+    try:
+        yield
+    finally:
+        _SCOPE[:] = saved
 
-    ref, version, got = _LAST
-    if ref is not None and ref() is x and version == x._version:
-        return got
-    got = quantize_q8(x.contiguous())
-    _LAST[:] = [weakref.ref(x), x._version, got]
-    return got
+
+def quantize_shared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_q8(x)`, made once per `sharing_quantization(x)` scope."""
+    if _SCOPE[0] is x:
+        if _SCOPE[1] is None:
+            _SCOPE[1] = quantize_q8(x.contiguous())
+        return _SCOPE[1]
+    return quantize_q8(x.contiguous())
 
 
 def unpack_q8(xw: torch.Tensor) -> torch.Tensor:
@@ -127,87 +137,142 @@ def _small_int_to_f32(v):
     return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT"])
 def _q8_gemv_kernel(
     xw_ptr, dx_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
-    M, N, stride_om,
+    M, N, stride_om, stride_os, G_PER_SPLIT, N_RB,
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
-    BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_m = pid % M
-    nb = pid // M
+    """Tiled like `tiled_gemv.py` (BLOCK_NB row groups x one K slice per program, float32
+    partials reduced in slice order when IS_SPLIT), with integer dot products per word."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    nb = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None, None, None]
+    nb_ok = nb < N_RB
     offs_g = tl.arange(0, BLOCK_G)
-    g3 = offs_g[:, None, None]
-    t3 = tl.arange(0, T)[None, :, None]
-    r3 = tl.arange(0, RR)[None, None, :]
-    ones = tl.full([BLOCK_G, T, 1], 0x01010101, tl.int32)
+    offs_t = tl.arange(0, T)
+    g4 = offs_g[None, :, None, None]
+    t4 = offs_t[None, None, :, None]
+    r4 = tl.arange(0, RR)[None, None, None, :]
+    ones = tl.full([1, BLOCK_G, T, 1], 0x01010101, tl.int32)
+    zero = tl.zeros([1, BLOCK_G, T, 1], tl.int32)
     xw_row = xw_ptr + pid_m.to(tl.int64) * (N_GROUPS * 8)
     dx_row = dx_ptr + pid_m.to(tl.int64) * N_GROUPS
-    acc = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
-    for g0 in range(0, N_GROUPS, BLOCK_G):
-        gg = g0 + g3
-        g_ok = gg < N_GROUPS
-        gr = (nb * N_GROUPS + gg) * RR + r3 + t3 * 0  # per-(group, row) planes, read like the weight tile
-        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t3) * RR + r3, mask=g_ok, other=0)
-        dx = tl.load(dx_row + gg, mask=g_ok, other=0.0)  # [G, 1, 1]
-        xa = tl.load(xw_row + gg * 8 + t3, mask=g_ok, other=0)  # [G, T, 1]: activation word t
+    g_lo = pid_s * G_PER_SPLIT
+    g_hi = tl.minimum(g_lo + G_PER_SPLIT, N_GROUPS)
+    acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
+    for i in range(0, G_PER_SPLIT, BLOCK_G):
+        gg = g_lo + i + g4
+        ok = nb_ok & (gg < g_hi)
+        gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
+        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
+                    eviction_policy="evict_first")
+        # Activation words and scales per (g, t), from [G, T] offsets (the tile's slice layout).
+        g2 = g_lo + i + offs_g[:, None]
+        x_ok = g2 < g_hi
+        dx = tl.load(dx_row + g2 + offs_t[None, :] * 0, mask=x_ok, other=0.0)[None, :, :, None]
+        xa = tl.load(xw_row + g2 * 8 + offs_t[None, :], mask=x_ok, other=0, eviction_policy="evict_last")[None, :, :, None]
         if KIND == 3:  # Q8_0: bytes q + 128 -> signed q (XOR 0x80808080, written as an int32)
-            isum = _dp4a(w ^ -0x7F7F7F80, xa, tl.zeros([BLOCK_G, T, RR], tl.int32), EMULATE)
-            d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
+            isum = _dp4a(w ^ -0x7F7F7F80, xa, zero, EMULATE)
+            d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
             acc += _small_int_to_f32(isum) * (d * dx)
         else:
-            xb = tl.load(xw_row + gg * 8 + 4 + t3, mask=g_ok, other=0)  # activation word 4 + t
-            isum = _dp4a(w & 0x0F0F0F0F, xa, tl.zeros([BLOCK_G, T, RR], tl.int32), EMULATE)
-            isum = _dp4a((w >> 4) & 0x0F0F0F0F, xb, isum, EMULATE)
-            xs = _small_int_to_f32(_dp4a(ones, xb, _dp4a(ones, xa, tl.zeros([BLOCK_G, T, 1], tl.int32), EMULATE),
-                                         EMULATE))  # the 8 activations of this word pair
-            qx = _small_int_to_f32(isum)
-            if KIND == 0:  # Q4_0: d * (q - 8)
-                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                acc += (qx - 8.0 * xs) * (d * dx)
-            elif KIND == 1:  # Q4_1: d * q + m
-                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                mm = tl.load(b_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                acc += (qx * d + xs * mm) * dx
-            else:  # Q4_K: (d * sc) * q - (dmin * m)
-                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
-                d = tl.load(a_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                dmin = tl.load(b_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                sc = tl.load(c_ptr + gr, mask=g_ok, other=0).to(tl.int32)
-                mn = tl.load(e_ptr + gr, mask=g_ok, other=0).to(tl.int32)
-                acc += (qx * (d * _small_int_to_f32(sc)) - xs * (dmin * _small_int_to_f32(mn))) * dx
-    y = tl.sum(tl.sum(acc, axis=1), axis=0)
-    rows = nb * RR + tl.arange(0, RR)
+            xb = tl.load(xw_row + g2 * 8 + 4 + offs_t[None, :], mask=x_ok, other=0,
+                         eviction_policy="evict_last")[None, :, :, None]  # activation word 4 + t
+            lo = w & 0x0F0F0F0F  # fields 0, 2, 4, 6: elements t, 8+t, 16+t, 24+t (activation word t)
+            hi = (w >> 4) & 0x0F0F0F0F  # fields 1, 3, 5, 7 (activation word 4 + t)
+            if KIND == 5:  # Q6_K: two high bits per element (int16 plane), scales per 16 elements
+                h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
+                            eviction_policy="evict_first").to(tl.int32)
+                # Element (p, t)'s bits sit at 4(p % 4) + 2(p // 4) of h; move them to bits
+                # 4-5 of byte p // 2 of its word (`lo` for even p, `hi` for odd p).
+                lo = lo | ((h << 4) & 0x00003030) | ((h << 18) & 0x30300000)
+                hi = hi | (h & 0x00003030) | ((h << 14) & 0x30300000)
+                # Bytes 0-1 of every word are elements 0-15 (scale sc_lo), bytes 2-3 16-31 (sc_hi).
+                xa_lo = xa & 0xFFFF
+                xb_lo = xb & 0xFFFF
+                xa_hi = xa & -65536
+                xb_hi = xb & -65536
+                dot_lo = _dp4a(hi, xb_lo, _dp4a(lo, xa_lo, zero, EMULATE), EMULATE)
+                dot_hi = _dp4a(hi, xb_hi, _dp4a(lo, xa_hi, zero, EMULATE), EMULATE)
+                sum_lo = _dp4a(ones, xb_lo, _dp4a(ones, xa_lo, zero, EMULATE), EMULATE)
+                sum_hi = _dp4a(ones, xb_hi, _dp4a(ones, xa_hi, zero, EMULATE), EMULATE)
+                s_lo = _small_int_to_f32(tl.load(c_ptr + gr, mask=ok, other=0).to(tl.int32))  # int8 scales, no I2F
+                s_hi = _small_int_to_f32(tl.load(e_ptr + gr, mask=ok, other=0).to(tl.int32))
+                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0
+                d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+                acc += (_small_int_to_f32(dot_lo - 32 * sum_lo) * s_lo
+                        + _small_int_to_f32(dot_hi - 32 * sum_hi) * s_hi) * (d * dx)
+            else:
+                if KIND == 2:  # Q5_0: element (p, t)'s fifth bit at 16(p // 4) + 4(p % 4) + t
+                    ht = tl.load(b_ptr + gr, mask=ok, other=0) >> t4
+                    lo = lo | ((ht & 0x01010101) << 4)
+                    hi = hi | (((ht >> 4) & 0x01010101) << 4)
+                isum = _dp4a(hi, xb, _dp4a(lo, xa, zero, EMULATE), EMULATE)
+                xs = _dp4a(ones, xb, _dp4a(ones, xa, zero, EMULATE), EMULATE)  # the word pair's 8 activations
+                if KIND == 0:  # Q4_0: d * (q - 8)
+                    d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+                    acc += _small_int_to_f32(isum - 8 * xs) * (d * dx)
+                elif KIND == 2:  # Q5_0: d * (q - 16)
+                    d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+                    acc += _small_int_to_f32(isum - 16 * xs) * (d * dx)
+                elif KIND == 1:  # Q4_1: d * q + m
+                    d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+                    mm = tl.load(b_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+                    acc += (_small_int_to_f32(isum) * d + _small_int_to_f32(xs) * mm) * dx
+                else:  # Q4_K: (d * sc) * q - (dmin * m)
+                    sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0
+                    d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+                    dmin = tl.load(b_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+                    sc = tl.load(c_ptr + gr, mask=ok, other=0).to(tl.int32)
+                    mn = tl.load(e_ptr + gr, mask=ok, other=0).to(tl.int32)
+                    acc += (_small_int_to_f32(isum) * (d * _small_int_to_f32(sc))
+                            - _small_int_to_f32(xs) * (dmin * _small_int_to_f32(mn))) * dx
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
+    nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
+    rows = nb2 * RR + tl.arange(0, RR)[None, :]
     r_ok = rows < N
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
-    tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
+    if not IS_SPLIT:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
+        tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
+    else:  # a float32 partial: the workspace [SPLIT, M, N], summed in order by tiled_gemv.sum_splits
+        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)
 
 
-_KIND = {_T.Q4_0: 0, _T.Q4_1: 1, _T.Q8_0: 3, _T.Q4_K: 4}
-_PLANES = {_T.Q4_0: ("d", None, None, None), _T.Q4_1: ("d", "m", None, None), _T.Q8_0: ("d", None, None, None),
-           _T.Q4_K: ("d", "dmin", "sc", "mn")}
-_FIXED = dict(BLOCK_G=64, num_warps=4)
+_KIND = {_T.Q4_0: 0, _T.Q4_1: 1, _T.Q5_0: 2, _T.Q8_0: 3, _T.Q4_K: 4, _T.Q6_K: 5}
 
 
-def q8_gemv(x: torch.Tensor, w: RepackedWeight, *, out_dtype: torch.dtype | None = None,
-            bias: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def q8_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig | None = None, *,
+            out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
+            xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y = (xq * dx) @ W.T (+ bias): x quantized per group of 32 to int8 (`quantize_q8`, or
     `xq` given), integer dot products, float32 per-group scaling, one rounding to out_dtype.
-    One fixed configuration, each row its own programs: rows are independent of the batch."""
+    The launch shape (`config`, default `default_config`) depends on the weight only, and
+    each activation row has its own programs: rows are independent of the batch."""
+    from minivllm.kernels.triton.tiled_gemv import launch_shape, sum_splits
+
     n, k = w.shape
     if w.ggml_type not in Q8_TYPES:
         raise ValueError(f"q8_gemv: {w.ggml_type.name} has no int8-activation kernel")
-    xw, dx = xq if xq is not None else quantize_q8_cached(x)
+    xw, dx = xq if xq is not None else quantize_shared(x)
     m = xw.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=xw.device)
     if m == 0:
         return out
-    ptrs = [w.planes[p] if p is not None else w.qs for p in _PLANES[w.ggml_type]]
+    config = config or default_config(n, k)
+    grid, g_per, split = launch_shape(n, k, m, config)
+    ptrs = [w.planes[p] if p is not None else w.qs for p in PLANE_ORDER[w.ggml_type.name]]
     has_bias = bias is not None
-    _q8_gemv_kernel[(m * triton.cdiv(n, R),)](
-        xw, dx, w.qs, *ptrs, bias if has_bias else out, out, m, n, out.stride(0),
-        N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R, HAS_BIAS=has_bias,
-        EMULATE=_interpreting(), **_FIXED)
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xw.device)
+    _q8_gemv_kernel[grid](
+        xw, dx, w.qs, *ptrs, bias if has_bias else out, dest, m, n, n, m * n, g_per, triton.cdiv(n, R),
+        N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R,
+        BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
+        EMULATE=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        sum_splits(dest, out, bias)
     return out

@@ -28,42 +28,12 @@ from gguf import GGMLQuantizationType
 
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.quant_weight import QuantizedWeight
-from minivllm.kernels.repacked_layout import R, REPACKED_TYPES, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
+from minivllm.kernels.triton.quant_fields import field as _field, field_hi as _field_hi, i8_to_f32 as _i8_to_f32, u8_to_f32 as _u8_to_f32
+from minivllm.kernels.repacked_layout import PLANE_ORDER, R, REPACKED_TYPES, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
 
 _T = GGMLQuantizationType
 
 # --- the kernel ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _field(src, P: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr):
-    """Field P (in place: P < 32 // BITS // 2) of each int32 as float32, minus OFFSET."""
-    mask: tl.constexpr = ((1 << BITS) - 1) << (BITS * P)
-    magic: tl.constexpr = (150 - BITS * P) << 23
-    base: tl.constexpr = (1 << (23 - BITS * P)) * 1.0 + OFFSET
-    return ((src & mask) | magic).to(tl.float32, bitcast=True) - base
-
-
-@triton.jit
-def _field_hi(src, hsrc, P: tl.constexpr, HBITS: tl.constexpr, OFFSET: tl.constexpr):
-    """A nibble P in place plus HBITS high bits that `hsrc` holds just above it."""
-    mask: tl.constexpr = 15 << (4 * P)
-    hmask: tl.constexpr = ((1 << HBITS) - 1) << (4 * P + 4)
-    magic: tl.constexpr = (150 - 4 * P) << 23
-    base: tl.constexpr = (1 << (23 - 4 * P)) * 1.0 + OFFSET
-    return ((src & mask) | (hsrc & hmask) | magic).to(tl.float32, bitcast=True) - base
-
-
-@triton.jit
-def _u8_to_f32(v):
-    """0..255 (any int type) as float32 without I2F: OR into the mantissa of 2^23."""
-    return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _i8_to_f32(v):
-    """-128..127 (int8) as float32 without I2F, through 2^23 + 2^22."""
-    return (v.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit(do_not_specialize=["M", "stride_xk"])
@@ -300,12 +270,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_PLANE_ORDER = {
-    _T.Q4_0: ("d", None, None, None), _T.Q4_1: ("d", "m", None, None), _T.Q5_0: ("d", "qh", None, None),
-    _T.Q8_0: ("d", None, None, None), _T.Q4_K: ("d", "dmin", "sc", "mn"), _T.Q6_K: ("d", "qh", "sc_lo", "sc_hi"),
-}
-
-
 def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False, out_dtype: torch.dtype | None = None,
                   bias: torch.Tensor | None = None, autotune: bool = True) -> torch.Tensor:
     """y = x @ W.T (+ bias) with float32 accumulation, rounded once to `out_dtype`
@@ -321,14 +285,28 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         raise DeviceError(f"repacked_gemv({w.name!r}) is a Triton GPU kernel and got {x.device} tensors; move "
                           f"them to a CUDA device (CPU tensors run only under TRITON_INTERPRET=1)")
     m = x.shape[0]
+    from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.triton import q8_gemv as q8
 
-    if q8.enabled() and w.ggml_type in q8.Q8_TYPES:  # opt-in: int8 activations + dp4a (not measured yet)
-        return q8.q8_gemv(x, w, out_dtype=out_dtype, bias=bias)
+    from minivllm.kernels.gemv_configs import lookup
+
+    profile = gpu_profile(x.device)
+    # Launch shapes come from the GPU's table and depend on the weight's type and shape
+    # only, so these kernels are also the batch-invariant ones.
+    # int8 activations + dp4a: the T4 path (opt-in elsewhere), for half-precision activations
+    # only: float32 means float32 (the reference path, and what the f32 tests pin).
+    if profile.int8_gemv and x.dtype != torch.float32 and w.ggml_type in q8.Q8_TYPES:
+        config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count, int8=True)
+        return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
+    if (m == 1 or invariant) and os.environ.get("MINIVLLM_GEMV_KERNEL", "tiled") != "legacy":
+        from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+
+        config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count)
+        return tiled_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
         return out
-    names = _PLANE_ORDER[w.ggml_type]
+    names = PLANE_ORDER[w.ggml_type.name]
     ptrs = [w.planes[nm] if nm is not None else w.qs for nm in names]
     has_bias = bias is not None
     args = (x, w.qs, *ptrs, bias if has_bias else out, out, m, n, x.stride(0), x.stride(1), out.stride(0))

@@ -48,8 +48,10 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"rms_norm {name} dtype", t.dtype, "expected float32, float16 or bfloat16")
-        if t.dtype == torch.bfloat16 and t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 0):
-            major, minor = torch.cuda.get_device_capability(t.device)
+        from minivllm.kernels.gpu_profile import gpu_profile
+
+        if t.dtype == torch.bfloat16 and t.is_cuda and not gpu_profile(t.device).bf16:
+            major, minor = gpu_profile(t.device).capability
             raise DeviceError(f"rms_norm_rows: bfloat16 {name} needs an sm_80+ GPU, but {t.device} is sm_{major}{minor} "
                               f"(e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU")
     require_triton_device({"x": x, "weight": weight}, "rms_norm_rows")

@@ -13,7 +13,9 @@ import os
 
 import pytest
 import torch
+
 from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from minivllm.errors import ConfigError, DeviceError, UnsupportedTensorTypeError  # noqa: E402
@@ -179,7 +181,7 @@ def test_matches_reference_ffn_shape_cuda(ggml_type):
 
 @pytest.mark.cuda
 def test_bf16_activations_on_sm80_cuda():
-    if torch.cuda.get_device_capability()[0] < 8:
+    if gpu_profile().capability[0] < 8:
         w = random_weight(T.Q4_K, 8, 256, device="cuda")
         with pytest.raises(DeviceError, match="sm_80"):
             triton_gemv(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), w)

@@ -12,7 +12,9 @@ import os
 
 import pytest
 import torch
+
 from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.attention import causal_attention  # noqa: E402
@@ -124,7 +126,7 @@ def test_rows_are_batch_invariant_bitwise(device):
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 def test_half_caches_and_half_queries(device, cache_dtype):
-    if cache_dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    if cache_dtype == torch.bfloat16 and device.type == "cuda" and gpu_profile(device).capability < (8, 0):
         pytest.skip("bf16 caches are refused below sm_80 (tested in test_bf16_refused_below_sm80)")
     seq_lens = [40, 23]
     k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=cache_dtype, device=device, seed=5)
@@ -184,7 +186,7 @@ def test_cpu_and_cuda_mixed_inputs_refused():
 
 @pytest.mark.cuda
 def test_bf16_refused_below_sm80():
-    if torch.cuda.get_device_capability() >= (8, 0):
+    if gpu_profile().capability >= (8, 0):
         pytest.skip("this GPU supports bf16 (sm_80+); the refusal is for T4-class GPUs")
     k = torch.zeros(4, 16, 3, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     idx = torch.zeros(1, dtype=torch.int32, device="cuda")

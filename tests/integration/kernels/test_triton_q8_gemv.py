@@ -17,10 +17,11 @@ from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kerne
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from test_triton_gemv import assert_close_to_reference, random_weight  # noqa: E402
+from minivllm.kernels.gemv_configs import GemvConfig  # noqa: E402
 from minivllm.kernels.triton.q8_gemv import Q8_TYPES, q8_gemv, quantize_q8, unpack_q8  # noqa: E402
 from minivllm.kernels.triton.repacked_gemv import repack, repacked_gemv  # noqa: E402
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1 (no GPU here)")
 
 
@@ -39,19 +40,19 @@ def _check_quantization(x: torch.Tensor) -> None:
     assert (q.view_as(groups).abs().amax(dim=2)[dx > 0] == 127).all()
 
 
-def _check_gemv(ggml_type: T, n: int, k: int, device: str, seed: int) -> None:
+def _check_gemv(ggml_type: T, n: int, k: int, device: str, seed: int, config=None) -> None:
     w = random_weight(ggml_type, n, k, device=device, seed=seed)
     rw = repack(w)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     x[1, :32] = 0.0  # an all-zero group
     xd, xq, _ = _dequant_x(x)
     ref = (xd @ w.dequantize(torch.float32).double().T).float()
-    y = q8_gemv(x, rw, xq=xq)
+    y = q8_gemv(x, rw, config, xq=xq)
     assert_close_to_reference(y, ref, k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)).to(device)
-    assert_close_to_reference(q8_gemv(x, rw, bias=bias), ref + bias, k)
+    assert_close_to_reference(q8_gemv(x, rw, config, bias=bias), ref + bias, k)
     # A row alone: the same bits.
-    assert torch.equal(q8_gemv(x[2:3].contiguous(), rw)[0], y[2])
+    assert torch.equal(q8_gemv(x[2:3].contiguous(), rw, config)[0], y[2])
 
 
 def test_types():
@@ -69,14 +70,16 @@ def test_quantize_q8_interpreted():
 @cpu_only
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_matches_quantized_reference_interpreted(ggml_type):
-    _check_gemv(ggml_type, 9, 256 if ggml_type == T.Q4_K else 96, "cpu", seed=3)
+    k = 512 if ggml_type in (T.Q4_K, T.Q6_K) else 96
+    for config in (None, GemvConfig(block_nb=2, block_g=2, split=3), GemvConfig(block_nb=4, block_g=8, split=1)):
+        _check_gemv(ggml_type, 9, k, "cpu", seed=3, config=config)
 
 
 @cpu_only
 def test_opt_in_switch_routes_repacked_gemv(monkeypatch):
     w = random_weight(T.Q4_0, 5, 64, seed=5)
     rw = repack(w)
-    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(6)).half()  # float32 never takes int8
     monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
     assert torch.equal(repacked_gemv(x, rw), q8_gemv(x, rw))
     monkeypatch.setenv("MINIVLLM_Q8_GEMV", "0")
@@ -88,12 +91,29 @@ def test_projections_of_one_input_share_its_quantization():
     from minivllm.kernels.triton import q8_gemv as q8
 
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
-    first = q8.quantize_q8_cached(x)
-    assert q8.quantize_q8_cached(x) is first  # the same tensor, unchanged: reused
-    x.mul_(2)  # changed in place: quantized again
-    again = q8.quantize_q8_cached(x)
-    assert again is not first and torch.equal(again[1], first[1] * 2)
-    assert q8.quantize_q8_cached(x.clone()) is not again  # another tensor
+    with q8.sharing_quantization(x):
+        first = q8.quantize_shared(x)
+        assert q8.quantize_shared(x) is first  # the same tensor in the scope: reused
+        assert q8.quantize_shared(x.clone()) is not first  # another tensor
+    assert q8.quantize_shared(x) is not first  # outside the scope: quantized again
+    x.mul_(2)
+    with q8.sharing_quantization(x):  # a new scope over the same buffer sees its new contents
+        assert torch.equal(q8.quantize_shared(x)[1], first[1] * 2)
+
+
+@cpu_only
+def test_inference_tensors_quantize(monkeypatch):
+    """The engine runs under torch.inference_mode(), whose tensors keep no version counter
+    (an identity cache keyed on x._version broke every int8 GEMV there)."""
+    monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
+    w = random_weight(T.Q4_K, 8, 256, seed=9)
+    rw = repack(w)
+    with torch.inference_mode():
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(10)).half()
+        y = repacked_gemv(x, rw)
+        with __import__("minivllm.kernels.triton.q8_gemv", fromlist=["x"]).sharing_quantization(x):
+            assert torch.equal(repacked_gemv(x, rw), y)
+    assert torch.equal(y, q8_gemv(x, rw))
 
 
 @pytest.mark.cuda
@@ -111,14 +131,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.kernels.triton import q8_gemv as q
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"), 3: ("*fp16", "*i32", "*i32", "*i32"),
-          4: ("*fp16", "*fp16", "*u8", "*u8")}
+planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"), 2: ("*fp16", "*i32", "*i32", "*i32"),
+          3: ("*fp16", "*i32", "*i32", "*i32"), 4: ("*fp16", "*fp16", "*u8", "*u8"), 5: ("*fp16", "*i16", "*i8", "*i8")}
 out = {}
 for kind, (a, b, c, e) in planes.items():
     sig = {"xw_ptr": "*i32", "dx_ptr": "*fp32", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e,
-           "bias_ptr": "*fp32", "out_ptr": "*fp16", "M": "i32", "N": "i32", "stride_om": "i32"}
-    const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_G": 64, "HAS_BIAS": True,
-             "EMULATE": False}
+           "bias_ptr": "*fp32", "out_ptr": "*fp16", "M": "i32", "N": "i32", "stride_om": "i32", "stride_os": "i32",
+           "G_PER_SPLIT": "i32", "N_RB": "i32"}
+    const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
+             "BLOCK_G": 32, "IS_SPLIT": False, "HAS_BIAS": True, "EMULATE": False}
     sig.update({k: "constexpr" for k in const})
     k = triton.compile(ASTSource(q._q8_gemv_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
                        options={"num_warps": 4})
@@ -144,6 +165,6 @@ def test_kernels_compile_for_t4_sm75_with_dp4a():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 5
+    assert len(result) == 7
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False, "dp4a": key != "quantize"}, key

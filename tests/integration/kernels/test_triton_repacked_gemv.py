@@ -100,9 +100,17 @@ def test_invariant_rows_bitwise_independent_of_batch_interpreted(ggml_type):
 SHAPES_7B = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944)]
 
 
+@pytest.fixture
+def float_kernels(monkeypatch):
+    """These tests pin the float kernels; the T4 profile's int8 path for half activations
+    has its own tests (test_triton_q8_gemv.py)."""
+    monkeypatch.delenv("MINIVLLM_GPU_PROFILE", raising=False)
+    monkeypatch.delenv("MINIVLLM_Q8_GEMV", raising=False)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_matches_reference_cuda(ggml_type):
+def test_matches_reference_cuda(ggml_type, float_kernels):
     gen = torch.Generator().manual_seed(29)
     for n, k in SHAPES_7B:
         w = random_weight(ggml_type, n, k, device="cuda", seed=30)
@@ -200,7 +208,7 @@ def test_repacked_quantized_weight_stands_in_for_the_blocks():
 
 
 @pytest.mark.cuda
-def test_quant_linear_uses_the_repacked_kernel_and_falls_back_with_a_warning(monkeypatch):
+def test_quant_linear_uses_the_repacked_kernel_and_falls_back_with_a_warning(monkeypatch, float_kernels):
     """On CUDA a QuantLinear keeps only the repacked planes, adds its bias inside the
     kernel, and, where the kernel cannot compile, warns once naming it and takes
     dequantize + cuBLAS."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.rmsnorm import rms_norm  # noqa: E402
@@ -31,7 +33,7 @@ def _float64_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
 
 
 def _skip_bf16_below_sm80(dtype, device):
-    if dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    if dtype == torch.bfloat16 and device.type == "cuda" and gpu_profile(device).capability < (8, 0):
         pytest.skip("bf16 is refused below sm_80 (tested in test_bf16_refused_below_sm80)")
 
 
@@ -84,7 +86,7 @@ def test_bad_inputs_get_clear_errors(monkeypatch):
 
 @pytest.mark.cuda
 def test_bf16_refused_below_sm80():
-    if torch.cuda.get_device_capability() >= (8, 0):
+    if gpu_profile().capability >= (8, 0):
         pytest.skip("this GPU supports bf16 (sm_80+); the refusal is for T4-class GPUs")
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(DeviceError, match="bfloat16.*sm_80"):

@@ -16,6 +16,8 @@ import json
 import pytest
 import torch
 
+from minivllm.kernels.gpu_profile import gpu_profile  # the T4 profile decides as a T4 would
+
 from conftest import DATA_DIR, cuda_devices
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.devices import check_dtype_supported, resolve_device, resolve_dtype
@@ -80,7 +82,7 @@ def test_low_precision_top1_agreement_cpu(model, smollm2_path, qwen05_path):
 def test_low_precision_top1_agreement_cuda(model, smollm2_path, qwen05_path):
     path = smollm2_path if model == "smollm2" else qwen05_path
     dev = cuda_devices()[0]
-    major, _ = torch.cuda.get_device_capability(dev)
+    major, _ = gpu_profile(dev).capability
     _check_agreement(_agreement(path, dev, ["f16", "bf16"] if major >= 8 else ["f16"]), f"{model} on {dev}")
 
 
@@ -107,7 +109,7 @@ def test_bf16_policy_follows_compute_capability():
     """bf16 is accepted on sm_80+ and refused, naming the GPU and the fix, below (T4 = sm_75)."""
     for dev in cuda_devices():
         device = torch.device(dev)
-        major, _ = torch.cuda.get_device_capability(device)
+        major, _ = gpu_profile(device).capability
         if major >= 8:
             check_dtype_supported(device, torch.bfloat16)
         else:

@@ -1,0 +1,73 @@
+"""Launch shapes of the tiled decode GEMV (`kernels/triton/tiled_gemv.py`), per GPU.
+
+`gemv_configs.json` beside this file holds, per profile key ("sm90", "sm75", ... from
+`gpu_profile.py`), the configuration that `scripts/gemv_sweep.py` measured fastest for
+each (type, N, K) on that GPU, for the float kernel ("configs") and the int8-activation
+one ("configs_int8"), with the device and date it ran on. A shape that is not in
+the table gets `default_config`: enough programs for every SM, split-K for narrow
+matrices.
+
+A configuration depends on (profile, type, N, K) only, never on the number of activation
+rows: that is what keeps batch-invariant mode bit-identical with one launch shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+TABLE_PATH = Path(__file__).with_name("gemv_configs.json")
+TABLE_ENV = "MINIVLLM_GEMV_CONFIGS"  # another table file (a sweep's output, before it is committed)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_nb: int = 4  # row groups (of 4 rows) per program
+    block_g: int = 32  # 32-element groups of K per loop trip
+    split: int = 1  # slices of K (fixed-order reduction when > 1)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def shape_key(type_name: str, n: int, k: int) -> str:
+    return f"{type_name}:{n}x{k}"
+
+
+@lru_cache(maxsize=None)
+def _table() -> dict:
+    path = Path(os.environ.get(TABLE_ENV) or TABLE_PATH)
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def default_config(n: int, k: int, sm_count: int = 132) -> GemvConfig:
+    """A shape the sweep has not measured: 4 row groups per program when that still gives
+    every SM two programs, else one; then split K until there are about 2 programs per SM
+    (each slice at least one loop trip)."""
+    n_rb = -(-n // 4)
+    groups = k // 32
+    nb = 4 if n_rb // 4 >= 2 * sm_count else 1
+    block_g = 32
+    tiles = -(-n_rb // nb)
+    split = 1
+    while tiles * split < 2 * sm_count and groups // (split * 2) >= block_g:
+        split *= 2
+    return GemvConfig(block_nb=nb, block_g=block_g, split=split)
+
+
+@lru_cache(maxsize=None)
+def lookup(table_key: str, type_name: str, n: int, k: int, sm_count: int = 132, *, int8: bool = False) -> GemvConfig:
+    """The table's configuration for the float kernel (or the int8 one: `int8=True`),
+    else `default_config`."""
+    section = "configs_int8" if int8 else "configs"
+    entry = _table().get(table_key, {}).get(section, {}).get(shape_key(type_name, n, k))
+    if entry is None:
+        return default_config(n, k, sm_count)
+    return GemvConfig(**entry)

@@ -1,0 +1,80 @@
+"""Which GPU the kernels choose for: the one home of every capability-based choice.
+
+`MINIVLLM_GPU_PROFILE=sm75` makes the engine choose, on any NVIDIA GPU, exactly what it
+would choose on a T4 (sm_75): f16 activations (bf16 refused), no `tl.dot`, the T4's GEMV
+launch table (`gemv_configs.json`, key "sm75") and the int8-activation (`dp4a`) GEMV
+for the types that have it. So the T4 path can be run and tested on a lent H100/H200.
+Unset (or `native`), the device's own capability decides.
+
+Why a profile and not per-call checks: the choices (dtype, GEMV kernel, config table)
+are made in several modules; reading them all from one `GpuProfile` keeps the T4 path
+one thing that a test can switch on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from minivllm.errors import ConfigError
+
+PROFILE_ENV = "MINIVLLM_GPU_PROFILE"
+# The profiles a user can ask for, with the capability each stands for.
+_PROFILES = {"sm75": (7, 5)}
+_PROFILE_SMS = {"sm75": 40}  # a T4's multiprocessors (the GEMV's default split-K reads it)
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str  # "native" or a forced profile ("sm75")
+    capability: tuple[int, int]  # what the choices assume (the forced one, or the device's)
+    table_key: str  # the row of gemv_configs.json: "sm75", "sm90", ...
+    sm_count: int  # multiprocessors the launch shapes are sized for
+
+    @property
+    def bf16(self) -> bool:
+        return self.capability >= (8, 0)
+
+    @property
+    def tensor_core_dot(self) -> bool:
+        """Whether kernels may use `tl.dot` (none does today: every kernel also runs on sm_75)."""
+        return self.capability >= (8, 0)
+
+    @property
+    def int8_gemv(self) -> bool:
+        """The int8-activation GEMV, for f16/bf16 activations (float32 stays float32):
+        always on the T4 path (its float32 FMA rate makes the float decode compute-bound
+        there), else opt-in (MINIVLLM_Q8_GEMV=1): it rounds activations to 8 bits per group
+        as llama.cpp does, and the greedy-agreement tests on real files have not run with
+        it on a GPU yet."""
+        if self.capability < (8, 0):
+            return True
+        return os.environ.get("MINIVLLM_Q8_GEMV") == "1"
+
+
+def requested_profile() -> str:
+    name = os.environ.get(PROFILE_ENV, "native").strip().lower() or "native"
+    if name != "native" and name not in _PROFILES:
+        raise ConfigError(PROFILE_ENV, name, f"allowed: native, {', '.join(sorted(_PROFILES))}")
+    return name
+
+
+def gpu_profile(device=None) -> GpuProfile:
+    """The profile for `device` (a CUDA device; None: the current one). Without CUDA (the
+    Triton interpreter on CPU) the native profile assumes an sm_90 with 132 SMs. Not
+    cached: torch caches the device properties, and tests patch them."""
+    name = requested_profile()
+    if name != "native":
+        cap = _PROFILES[name]
+        return GpuProfile(name, cap, f"sm{cap[0]}{cap[1]}", _PROFILE_SMS[name])
+    import torch
+
+    is_cuda = getattr(device, "type", None) == "cuda" or (device is None and torch.cuda.is_available())
+    if not is_cuda:
+        return GpuProfile("native", (9, 0), "sm90", 132)
+    cap = tuple(torch.cuda.get_device_capability(device))
+    try:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    except (RuntimeError, AssertionError):  # a patched capability on a machine without CUDA (tests)
+        sms = 132
+    return GpuProfile("native", cap, f"sm{cap[0]}{cap[1]}", sms)

@@ -1,0 +1,234 @@
+"""Sweep the tiled decode GEMV's launch shapes on this GPU and write its config table.
+
+For each weight type and Qwen2.5-7B shape (the attention, K/V, FFN up/gate, FFN down and
+LM-head matrices) this times, at M = 1 from CUDA-graph replays over weight copies larger
+than the L2 (`bench/kernels.graph_us`), every candidate (row groups per program, groups
+per trip, warps, pipeline stages, K slices) of `kernels/triton/tiled_gemv.py`, the older
+one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the same candidates of the
+int8-activation kernel (`q8_gemv.py`; activations quantized once beforehand, as a layer's
+Q/K/V share one quantization; the quantize kernel is timed on its own) and f16 cuBLAS on the dense
+matrix, against the measured copy bandwidth (bytes read + written).
+
+    python3 scripts/gemv_sweep.py OUTDIR [--types Q4_K,Q6_K] [--quick Q4_0,Q4_1]
+
+Writes OUTDIR/gemv-sweep-<key>.json (every timing, the device, the winners),
+OUTDIR/gemv-sweep-<key>.md and OUTDIR/gemv_configs.json: the committed table
+(minivllm/kernels/gemv_configs.json) with this profile's row replaced, which
+MINIVLLM_GEMV_CONFIGS=OUTDIR/gemv_configs.json makes the engine use before it is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+SHAPES = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584)]
+LM_HEAD_TYPES = {"Q4_K", "Q6_K", "Q8_0"}  # the big matrix only for the types an LM head has
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"]
+# (block_nb, block_g, num_warps, num_stages): the tile a program reads per trip is
+# block_nb * block_g * 64 bytes (4-bit types), 2 - 8 KB.
+CANDIDATES = [(1, 64, 4, 2), (2, 32, 4, 2), (4, 32, 4, 2), (4, 16, 4, 3), (8, 16, 4, 2), (2, 64, 8, 2),
+              (8, 32, 8, 2), (4, 64, 8, 3)]
+QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2)]
+
+
+def _splits(n: int, k: int, block_nb: int, block_g: int, sms: int) -> list[int]:
+    tiles = -(-(-(-n // 4)) // block_nb)
+    groups = k // 32
+    out = [1]
+    for s in (2, 4, 8, 16):
+        if groups // s >= block_g and tiles * s <= 16 * sms and tiles < 4 * sms:
+            out.append(s)
+    return out
+
+
+def _precompile(tname: str, k: int, kernel: str, cands: list, splits: list[int]) -> str:
+    """Compile (into Triton's on-disk cache) every variant the timing loop will launch for
+    one (type, K, kernel): the launch constants do not depend on N, so a small N does."""
+    from minivllm.bench.kernels import random_weight
+    from minivllm.kernels.gemv_configs import GemvConfig
+    from minivllm.kernels.repacked_layout import repack
+    from minivllm.kernels.triton import q8_gemv as q8
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+
+    dev = torch.device("cuda")
+    w = repack(random_weight(GGMLQuantizationType[tname], 64, k, device=dev, seed=0))
+    x = torch.randn(1, k, device=dev).half()
+    xq = q8.quantize_q8(x)
+    for nb, g, nw, st in cands:
+        for split in splits:
+            cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
+            try:
+                if kernel == "float":
+                    tiled_gemv(x, w, cfg, out_dtype=torch.float16)
+                else:
+                    q8.q8_gemv(x, w, cfg, out_dtype=torch.float16, xq=xq)
+            except Exception:  # the timing loop records it
+                pass
+    torch.cuda.synchronize()
+    return f"{tname} K={k} {kernel}"
+
+
+def _precompile_all(types: list[str], quick: set[str], workers: int) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(t, k, kern, QUICK if t in quick else CANDIDATES, [1, 2])
+            for t in types for k in sorted({k for _, k in SHAPES}) for kern in ("float", "int8")]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in pool.map(_precompile, *zip(*jobs)):
+            print(f"compiled {done}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--quick", default="", help="types (comma-separated) swept over 3 tile candidates instead of 8")
+    ap.add_argument("--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)")
+    args = ap.parse_args()
+    from minivllm.bench.kernels import copy_bandwidth_gbs, graph_us, random_weight
+    from minivllm.kernels.gemv_configs import GemvConfig, default_config, shape_key
+    from minivllm.kernels.gpu_profile import gpu_profile
+    from minivllm.kernels.repacked_layout import repack
+    from minivllm.kernels.triton import q8_gemv as q8
+    from minivllm.kernels.triton.repacked_gemv import repacked_gemv
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    prof = gpu_profile(dev)
+    name = torch.cuda.get_device_name(dev)
+    if args.compile_workers:
+        t0 = time.time()
+        try:
+            _precompile_all(args.types.split(","), set(args.quick.split(",")), args.compile_workers)
+            print(f"precompiled in {time.time() - t0:.0f} s", flush=True)
+        except Exception as exc:  # the timing loop compiles what is missing, one at a time
+            print(f"precompile failed after {time.time() - t0:.0f} s: {type(exc).__name__}: {exc}", flush=True)
+    copy_gbs = copy_bandwidth_gbs(dev)
+    print(f"{name} ({prof.table_key}, {prof.sm_count} SMs): copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    rows, winners, winners_int8 = [], {}, {}
+    t0 = time.time()
+    for tname in args.types.split(","):
+        gt = GGMLQuantizationType[tname]
+        for n, k in SHAPES:
+            if n > 100_000 and tname not in LM_HEAD_TYPES:
+                continue
+            copies = max(2, -(-(160 << 20) // int(n * k * 0.6)))
+            ws = [repack(random_weight(gt, n, k, device=dev, seed=i)) for i in range(copies)]
+            nbytes = ws[0].nbytes
+            x = torch.randn(1, k, device=dev).half()
+
+            def frac(us):
+                return nbytes / (us * 1e-6) / 1e9 / copy_gbs
+
+            row = {"type": tname, "n": n, "k": k, "mbytes": nbytes / 1e6, "candidates": []}
+            os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
+            row["legacy_us"] = graph_us(lambda i: (lambda: repacked_gemv(x, ws[i % copies], out_dtype=torch.float16, autotune=False)), nbytes)
+            os.environ.pop("MINIVLLM_GEMV_KERNEL")
+            cands = QUICK if tname in args.quick.split(",") else CANDIDATES
+            xq = q8.quantize_q8(x)
+            kernels = {"float": lambda cfg, i: (lambda: tiled_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16)),
+                       "int8": lambda cfg, i: (lambda: q8.q8_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16, xq=xq))}
+            bests = {}
+            for kernel, make in kernels.items():
+                best = None
+                for nb, g, nw, st in cands:
+                    for split in _splits(n, k, nb, g, prof.sm_count):
+                        cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
+                        try:
+                            us = graph_us(lambda i: make(cfg, i), nbytes)
+                        except Exception as exc:  # a config that does not compile here (registers, shared memory)
+                            row["candidates"].append({"kernel": kernel, **cfg.as_dict(),
+                                                      "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                            continue
+                        row["candidates"].append({"kernel": kernel, **cfg.as_dict(), "us": us})
+                        if best is None or us < best[1]:
+                            best = (cfg, us)
+                bests[kernel] = best
+            best = bests["float"]
+            row["best_int8"] = bests["int8"][0].as_dict()
+            row["best_int8_us"] = bests["int8"][1]
+            row["best_int8_frac_of_copy"] = frac(bests["int8"][1])
+            row["quantize_q8_us"] = graph_us(lambda i: (lambda: q8.quantize_q8(x)), 1 << 28)
+            dflt = default_config(n, k, prof.sm_count)
+            row["default"] = dflt.as_dict()
+            row["best"] = best[0].as_dict()
+            row["best_us"] = best[1]
+            row["best_frac_of_copy"] = frac(best[1])
+            row["legacy_frac_of_copy"] = frac(row["legacy_us"])
+            # Correctness of the winner against the legacy kernel (same arithmetic per weight,
+            # another sum order): a wrong config must not win on speed.
+            y = tiled_gemv(x, ws[0], best[0])
+            os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
+            y_legacy = repacked_gemv(x, ws[0], autotune=False)
+            os.environ.pop("MINIVLLM_GEMV_KERNEL")
+            row["best_max_rel_diff_vs_legacy"] = float((y - y_legacy).abs().max() / y_legacy.abs().max())
+            # The int8 winner against the float reference of its quantized activations.
+            xw, dxs = xq
+            xd = (q8.unpack_q8(xw).float().view(1, -1, 32) * dxs[:, :, None]).view(1, k)
+            y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
+            ref8 = xd @ ws[0].dequantize(torch.float32).T
+            row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
+            dense = [ws[i].dequantize(torch.float16) for i in range(min(copies, max(2, -(-(160 << 20) // (n * k * 2)))))]
+            row["f16_cublas_us"] = graph_us(lambda i: (lambda: torch.nn.functional.linear(x, dense[i % len(dense)])), n * k * 2)
+            row["f16_cublas_frac_of_copy"] = n * k * 2 / (row["f16_cublas_us"] * 1e-6) / 1e9 / copy_gbs
+            del dense, ws
+            torch.cuda.empty_cache()
+            winners[shape_key(tname, n, k)] = row["best"]
+            winners_int8[shape_key(tname, n, k)] = row["best_int8"]
+            rows.append(row)
+            write(out, rows, winners, winners_int8, name, prof, copy_gbs)
+            print(f"{tname:5s} {n:6d}x{k:<6d} {nbytes / 1e6:7.1f} MB  best {best[1]:7.1f} us "
+                  f"{row['best_frac_of_copy']:5.0%} {best[0]}  legacy {row['legacy_us']:7.1f} us "
+                  f"{row['legacy_frac_of_copy']:5.0%}  int8 {row['best_int8_us']:7.1f} us {row['best_int8_frac_of_copy']:5.0%}  "
+                  f"f16 cuBLAS {row['f16_cublas_us']:7.1f} us  [{time.time() - t0:.0f} s]", flush=True)
+    write(out, rows, winners, winners_int8, name, prof, copy_gbs)
+    print((out / f"gemv-sweep-{prof.table_key}.md").read_text())
+    return 0
+
+
+def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, prof, copy_gbs: float) -> None:
+    """The JSON, the Markdown table and the config table so far (rewritten after every row,
+    so a run stopped early keeps what it measured)."""
+    from minivllm.kernels.gemv_configs import TABLE_PATH
+
+    meta = {"device": name, "profile": prof.table_key, "sm_count": prof.sm_count, "copy_GBps": copy_gbs,
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "commit": os.environ.get("MINIVLLM_COMMIT", "unknown"),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timing": "median µs per call over 7 replays of a CUDA graph of 24 back-to-back calls, "
+                      "weight copies > 160 MB (from DRAM); M = 1, f16 activations and output"}
+    (out / f"gemv-sweep-{prof.table_key}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    table = json.loads(TABLE_PATH.read_text()) if TABLE_PATH.is_file() else {}
+    table[prof.table_key] = {"device": name, "source": f"scripts/gemv_sweep.py, {meta['date']}, copy "
+                             f"{copy_gbs:.0f} GB/s", "configs": winners, "configs_int8": winners_int8}
+    (out / "gemv_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    md = [f"# GEMV sweep on {name} ({prof.table_key}), M = 1", "", f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); "
+          "fraction = weight bytes / time / copy bandwidth", "",
+          "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
+          "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["best"]
+        b8 = r["best_int8"]
+        q8s = (f"{r['best_int8_us']:.1f} | {r['best_int8_frac_of_copy']:.0%} | {b8['block_nb']}, {b8['block_g']}, "
+               f"{b8['split']}, {b8['num_warps']}, {b8['num_stages']}")
+        md.append(f"| {r['type']} | {r['n']}x{r['k']} | {r['mbytes']:.1f} | {r['best_us']:.1f} | {r['best_frac_of_copy']:.0%} "
+                  f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
+                  f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
+                  f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} |")
+    (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# minivllm against llama.cpp on one lent GPU, in two device runs (issue 41).
+#
+#   here:     scripts/gpu_vs_llama_cpp.sh stage DEST     # stage tree, wheels, llama.cpp sources, tokenizer fields
+#   run 1:    cd DEST && source env.sh && cd tree && bash scripts/gpu_vs_llama_cpp.sh 1
+#   run 2:    (the same, with 2) right after run 1, on the same warm machine
+#   here:     python3 scripts/gpu_vs_llama_cpp_table.py run1.tgz run2.tgz   # the one JSON + Markdown table
+#
+# Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
+# synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
+# GEMV launch shapes (scripts/gemv_sweep.py: the GPU alone), then runs `pytest -m cuda`
+# natively and under the T4 profile (MINIVLLM_GPU_PROFILE=sm75) side by side. Run 2 waits
+# for the build, then times both engines on the same files: llama-bench (pp512, tg128,
+# tg128 after 512 and 4096 tokens), llama-batched-bench (1/8/32 sequences, 128 + 128) and
+# minivllm's bench decode / batched decode, natively (with run 1's GEMV table), with the
+# int8 GEMV, under the T4 profile and in batch-invariant mode.
+#
+# Everything persistent lives in W (default /root/i41), outside the carried tree, so run 2
+# finds run 1's build, files and table when the machine is still warm (a cold machine
+# rebuilds in run 2: slower, same result). Each run leaves OUT/runN.tgz (logs and result
+# files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
+set -uo pipefail
+
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+
+if [ "$MODE" = stage ]; then
+  DEST=${2:?usage: gpu_vs_llama_cpp.sh stage DEST}
+  MODELS="" WHEELS=${WHEELS:-gguf platformdirs llguidance} PYTHON=${PYTHON:-/work/main/.venv/bin/python} \
+    bash "$HERE/scripts/stage_offline_gpu.sh" "$DEST"
+  exit $?
+fi
+
+W=${W:-/root/i41}
+OUT=${OUT:-$W/out}
+FIELDS=../peers/qwen2.5-tokenizer-fields.json.xz
+LLAMA_BIN=$W/llama/llama.cpp/build/bin
+export MINIVLLM_CACHE=$W/cache LLAMA_CPP_COMMIT=0c1e57098bba43ac29e6e3b677cdceebdd22334f
+mkdir -p "$W/res$MODE" "$OUT" "$MINIVLLM_CACHE"
+R=$W/res$MODE
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/timeline.txt"; }
+BUDGET=${BUDGET:-560}  # seconds this run may take (a device call stops at 600)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+step() {  # step NAME LOG CMD...: run CMD under the time left (skipped when under 30 s); the
+  # benchmarks/results files it writes are copied to R, prefixed with LOG's name
+  local name=$1 log=$2 rc f; shift 2
+  if [ "$(left)" -lt 30 ]; then stamp "SKIPPED $name (out of time)"; return 0; fi
+  touch "$R/.marker"
+  timeout "$(left)" "$@" > "$log" 2>&1
+  rc=$?
+  for f in $(find benchmarks/results -newer "$R/.marker" -type f 2>/dev/null); do
+    cp "$f" "${log%.*}--$(basename "$f")"
+  done
+  stamp "$name exit $rc"
+}
+
+synthetic() {  # path of a synthetic file (written if missing)
+  python3 - "$1" "$FIELDS" <<'PY'
+import sys
+from minivllm.bench.synthetic_model import ensure_synthetic_model
+print(ensure_synthetic_model(sys.argv[1], tokenizer_source=sys.argv[2], progress=False))
+PY
+}
+
+run_pytest() {  # both profiles side by side, each under the time left minus RESERVE seconds
+  local PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider -rfE -n 4 --dist loadfile --timeout 120" t p1 p2 e1 e2
+  python3 -c "import xdist, pytest_timeout" 2>/dev/null || PYTEST="python3 -m pytest -q -m cuda -p no:cacheprovider -rfE"
+  t=$(( $(left) - ${RESERVE:-0} )); [ $t -lt 60 ] && t=60
+  timeout $t $PYTEST > "$R/pytest-cuda-native.log" 2>&1 &
+  p1=$!
+  MINIVLLM_GPU_PROFILE=sm75 timeout $t $PYTEST > "$R/pytest-cuda-sm75.log" 2>&1 &
+  p2=$!
+  wait $p1; e1=$?; wait $p2; e2=$?
+  stamp "pytest native exit $e1: $(tail -n 1 "$R/pytest-cuda-native.log")"
+  stamp "pytest sm75 exit $e2: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
+}
+
+if [ "$MODE" = 3 ]; then
+  # A third run (a fresh machine is fine): both pytest profiles again, then the int8 GEMV and
+  # the T4 profile beside the native path and llama.cpp (rebuilt here in the background).
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; } > "$R/device.txt" 2>&1
+  [ -x "$LLAMA_BIN/llama-batched-bench" ] || setsid nohup nice -n 15 bash ../peers/build_on_gpu.sh \
+    ../peers/llama.cpp.tar.xz "$W/llama" 90 > "$W/llama-build.log" 2>&1 < /dev/null &
+  ( synthetic qwen2.5-0.5b-q4_k_m; synthetic qwen2.5-7b-q4_k_m ) > "$W/synthetic.log" 2>&1 &
+  sp=$!
+  RESERVE=330 run_pytest
+  wait $sp
+  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
+  stamp "files: $S05 $S7"
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
+    step "decode int8 $s" "$R/decode-int8-$s.log" env MINIVLLM_Q8_GEMV=1 $DEC $SYN $s --prompt-tokens 512
+    step "decode native $s" "$R/decode-native-$s.log" $DEC $SYN $s --prompt-tokens 512
+    step "decode T4 profile $s" "$R/decode-sm75-$s.log" env MINIVLLM_GPU_PROFILE=sm75 $DEC $SYN $s --prompt-tokens 512
+  done
+  stamp "llama build: $(tail -n 1 "$W/llama-build.log")"
+  if [ -x "$LLAMA_BIN/llama-bench" ]; then
+    step "llama-bench 7b" "$R/llama-bench-7b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 512 -n 128 \
+      -d 0,512 -r 5 -o json > '$R/llama-bench-7b.json'"
+    step "batched int8 7b" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 python3 -m minivllm bench offline \
+      --model "$S7" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
+  else
+    step "batched int8 7b (no peer: build unfinished)" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 \
+      python3 scripts/gpu_batched_decode.py "$S7" "$R/batched-int8-7b.json"
+  fi
+elif [ "$MODE" = 1 ]; then
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
+  if [ ! -x "$LLAMA_BIN/llama-batched-bench" ]; then
+    setsid nohup nice -n 15 bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 \
+      > "$W/llama-build.log" 2>&1 < /dev/null &
+    stamp "llama.cpp build started (background)"
+  fi
+  setsid nohup nice -n 10 bash -c "python3 -c \"
+from minivllm.bench.synthetic_model import ensure_synthetic_model as e
+for n in ('qwen2.5-0.5b-q4_k_m', 'qwen2.5-7b-q4_k_m'):
+    print(e(n, tokenizer_source='$FIELDS', progress=False), flush=True)
+\"" > "$W/synthetic.log" 2>&1 < /dev/null &
+  stamp "synthetic files started (background)"
+  BUDGET=330 step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --quick Q4_0,Q4_1,Q5_0
+  stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
+  cp "$W"/sweep/* "$R/" 2>/dev/null
+  run_pytest
+  stamp "llama build: $(tail -n 2 "$W/llama-build.log" | tr '\n' ' ')"
+  stamp "synthetic: $(tr '\n' ' ' < "$W/synthetic.log" | tail -c 300)"
+else
+  export MINIVLLM_GEMV_CONFIGS=$W/sweep/gemv_configs.json
+  [ -f "$MINIVLLM_GEMV_CONFIGS" ] || unset MINIVLLM_GEMV_CONFIGS
+  stamp "GEMV table: ${MINIVLLM_GEMV_CONFIGS:-the committed one}"
+  if [ ! -x "$LLAMA_BIN/llama-batched-bench" ] && ! pgrep -f build_on_gpu.sh > /dev/null; then
+    stamp "no llama.cpp build here (a fresh machine?): building now"
+    bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 > "$W/llama-build.log" 2>&1
+  fi
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 3; done  # run 1's writer, if still going
+  S05=$(synthetic qwen2.5-0.5b-q4_k_m | tail -n 1); S7=$(synthetic qwen2.5-7b-q4_k_m | tail -n 1)
+  stamp "files: $S05 $S7"
+  while pgrep -f build_on_gpu.sh > /dev/null; do sleep 5; done
+  stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | tr '\n' ' ')"
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+    step "decode $s (+ llama-bench)" "$R/decode-$s.log" \
+      $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
+  done
+  step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
+    python3 -m minivllm bench offline --model "$S05" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
+  step "batched 7b (bench offline --llama-batched-bench)" "$R/batched-7b.log" \
+    python3 -m minivllm bench offline --model "$S7" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
+  # the int8 GEMV (opt-in natively): minivllm only, batch 1
+  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+    step "decode int8 $s" "$R/decode-int8-$s.log" env MINIVLLM_Q8_GEMV=1 $DEC $SYN $s --prompt-tokens 512
+  done
+  # decode after 4096 tokens of context (7B): minivllm, then llama-bench -d 0,512,4096
+  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  echo "$LLAMA_BIN/llama-bench -m $S7 -ngl 99 -p 0 -n 128 -d 0,512,4096 -r 3 -o json" > "$R/llama-bench-7b-depth.cmd"
+  step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \
+    -n 128 -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b-depth.json'"
+  # the T4 profile on this GPU, and batch-invariant mode's cost (batch 1 and 8)
+  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+    step "decode T4 profile $s" "$R/decode-sm75-$s.log" env MINIVLLM_GPU_PROFILE=sm75 $DEC $SYN $s --prompt-tokens 512
+  done
+  step "batched invariant 0.5b" "$R/batched-invariant-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
+    "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
+  step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
+    "$R/batched-default-0.5b.json" --npl 1,8
+fi
+stamp "done"
+tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
+cp "$R/timeline.txt" "$OUT/run$MODE-summary.txt"
+[ "$MODE" = 1 ] && cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null
+exit 0

@@ -1,0 +1,148 @@
+"""The tiled decode GEMV (kernels/triton/tiled_gemv.py) against the torch dequant reference.
+
+Reference: `x.float() @ w.dequantize(float32).T` (plain torch dequantization of the
+file's blocks). Every launch shape the sweep may pick (row groups per program, groups
+per trip, split-K with its in-order reduction) must compute the same function; CPU
+variants run Triton's interpreter at small shapes, `cuda` ones the compiled kernels at
+Qwen2.5-7B shapes. Batch invariance: a row's result is the same bits whatever the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from test_triton_gemv import assert_close_to_reference, random_weight, reference  # noqa: E402
+from minivllm.kernels.gemv_configs import GemvConfig, default_config  # noqa: E402
+from minivllm.kernels.repacked_layout import repack  # noqa: E402
+from minivllm.kernels.triton.tiled_gemv import tiled_gemv  # noqa: E402
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1 (no GPU here)")
+CONFIGS = [GemvConfig(block_nb=1, block_g=8, split=1), GemvConfig(block_nb=2, block_g=4, split=3),
+           GemvConfig(block_nb=4, block_g=2, split=2)]
+
+
+@cpu_only
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"nb{c.block_nb}-g{c.block_g}-s{c.split}")
+def test_matches_reference_interpreted(ggml_type, config):
+    # N = 21: not a multiple of 4 rows nor of the row groups per program; K = 512: 16 groups
+    # (two Q4_K/Q6_K super-blocks), so splits end inside a super-block.
+    n, k = 21, 512
+    w = random_weight(ggml_type, n, k, seed=41)
+    rw = repack(w)
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(2, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    assert_close_to_reference(tiled_gemv(x, rw, config), reference(x, w), k)
+    assert_close_to_reference(tiled_gemv(x, rw, config, bias=bias), reference(x, w) + bias, k)
+    y16 = tiled_gemv(x.half(), rw, config, out_dtype=torch.float16)
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * reference(x, w).abs().max().item())
+
+
+def _check_invariance(rw, w, k, config, device):
+    gen = torch.Generator().manual_seed(43)
+    batch = torch.randn(5, k, generator=gen).to(device)
+    other = torch.randn(5, k, generator=gen).to(device) * 100
+    full = tiled_gemv(batch, rw, config)
+    for r in (0, 4):
+        alone = tiled_gemv(batch[r:r + 1].contiguous(), rw, config)
+        assert torch.equal(full[r], alone[0]), f"row {r}: batch of 5 differs from the row alone"
+        mixed = other.clone()
+        mixed[r] = batch[r]
+        assert torch.equal(tiled_gemv(mixed, rw, config)[r], alone[0]), f"row {r}: depends on other rows"
+    assert_close_to_reference(full, reference(batch, w), k)
+
+
+@cpu_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_rows_bitwise_independent_of_batch_interpreted(ggml_type):
+    w = random_weight(ggml_type, 9, 512, seed=44)
+    _check_invariance(repack(w), w, 512, GemvConfig(block_nb=2, block_g=4, split=2), "cpu")
+
+
+def test_default_config_splits_narrow_matrices_only():
+    wide = default_config(18944, 3584, sm_count=132)
+    narrow = default_config(512, 3584, sm_count=132)
+    assert wide.split == 1 and wide.block_nb == 4
+    assert narrow.split > 1
+    # Each slice still has at least one loop trip of groups.
+    assert (3584 // 32) // narrow.split >= narrow.block_g
+
+
+SHAPES_7B = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_matches_reference_cuda(ggml_type):
+    gen = torch.Generator().manual_seed(45)
+    for n, k in SHAPES_7B:
+        w = random_weight(ggml_type, n, k, device="cuda", seed=46)
+        rw = repack(w)
+        for config in (default_config(n, k), GemvConfig(block_nb=2, block_g=32, split=4, num_warps=8)):
+            x = torch.randn(2, k, generator=gen).cuda()
+            ref = reference(x, w)
+            assert_close_to_reference(tiled_gemv(x, rw, config), ref, k)
+            y16 = tiled_gemv(x.half(), rw, config, out_dtype=torch.float16)
+            torch.testing.assert_close(y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_rows_bitwise_independent_of_batch_cuda(ggml_type):
+    w = random_weight(ggml_type, 512, 3584, device="cuda", seed=47)
+    _check_invariance(repack(w), w, 3584, default_config(512, 3584), "cuda")
+
+
+# --- T4 (sm_75) compilation, checked without a GPU -------------------------------------
+
+_COMPILE_FOR_SM75 = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minivllm.kernels.triton.tiled_gemv import _tiled_gemv_kernel, _sum_splits_kernel
+planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"),
+          2: ("*fp16", "*i32", "*i32", "*i32"), 3: ("*fp16", "*i32", "*i32", "*i32"),
+          4: ("*fp16", "*fp16", "*u8", "*u8"), 5: ("*fp16", "*i16", "*i8", "*i8")}
+target = GPUTarget("cuda", 75, 32)
+out = {}
+for kind, (a, b, c, e) in planes.items():
+    for split in (False, True):
+        sig = {"x_ptr": "*fp16", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e, "bias_ptr": "*fp32",
+               "out_ptr": "*fp32" if split else "*fp16", "M": "i32", "N": "i32", "stride_xm": "i32",
+               "stride_om": "i32", "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32"}
+        const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
+                 "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True}
+        sig.update({k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
+                           options={"num_warps": 4, "num_stages": 2})
+        out[f"tiled/{kind}/{split}"] = k.asm["ptx"]
+sig = {"ws_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp16", "MN": "i32", "N": "i32", "stride_ws": "i32",
+       "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+k = triton.compile(ASTSource(_sum_splits_kernel, sig, {"SPLIT": 4, "HAS_BIAS": True, "BLOCK": 1024}), target=target)
+out["sum_splits"] = k.asm["ptx"]
+print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+                  for key, p in out.items()}))
+"""
+
+
+def test_tiled_kernels_compile_for_t4_sm75_without_bf16_or_mma():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM75], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result) == 12 + 1
+    for key, r in result.items():
+        assert r == {"target": True, "bf16": False, "mma": False}, key
