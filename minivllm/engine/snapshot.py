@@ -65,7 +65,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 
-from minivllm.kernels.kernel_options import KernelSettings
+from minivllm.kernels.kernel_options import KernelSettings, kernel_options_for_call
 
 SCHEMA = "minivllm.engine.snapshot/1"
 
@@ -138,9 +138,12 @@ def describe_kernels(engine) -> dict:
     from collections import Counter
 
     model = engine.model
-    kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
-                    for f in ("q", "k", "v", "o", "gate", "up", "down"))
-    kinds[model.output.gemv_kind] += 1
+    # What each weight runs depends on the options in effect, and those are this engine's
+    # (a fork over the same model may run others), so the kinds are read under them.
+    with kernel_options_for_call(engine.kernel_options):
+        kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
+                        for f in ("q", "k", "v", "o", "gate", "up", "down"))
+        kinds[model.output.gemv_kind] += 1
     graphs = engine.graph_runner
     return {**engine.kernel_options.describe(),
             "cuda_graphs": None if graphs is None else {
