@@ -19,6 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from minivllm.reliability.hostile_constraints import (
+    deep_json_text,
+    gbnf_alternatives,
+    gbnf_chain,
+    lark_chain,
+    ref_objects,
+    ref_plain,
+    schema_format,
+)
 from minivllm.sampling.constraint_limits import (
     MAX_CHOICES,
     MAX_CONSTRAINT_BYTES,
@@ -29,30 +38,6 @@ from minivllm.sampling.constraint_limits import (
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def ref_objects(n: int) -> dict:
-    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def ref_plain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(n)) + f'r{n}: "b"\n'
-
-
-def gbnf_chain(n: int) -> str:
-    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "b"\n'
-
-
-def schema_format(schema) -> dict:
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +95,11 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ({"guided_grammar": gbnf_chain(8000)}, "guided_grammar", MAX_CONSTRAINT_BYTES),  # 151 KB
     ({"structured_outputs": {"grammar": "start: x\nx: %json " + json.dumps(ref_objects(1000))}},
      "structured_outputs.grammar", MAX_SCHEMA_DEPTH),
-    ({"guided_grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(30_000))}, "guided_grammar",
+    ({"guided_grammar": gbnf_alternatives(30_000)}, "guided_grammar",
      MAX_CONSTRAINT_BYTES),  # stalled workers
     ({"guided_choice": [f"option {i}" for i in range(100_000)]}, "guided_choice", MAX_CHOICES),  # 19.6 s
-    ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json", MAX_JSON_DEPTH),  # was a 500
-    ({"structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}}, "structured_outputs.json", MAX_JSON_DEPTH),
+    ({"guided_json": deep_json_text(100_000)}, "guided_json", MAX_JSON_DEPTH),  # was a 500
+    ({"structured_outputs": {"json": deep_json_text(100_000)}}, "structured_outputs.json", MAX_JSON_DEPTH),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ref_plain(3000)}}],
       "tool_choice": "required"}, "tools[0].function.parameters", MAX_SCHEMA_DEPTH),
 ], ids=["ref-objects-1000", "ref-plain-3000", "ref-plain-6000", "lark-2800", "gbnf-4000", "gbnf-8000", "lark-%json",

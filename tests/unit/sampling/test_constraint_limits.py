@@ -9,6 +9,7 @@ import json
 import pytest
 
 from minivllm.errors import ConfigError
+from minivllm.reliability.hostile_constraints import gbnf_chain, lark_chain, ref_objects, ref_plain
 from minivllm.sampling.constraint_limits import (
     MAX_CHOICES,
     MAX_CONSTRAINT_BYTES,
@@ -25,27 +26,6 @@ from minivllm.sampling.constraint_limits import (
     schema_depth,
 )
 from minivllm.sampling.structured import StructuredOutput
-
-
-def ref_objects(n: int) -> dict:
-    """Objects linked through $ref, n links: the 94 KB shape at n=1000."""
-    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def ref_plain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(n)) + f'r{n}: "b"\n'
-
-
-def gbnf_chain(n: int) -> str:
-    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "b"\n'
 
 
 def test_json_depth_counts_objects_and_arrays():
