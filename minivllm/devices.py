@@ -51,7 +51,9 @@ def resolve_device(name: str | torch.device) -> torch.device:
             except ValueError:
                 raise ConfigError("inference_device", name, "expected cpu, gpu, cuda or cuda:N") from None
             if not 0 <= index < count:
-                raise DeviceError(f"inference device {name!r} does not exist; this machine has cuda:0..cuda:{count - 1}")
+                raise DeviceError(
+                    f"inference device {name!r} does not exist; this machine has cuda:0..cuda:{count - 1}"
+                )
             return torch.device("cuda", index)
         free = [torch.cuda.mem_get_info(i)[0] for i in range(count)]
         return torch.device("cuda", max(range(count), key=lambda i: free[i]))

@@ -40,7 +40,8 @@ QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2)]
 
 
 def _splits(n: int, k: int, block_nb: int, block_g: int, sms: int) -> list[int]:
-    tiles = -(-(-(-n // 4)) // block_nb)
+    row_groups = -(-n // 4)  # ceil(n / 4): the kernel's 4-row groups
+    tiles = -(-row_groups // block_nb)
     groups = k // 32
     out = [1]
     for s in (2, 4, 8, 16):
@@ -92,7 +93,9 @@ def main() -> int:
     ap.add_argument("outdir")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--quick", default="", help="types (comma-separated) swept over 3 tile candidates instead of 8")
-    ap.add_argument("--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)")
+    ap.add_argument(
+        "--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)"
+    )
     args = ap.parse_args()
     from minivllm.bench.kernels import copy_bandwidth_gbs, graph_us, random_weight
     from minivllm.kernels.gemv_configs import GemvConfig, default_config, shape_key
@@ -128,17 +131,25 @@ def main() -> int:
             nbytes = ws[0].nbytes
             x = torch.randn(1, k, device=dev).half()
 
-            def frac(us):
+            def frac(us, nbytes=nbytes):
                 return nbytes / (us * 1e-6) / 1e9 / copy_gbs
 
             row = {"type": tname, "n": n, "k": k, "mbytes": nbytes / 1e6, "candidates": []}
             os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
-            row["legacy_us"] = graph_us(lambda i: (lambda: repacked_gemv(x, ws[i % copies], out_dtype=torch.float16, autotune=False)), nbytes)
+            row["legacy_us"] = graph_us(
+                lambda i, x=x, ws=ws, copies=copies: lambda: repacked_gemv(
+                    x, ws[i % copies], out_dtype=torch.float16, autotune=False),
+                nbytes,
+            )
             os.environ.pop("MINIVLLM_GEMV_KERNEL")
             cands = QUICK if tname in args.quick.split(",") else CANDIDATES
             xq = q8.quantize_q8(x)
-            kernels = {"float": lambda cfg, i: (lambda: tiled_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16)),
-                       "int8": lambda cfg, i: (lambda: q8.q8_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16, xq=xq))}
+            kernels = {
+                "float": lambda cfg, i, x=x, ws=ws, copies=copies: lambda: tiled_gemv(
+                    x, ws[i % copies], cfg, out_dtype=torch.float16),
+                "int8": lambda cfg, i, x=x, ws=ws, copies=copies, xq=xq: lambda: q8.q8_gemv(
+                    x, ws[i % copies], cfg, out_dtype=torch.float16, xq=xq),
+            }
             bests = {}
             for kernel, make in kernels.items():
                 best = None
@@ -146,7 +157,7 @@ def main() -> int:
                     for split in _splits(n, k, nb, g, prof.sm_count):
                         cfg = GemvConfig(block_nb=nb, block_g=g, split=split, num_warps=nw, num_stages=st)
                         try:
-                            us = graph_us(lambda i: make(cfg, i), nbytes)
+                            us = graph_us(lambda i, make=make, cfg=cfg: make(cfg, i), nbytes)
                         except Exception as exc:  # a config that does not compile here (registers, shared memory)
                             row["candidates"].append({"kernel": kernel, **cfg.as_dict(),
                                                       "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
@@ -159,7 +170,7 @@ def main() -> int:
             row["best_int8"] = bests["int8"][0].as_dict()
             row["best_int8_us"] = bests["int8"][1]
             row["best_int8_frac_of_copy"] = frac(bests["int8"][1])
-            row["quantize_q8_us"] = graph_us(lambda i: (lambda: q8.quantize_q8(x)), 1 << 28)
+            row["quantize_q8_us"] = graph_us(lambda i, x=x: (lambda: q8.quantize_q8(x)), 1 << 28)
             dflt = default_config(n, k, prof.sm_count)
             row["default"] = dflt.as_dict()
             row["best"] = best[0].as_dict()
@@ -179,8 +190,12 @@ def main() -> int:
             y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
             ref8 = xd @ ws[0].dequantize(torch.float32).T
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
-            dense = [ws[i].dequantize(torch.float16) for i in range(min(copies, max(2, -(-(160 << 20) // (n * k * 2)))))]
-            row["f16_cublas_us"] = graph_us(lambda i: (lambda: torch.nn.functional.linear(x, dense[i % len(dense)])), n * k * 2)
+            dense = [
+                ws[i].dequantize(torch.float16) for i in range(min(copies, max(2, -(-(160 << 20) // (n * k * 2)))))
+            ]
+            row["f16_cublas_us"] = graph_us(
+                lambda i, x=x, dense=dense: lambda: torch.nn.functional.linear(x, dense[i % len(dense)]), n * k * 2
+            )
             row["f16_cublas_frac_of_copy"] = n * k * 2 / (row["f16_cublas_us"] * 1e-6) / 1e9 / copy_gbs
             del dense, ws
             torch.cuda.empty_cache()
@@ -188,10 +203,14 @@ def main() -> int:
             winners_int8[shape_key(tname, n, k)] = row["best_int8"]
             rows.append(row)
             write(out, rows, winners, winners_int8, name, prof, copy_gbs)
-            print(f"{tname:5s} {n:6d}x{k:<6d} {nbytes / 1e6:7.1f} MB  best {best[1]:7.1f} us "
-                  f"{row['best_frac_of_copy']:5.0%} {best[0]}  legacy {row['legacy_us']:7.1f} us "
-                  f"{row['legacy_frac_of_copy']:5.0%}  int8 {row['best_int8_us']:7.1f} us {row['best_int8_frac_of_copy']:5.0%}  "
-                  f"f16 cuBLAS {row['f16_cublas_us']:7.1f} us  [{time.time() - t0:.0f} s]", flush=True)
+            print(
+                f"{tname:5s} {n:6d}x{k:<6d} {nbytes / 1e6:7.1f} MB  best {best[1]:7.1f} us "
+                f"{row['best_frac_of_copy']:5.0%} {best[0]}  legacy {row['legacy_us']:7.1f} us "
+                f"{row['legacy_frac_of_copy']:5.0%}  int8 {row['best_int8_us']:7.1f} us "
+                f"{row['best_int8_frac_of_copy']:5.0%}  "
+                f"f16 cuBLAS {row['f16_cublas_us']:7.1f} us  [{time.time() - t0:.0f} s]",
+                flush=True,
+            )
     write(out, rows, winners, winners_int8, name, prof, copy_gbs)
     print((out / f"gemv-sweep-{prof.table_key}.md").read_text())
     return 0
@@ -213,20 +232,27 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
     table[prof.table_key] = {"device": name, "source": f"scripts/gemv_sweep.py, {meta['date']}, copy "
                              f"{copy_gbs:.0f} GB/s", "configs": winners, "configs_int8": winners_int8}
     (out / "gemv_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    md = [f"# GEMV sweep on {name} ({prof.table_key}), M = 1", "", f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); "
-          "fraction = weight bytes / time / copy bandwidth", "",
-          "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
-          "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"# GEMV sweep on {name} ({prof.table_key}), M = 1",
+        "",
+        f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); fraction = weight bytes / time / copy bandwidth",
+        "",
+        "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
+        "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         b = r["best"]
         b8 = r["best_int8"]
         q8s = (f"{r['best_int8_us']:.1f} | {r['best_int8_frac_of_copy']:.0%} | {b8['block_nb']}, {b8['block_g']}, "
                f"{b8['split']}, {b8['num_warps']}, {b8['num_stages']}")
-        md.append(f"| {r['type']} | {r['n']}x{r['k']} | {r['mbytes']:.1f} | {r['best_us']:.1f} | {r['best_frac_of_copy']:.0%} "
-                  f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
-                  f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
-                  f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} |")
+        md.append(
+            f"| {r['type']} | {r['n']}x{r['k']} | {r['mbytes']:.1f} | {r['best_us']:.1f} "
+            f"| {r['best_frac_of_copy']:.0%} "
+            f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
+            f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
+            f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} |"
+        )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
 
 

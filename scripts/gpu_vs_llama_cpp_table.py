@@ -77,42 +77,67 @@ def main() -> None:
     l7, l05 = llama_tests("run3-llama-bench-7b.json"), llama_tests("run3-llama-bench-0.5b.json")
     for s, lt in (("7b", l7), ("0.5b", l05)):
         n = mv(load(f"run3-decode-native-{s}.json")["rows"])["decode_tok_s_median"]
-        for kind, label in (("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)"), ("sm75", "T4 profile (MINIVLLM_GPU_PROFILE=sm75)")):
+        for kind, label in (
+            ("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)"),
+            ("sm75", "T4 profile (MINIVLLM_GPU_PROFILE=sm75)"),
+        ):
             v = mv(load(f"run3-decode-{kind}-{s}.json")["rows"])["decode_tok_s_median"]
-            row(f"{label}, {s} batch-1 decode", "tg128 after 512, tok/s", fmt(lt[(0, 128, 512)]),
-                f"{v:.1f} (native same run: {n:.1f})", v / lt[(0, 128, 512)]["avg_ts"], f"{P}run3-decode-{kind}-{s}.json",
-                "run 3: minivllm timed while llama.cpp built in the background (16 cores busy); llama-bench after it")
+            row(
+                f"{label}, {s} batch-1 decode",
+                "tg128 after 512, tok/s",
+                fmt(lt[(0, 128, 512)]),
+                f"{v:.1f} (native same run: {n:.1f})",
+                v / lt[(0, 128, 512)]["avg_ts"],
+                f"{P}run3-decode-{kind}-{s}.json",
+                "run 3: minivllm timed while llama.cpp built in the background (16 cores busy); llama-bench after it",
+            )
     b8 = load("run3-batched-int8-7b.json")["rows"]
     for r in (x for x in b8 if x["engine"] == "minivllm"):
-        row("batched decode 7B, int8 GEMV", f"{r['sequences']} sequences, S_TG tok/s", f"{r['llama_cpp_decode_tok_s']:.1f}",
-            f"{r['decode_tok_s']:.1f}", r["ratio_vs_llama_cpp"], f"{P}run3-batched-int8-7b.json")
-    meta = {"device": "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs), lent machine (Firecracker); one warm machine for "
-                      "runs 1-2 (sitting A), another for run 3 (sitting B)",
-            "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f, built for sm_90 on each machine "
-                                "(../shared/peers/llama-cpp-cuda/build_on_gpu.sh)",
-            "minivllm_commit": "run 2: c7897e9 (float GEMV with the sweep's table); run 3: 7cca898 (+ int8 fix, committed table)",
-            "files": "synthetic Qwen2.5 0.5B / 7B Q4_K_M GGUFs written on the GPU machine (bench/synthetic_model.py), "
-                     "both engines reading the same file",
-            "commands": {"stage + runs": "scripts/gpu_vs_llama_cpp.sh stage DEST; ... 1; ... 2; ... 3",
-                         "llama-bench": "llama-bench -m FILE -ngl 99 -p 512 -n 128 -d 0,512 -r 5 -o json (inside "
-                                        "bench decode --llama-bench); depth: -p 0 -n 128 -d 0,512,4096 -r 3",
-                         "llama-batched-bench": "llama-batched-bench -m FILE -ngl 99 -c 8448 -npp 128 -ntg 128 "
-                                                "-npl 1,8,32 --output-format jsonl",
-                         "minivllm": "minivllm bench decode --synthetic NAME --activation-dtype f16 --inference-device "
-                                     "cuda:0 --runs 3 --max-tokens 128 --prompt-tokens 512 --no-eager-row; minivllm "
-                                     "bench offline --model FILE --llama-batched-bench PATH"},
-            "pytest": {"run 3 native": "149 passed, 33 skipped, 10 errors", "run 3 MINIVLLM_GPU_PROFILE=sm75":
-                       "146 passed, 36 skipped, 10 errors", "errors": "collection ImportErrors of modules the stage "
-                       "did not carry (jsonschema, uvicorn, openai): tests/integration/serving/*, "
-                       "tests/unit/serving/test_tool_calls.py, tests/integration/engine/test_structured_output.py"}}
+        row(
+            "batched decode 7B, int8 GEMV",
+            f"{r['sequences']} sequences, S_TG tok/s",
+            f"{r['llama_cpp_decode_tok_s']:.1f}",
+            f"{r['decode_tok_s']:.1f}",
+            r["ratio_vs_llama_cpp"],
+            f"{P}run3-batched-int8-7b.json",
+        )
+    meta = {
+        "device": "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs), lent machine (Firecracker); one warm machine for "
+        "runs 1-2 (sitting A), another for run 3 (sitting B)",
+        "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f, built for sm_90 on each machine "
+        "(../shared/peers/llama-cpp-cuda/build_on_gpu.sh)",
+        "minivllm_commit": "run 2: c7897e9 (float GEMV with the sweep's table); "
+        "run 3: 7cca898 (+ int8 fix, committed table)",
+        "files": "synthetic Qwen2.5 0.5B / 7B Q4_K_M GGUFs written on the GPU machine (bench/synthetic_model.py), "
+        "both engines reading the same file",
+        "commands": {
+            "stage + runs": "scripts/gpu_vs_llama_cpp.sh stage DEST; ... 1; ... 2; ... 3",
+            "llama-bench": "llama-bench -m FILE -ngl 99 -p 512 -n 128 -d 0,512 -r 5 -o json (inside "
+            "bench decode --llama-bench); depth: -p 0 -n 128 -d 0,512,4096 -r 3",
+            "llama-batched-bench": "llama-batched-bench -m FILE -ngl 99 -c 8448 -npp 128 -ntg 128 "
+            "-npl 1,8,32 --output-format jsonl",
+            "minivllm": "minivllm bench decode --synthetic NAME --activation-dtype f16 --inference-device "
+            "cuda:0 --runs 3 --max-tokens 128 --prompt-tokens 512 --no-eager-row; minivllm "
+            "bench offline --model FILE --llama-batched-bench PATH",
+        },
+        "pytest": {
+            "run 3 native": "149 passed, 33 skipped, 10 errors",
+            "run 3 MINIVLLM_GPU_PROFILE=sm75": "146 passed, 36 skipped, 10 errors",
+            "errors": "collection ImportErrors of modules the stage "
+            "did not carry (jsonschema, uvicorn, openai): tests/integration/serving/*, "
+            "tests/unit/serving/test_tool_calls.py, tests/integration/engine/test_structured_output.py",
+        },
+    }
     (RES / "h100-issue41-vs-llama-cpp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = ["# minivllm vs llama.cpp on one H100 (issue 41)", "",
           "Raw figures of both engines; ratio = minivllm / llama.cpp. Native minivllm = f16, CUDA graphs, the tiled "
           "float GEMV with the H100 sweep's launch table; int8 GEMV and the T4 profile are separate rows.", "",
           "| target | row | llama.cpp | minivllm | ratio | source | note |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['target']} | {r['row']} | {r['llama_cpp']} | {r['minivllm']} | "
-                  f"{'' if r['ratio_vs_llama_cpp'] is None else r['ratio_vs_llama_cpp']} | {r['source']} | {r['note']} |")
+        md.append(
+            f"| {r['target']} | {r['row']} | {r['llama_cpp']} | {r['minivllm']} | "
+            f"{'' if r['ratio_vs_llama_cpp'] is None else r['ratio_vs_llama_cpp']} | {r['source']} | {r['note']} |"
+        )
     md += ["", "Provenance:", "", "```json", json.dumps(meta, indent=1), "```", ""]
     (RES / "h100-issue41-vs-llama-cpp.md").write_text("\n".join(md))
 

@@ -33,15 +33,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.bench.common import (common_prefix, CV_TARGET, loadavg, model_label, provenance, record_stat,
-                                   runs_until_stable)
+from minivllm.bench.common import (
+    CV_TARGET,
+    common_prefix,
+    loadavg,
+    model_label,
+    provenance,
+    record_stat,
+    runs_until_stable,
+)
 from minivllm.bench.continuous_batching import PROMPTS_FILE
 from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.errors import ConfigError
 from minivllm.models.cache import sha256_file
+from minivllm.sampling.sampling_params import SamplingParams
 
 LLAMA_CPP_ENV = "MINIVLLM_LLAMA_CPP_PATH"
 DEFAULT_CPU_THREADS = 2
@@ -172,7 +179,9 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
     if max_tokens < 2:
         raise ConfigError("max_tokens", max_tokens, "must be >= 2 (decode speed needs tokens after the first)")
     if prompt_tokens < 1 or repeats < 1:
-        raise ConfigError("prompt_tokens" if prompt_tokens < 1 else "repeats", min(prompt_tokens, repeats), "must be >= 1")
+        raise ConfigError(
+            "prompt_tokens" if prompt_tokens < 1 else "repeats", min(prompt_tokens, repeats), "must be >= 1"
+        )
     max_repeats = 3 * repeats if max_repeats is None else max_repeats
     if max_repeats < repeats:
         raise ConfigError("max_repeats", max_repeats, f"must be >= repeats ({repeats})")

@@ -129,16 +129,26 @@ def compare(model_path: str | Path, binary: str | None, *, npl: tuple[int, ...] 
         if p is not None:
             r["llama_cpp_decode_tok_s"] = p["decode_tok_s"]
             r["ratio_vs_llama_cpp"] = r["decode_tok_s"] / p["decode_tok_s"]
-        print(f"B={r['sequences']}: minivllm {r['decode_tok_s']:.1f} tok/s, llama.cpp "
-              f"{r.get('llama_cpp_decode_tok_s', float('nan')):.1f}, ratio {r.get('ratio_vs_llama_cpp', float('nan')):.3f}",
-              flush=True)
-    meta = {"device": torch.cuda.get_device_name(0), "model": str(model_path), "engine_options": options,
-            "commit": os.environ.get("MINIVLLM_COMMIT", "unknown"),
-            "env": {k: v for k, v in os.environ.items()
-                    if k in ("MINIVLLM_GPU_PROFILE", "MINIVLLM_Q8_GEMV", "MINIVLLM_GEMV_CONFIGS", "MINIVLLM_GEMV_KERNEL")},
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "minivllm_measure": "B random-token prompts of P tokens through LLM.generate (f16, greedy, EOS ignored); "
-                                "S_TG = B * (G - 1) / (t_G - t_1), median of the repeats after one warm-up",
-            "llama_cpp_measure": "llama-batched-bench speed_tg = B * G / t_tg"}
+        print(
+            f"B={r['sequences']}: minivllm {r['decode_tok_s']:.1f} tok/s, llama.cpp "
+            f"{r.get('llama_cpp_decode_tok_s', float('nan')):.1f}, "
+            f"ratio {r.get('ratio_vs_llama_cpp', float('nan')):.3f}",
+            flush=True,
+        )
+    meta = {
+        "device": torch.cuda.get_device_name(0),
+        "model": str(model_path),
+        "engine_options": options,
+        "commit": os.environ.get("MINIVLLM_COMMIT", "unknown"),
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k in ("MINIVLLM_GPU_PROFILE", "MINIVLLM_Q8_GEMV", "MINIVLLM_GEMV_CONFIGS", "MINIVLLM_GEMV_KERNEL")
+        },
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "minivllm_measure": "B random-token prompts of P tokens through LLM.generate (f16, greedy, EOS ignored); "
+        "S_TG = B * (G - 1) / (t_G - t_1), median of the repeats after one warm-up",
+        "llama_cpp_measure": "llama-batched-bench speed_tg = B * G / t_tg",
+    }
     return {"meta": meta, "minivllm": rows, "llama_cpp": peer}
 

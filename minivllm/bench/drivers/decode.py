@@ -33,11 +33,18 @@ def add_arguments(p) -> None:
     common.add_activation_dtype(p, default=None, help="repeatable: f32, f16, bf16", repeatable=True)
     common.add_max_tokens(p, 64, "decode tokens per run")
     common.add_prompt_tokens(p, 512, "prompt length for the prefill measurement")
-    common.add_runs(p, 3, "rounds of every engine (at least)",
-                    max_help="more rounds while any engine's decode tok/s CV exceeds 5%%, up to this (default 3 x --runs)")
+    common.add_runs(
+        p,
+        3,
+        "rounds of every engine (at least)",
+        max_help="more rounds while any engine's decode tok/s CV exceeds 5%%, up to this (default 3 x --runs)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default 2 on CPU)")
-    p.add_argument("--llama-cpp-path", default=None,
-                   help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)")
+    p.add_argument(
+        "--llama-cpp-path",
+        default=None,
+        help="site-packages holding llama-cpp-python (default: $MINIVLLM_LLAMA_CPP_PATH, else the environment)",
+    )
     p.add_argument("--no-baselines", action="store_true", help="skip llama.cpp and transformers on CPU")
     common.add_synthetic(p)
     common.add_option(p, "engine option for minivllm (repeatable), e.g. gemv_max_rows=0, enforce_eager=true")

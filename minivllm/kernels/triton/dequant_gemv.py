@@ -134,7 +134,9 @@ def _m1_configs() -> list[triton.Config]:
 # M = 1 is the decode step of one request, the case the GEMV path exists for: tuned
 # per (N, K, weight type) on first use. (The key names the decoder, so two types of
 # the same shape keep separate choices.)
-_dequant_gemv_m1 = triton.autotune(configs=_m1_configs(), key=["N", "N_GROUPS", "DECODE", "GROUP"])(_dequant_gemv_kernel)
+_dequant_gemv_m1 = triton.autotune(configs=_m1_configs(), key=["N", "N_GROUPS", "DECODE", "GROUP"])(
+    _dequant_gemv_kernel
+)
 
 
 def _interpreting() -> bool:

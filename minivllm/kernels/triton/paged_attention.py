@@ -215,8 +215,11 @@ def _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos) -> None:
     if q.dim() != 3:
         raise ConfigError("q", tuple(q.shape), "expected (rows, n_heads, head_dim)")
     if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
-        raise ConfigError("k_pages/v_pages", (tuple(k_pages.shape), tuple(v_pages.shape)),
-                          "expected two equal shapes (pages, page_size, n_kv_heads, head_dim): one layer of the page pool")
+        raise ConfigError(
+            "k_pages/v_pages",
+            (tuple(k_pages.shape), tuple(v_pages.shape)),
+            "expected two equal shapes (pages, page_size, n_kv_heads, head_dim): one layer of the page pool",
+        )
     t, h, d = q.shape
     kvh = k_pages.shape[2]
     if k_pages.shape[3] != d:
@@ -226,22 +229,36 @@ def _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos) -> None:
     if q.dtype not in (torch.float32, torch.float16):
         raise ConfigError("q dtype", q.dtype, "queries must be float32 or float16")
     if k_pages.dtype not in (torch.float32, torch.float16, torch.bfloat16) or v_pages.dtype != k_pages.dtype:
-        raise ConfigError("KV cache dtype", (k_pages.dtype, v_pages.dtype), "expected float32, float16 or bfloat16 for both")
+        raise ConfigError(
+            "KV cache dtype", (k_pages.dtype, v_pages.dtype), "expected float32, float16 or bfloat16 for both"
+        )
     if block_tables.dim() != 2:
         raise ConfigError("block_tables", tuple(block_tables.shape), "expected (sequences, max_pages)")
     for name, index in (("block_tables", block_tables), ("row_seq", row_seq), ("row_pos", row_pos)):
         if index.dtype != torch.int32:
             raise ConfigError(name, index.dtype, "index tensors must be int32 (convert with .to(torch.int32))")
     if row_seq.shape != (t,) or row_pos.shape != (t,):
-        raise ConfigError("row_seq/row_pos", (tuple(row_seq.shape), tuple(row_pos.shape)), f"expected ({t},): one entry per query row")
-    tensors = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "block_tables": block_tables, "row_seq": row_seq, "row_pos": row_pos}
+        raise ConfigError(
+            "row_seq/row_pos", (tuple(row_seq.shape), tuple(row_pos.shape)), f"expected ({t},): one entry per query row"
+        )
+    tensors = {
+        "q": q,
+        "k_pages": k_pages,
+        "v_pages": v_pages,
+        "block_tables": block_tables,
+        "row_seq": row_seq,
+        "row_pos": row_pos,
+    }
     require_triton_device(tensors, "paged_attention")
     from minivllm.kernels.gpu_profile import gpu_profile
 
     if k_pages.dtype == torch.bfloat16 and k_pages.is_cuda and not gpu_profile(k_pages.device).bf16:
         major, minor = gpu_profile(k_pages.device).capability
-        raise DeviceError(f"paged_attention: a bfloat16 KV cache needs an sm_80+ GPU, but {k_pages.device} is "
-                          f"sm_{major}{minor} (e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU")
+        raise DeviceError(
+            f"paged_attention: a bfloat16 KV cache needs an sm_80+ GPU, but {k_pages.device} is "
+            f"sm_{major}{minor} (e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') "
+            f"on this GPU"
+        )
 
 
 def require_triton_device(tensors: dict[str, torch.Tensor], kernel: str) -> None:

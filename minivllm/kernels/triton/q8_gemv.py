@@ -174,7 +174,9 @@ def _q8_gemv_kernel(
         g2 = g_lo + i + offs_g[:, None]
         x_ok = g2 < g_hi
         dx = tl.load(dx_row + g2 + offs_t[None, :] * 0, mask=x_ok, other=0.0)[None, :, :, None]
-        xa = tl.load(xw_row + g2 * 8 + offs_t[None, :], mask=x_ok, other=0, eviction_policy="evict_last")[None, :, :, None]
+        xa = tl.load(xw_row + g2 * 8 + offs_t[None, :], mask=x_ok, other=0, eviction_policy="evict_last")[
+            None, :, :, None
+        ]
         if KIND == 3:  # Q8_0: bytes q + 128 -> signed q (XOR 0x80808080, written as an int32)
             isum = _dp4a(w ^ -0x7F7F7F80, xa, zero, EMULATE)
             d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)

@@ -28,8 +28,19 @@ from gguf import GGMLQuantizationType
 
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.quant_weight import QuantizedWeight
-from minivllm.kernels.triton.quant_fields import field as _field, field_hi as _field_hi, i8_to_f32 as _i8_to_f32, u8_to_f32 as _u8_to_f32
-from minivllm.kernels.repacked_layout import PLANE_ORDER, R, REPACKED_TYPES, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
+from minivllm.kernels.repacked_layout import PLANE_ORDER, REPACKED_TYPES, R, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
+from minivllm.kernels.triton.quant_fields import (
+    field as _field,
+)
+from minivllm.kernels.triton.quant_fields import (
+    field_hi as _field_hi,
+)
+from minivllm.kernels.triton.quant_fields import (
+    i8_to_f32 as _i8_to_f32,
+)
+from minivllm.kernels.triton.quant_fields import (
+    u8_to_f32 as _u8_to_f32,
+)
 
 _T = GGMLQuantizationType
 
@@ -96,7 +107,9 @@ def _repacked_gemv_kernel(
                     ps_hi += _field_hi(w_hi, h_hi, p - 4, 2, 32) * xp[:, :, None]
             s_lo = _i8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
             s_hi = _i8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
-            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(tl.float32)
+            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(
+                tl.float32
+            )
             acc += (ps_lo * s_lo + ps_hi * s_hi) * d
         else:  # 4-bit codes: Q4_0, Q4_1, Q5_0, Q4_K
             w_hi = w >> 16
@@ -203,7 +216,9 @@ def _repacked_gemv_rows_kernel(
                     ps_hi += _field_hi(w_hi, h_hi, p - 4, 2, 32)[None] * xp[:, :, :, None]
             s_lo = _i8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
             s_hi = _i8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
-            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(tl.float32)
+            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(
+                tl.float32
+            )
             acc += (ps_lo * s_lo[None] + ps_hi * s_hi[None]) * d[None]
         else:  # 4-bit codes
             if KIND == 2:
@@ -263,7 +278,9 @@ def _autotuned_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_G": bg}, num_warps=nw) for bg, nw in [(32, 2), (64, 4), (128, 4), (128, 8), (64, 2)]]
 
 
-_repacked_gemv_tuned = triton.autotune(configs=_autotuned_configs(), key=["N", "N_GROUPS", "KIND"])(_repacked_gemv_kernel)
+_repacked_gemv_tuned = triton.autotune(configs=_autotuned_configs(), key=["N", "N_GROUPS", "KIND"])(
+    _repacked_gemv_kernel
+)
 
 
 def _interpreting() -> bool:
@@ -285,10 +302,9 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         raise DeviceError(f"repacked_gemv({w.name!r}) is a Triton GPU kernel and got {x.device} tensors; move "
                           f"them to a CUDA device (CPU tensors run only under TRITON_INTERPRET=1)")
     m = x.shape[0]
+    from minivllm.kernels.gemv_configs import lookup
     from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.triton import q8_gemv as q8
-
-    from minivllm.kernels.gemv_configs import lookup
 
     profile = gpu_profile(x.device)
     # Launch shapes come from the GPU's table and depend on the weight's type and shape

@@ -44,7 +44,11 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         raise ConfigError("rms_norm weight", tuple(weight.shape), f"expected ({d},) to match the input's last dim")
     block = triton.next_power_of_2(d)
     if block > _MAX_BLOCK:
-        raise ConfigError("rms_norm width", d, f"rms_norm_rows handles rows up to {_MAX_BLOCK} wide; use minivllm.kernels.rmsnorm.rms_norm")
+        raise ConfigError(
+            "rms_norm width",
+            d,
+            f"rms_norm_rows handles rows up to {_MAX_BLOCK} wide; use minivllm.kernels.rmsnorm.rms_norm",
+        )
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"rms_norm {name} dtype", t.dtype, "expected float32, float16 or bfloat16")
@@ -52,8 +56,10 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
         if t.dtype == torch.bfloat16 and t.is_cuda and not gpu_profile(t.device).bf16:
             major, minor = gpu_profile(t.device).capability
-            raise DeviceError(f"rms_norm_rows: bfloat16 {name} needs an sm_80+ GPU, but {t.device} is sm_{major}{minor} "
-                              f"(e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU")
+            raise DeviceError(
+                f"rms_norm_rows: bfloat16 {name} needs an sm_80+ GPU, but {t.device} is sm_{major}{minor} "
+                f"(e.g. a T4); use --activation-dtype f16 or f32 (dtype='float16' / 'float32') on this GPU"
+            )
     require_triton_device({"x": x, "weight": weight}, "rms_norm_rows")
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
@@ -61,5 +67,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     weight = weight.contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        _rms_norm_rows_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), d, float(eps), BLOCK=block)
+        _rms_norm_rows_kernel[(rows.shape[0],)](
+            rows, weight, out, rows.stride(0), out.stride(0), d, float(eps), BLOCK=block
+        )
     return out.view(x.shape)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 from gguf import GGMLQuantizationType as T  # noqa: E402
-
 from test_triton_gemv import random_weight  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+
 from minivllm.errors import ConfigError  # noqa: E402
 from minivllm.kernels.gpu_profile import PROFILE_ENV, gpu_profile  # noqa: E402
 

@@ -13,13 +13,12 @@ import os
 
 import pytest
 import torch
-
-from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
-from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 from gguf import GGMLQuantizationType as T  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 
 from minivllm.errors import ConfigError, DeviceError, UnsupportedTensorTypeError  # noqa: E402
 from minivllm.gguf.quant_types import SUPPORTED_TYPES  # noqa: E402
+from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 from minivllm.kernels.quant_weight import QuantizedWeight  # noqa: E402
 from minivllm.kernels.triton.dequant_gemv import SUPPORTED_GEMV_TYPES, triton_gemv  # noqa: E402
 

@@ -12,12 +12,11 @@ import os
 
 import pytest
 import torch
-
 from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
-from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.attention import causal_attention  # noqa: E402
+from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 from minivllm.kernels.triton.paged_attention import paged_attention  # noqa: E402
 
 # (n_heads, n_kv_heads) of SmolLM2-135M and Qwen2.5-0.5B.
@@ -140,8 +139,14 @@ def test_half_caches_and_half_queries(device, cache_dtype):
     for i, (s, p) in enumerate(zip(row_seq, row_pos)):
         ref = _plain_attention(q[i], _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1))
         torch.testing.assert_close(out32[i].double(), ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out16[i].double(), _plain_attention(
-            q[i].half(), _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(
+            out16[i].double(),
+            _plain_attention(
+                q[i].half(), _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+            ),
+            rtol=2e-3,
+            atol=2e-3,
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -180,8 +185,14 @@ def test_bad_inputs_get_clear_errors(monkeypatch):
 def test_cpu_and_cuda_mixed_inputs_refused():
     k = torch.zeros(4, 16, 3, HEAD_DIM, device="cuda")
     with pytest.raises(DeviceError, match="one device"):
-        paged_attention(torch.zeros(1, 9, HEAD_DIM), k, k, torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
-                        torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"))
+        paged_attention(
+            torch.zeros(1, 9, HEAD_DIM),
+            k,
+            k,
+            torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+            torch.zeros(1, dtype=torch.int32, device="cuda"),
+            torch.zeros(1, dtype=torch.int32, device="cuda"),
+        )
 
 
 @pytest.mark.cuda
@@ -201,7 +212,9 @@ def test_replays_in_a_cuda_graph_with_refilled_metadata():
     if INTERPRETED:
         pytest.fail("TRITON_INTERPRET=1 is set: a CUDA graph needs the compiled kernel")
     device = torch.device("cuda")
-    k, v, tables, table_lists = _batch(seq_lens=[60, 33], page_size=16, kvh=3, dtype=torch.float16, device=device, seed=11)
+    k, v, tables, table_lists = _batch(
+        seq_lens=[60, 33], page_size=16, kvh=3, dtype=torch.float16, device=device, seed=11
+    )
     q = torch.randn(2, 9, HEAD_DIM, device=device)
     seq = torch.tensor([0, 1], dtype=torch.int32, device=device)
     pos = torch.tensor([10, 5], dtype=torch.int32, device=device)

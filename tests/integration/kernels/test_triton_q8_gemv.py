@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
-from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 from gguf import GGMLQuantizationType as T  # noqa: E402
-
 from test_triton_gemv import assert_close_to_reference, random_weight  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+
 from minivllm.kernels.gemv_configs import GemvConfig  # noqa: E402
 from minivllm.kernels.triton.q8_gemv import Q8_TYPES, q8_gemv, quantize_q8, unpack_q8  # noqa: E402
 from minivllm.kernels.triton.repacked_gemv import repack, repacked_gemv  # noqa: E402
@@ -131,8 +131,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.kernels.triton import q8_gemv as q
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"), 2: ("*fp16", "*i32", "*i32", "*i32"),
-          3: ("*fp16", "*i32", "*i32", "*i32"), 4: ("*fp16", "*fp16", "*u8", "*u8"), 5: ("*fp16", "*i16", "*i8", "*i8")}
+planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"),
+          2: ("*fp16", "*i32", "*i32", "*i32"), 3: ("*fp16", "*i32", "*i32", "*i32"),
+          4: ("*fp16", "*fp16", "*u8", "*u8"), 5: ("*fp16", "*i16", "*i8", "*i8")}
 out = {}
 for kind, (a, b, c, e) in planes.items():
     sig = {"xw_ptr": "*i32", "dx_ptr": "*fp32", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e,

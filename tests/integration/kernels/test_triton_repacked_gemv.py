@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
-from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 from gguf import GGMLQuantizationType as T  # noqa: E402
-
 from test_triton_gemv import assert_close_to_reference, random_weight, reference  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+
 from minivllm.kernels.triton.repacked_gemv import REPACKED_TYPES, repack, repacked_gemv, unpack_raw  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
@@ -126,7 +126,9 @@ def test_matches_reference_cuda(ggml_type, float_kernels):
             assert_close_to_reference(repacked_gemv(x.half(), rw, autotune=tune), reference(x.half(), w), k)
             y16 = repacked_gemv(x.half(), rw, out_dtype=torch.float16, autotune=tune)
             assert y16.dtype == torch.float16
-            torch.testing.assert_close(y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+            torch.testing.assert_close(
+                y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * ref.abs().max().item()
+            )
 
 
 @pytest.mark.cuda

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
-from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
+from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 from minivllm.kernels.rmsnorm import rms_norm  # noqa: E402
 from minivllm.kernels.triton.rmsnorm import rms_norm_rows  # noqa: E402
-
 
 
 @pytest.fixture
@@ -59,7 +57,9 @@ def test_leading_dims_eps_and_strided_rows(device):
     torch.testing.assert_close(out.double(), _float64_rms_norm(x, w, 0.5), rtol=1e-5, atol=1e-5)
     wide = torch.randn(4, 200, device=device)
     view = wide[:, 10:106]  # rows with a stride larger than their width
-    torch.testing.assert_close(rms_norm_rows(view, w, 1e-5).double(), _float64_rms_norm(view, w, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rms_norm_rows(view, w, 1e-5).double(), _float64_rms_norm(view, w, 1e-5), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)

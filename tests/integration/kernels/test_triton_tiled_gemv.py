@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 from gguf import GGMLQuantizationType as T  # noqa: E402
-
 from test_triton_gemv import assert_close_to_reference, random_weight, reference  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+
 from minivllm.kernels.gemv_configs import GemvConfig, default_config  # noqa: E402
 from minivllm.kernels.repacked_layout import repack  # noqa: E402
 from minivllm.kernels.triton.tiled_gemv import tiled_gemv  # noqa: E402
@@ -41,7 +41,9 @@ def test_matches_reference_interpreted(ggml_type, config):
     assert_close_to_reference(tiled_gemv(x, rw, config, bias=bias), reference(x, w) + bias, k)
     y16 = tiled_gemv(x.half(), rw, config, out_dtype=torch.float16)
     assert y16.dtype == torch.float16
-    torch.testing.assert_close(y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * reference(x, w).abs().max().item())
+    torch.testing.assert_close(
+        y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * reference(x, w).abs().max().item()
+    )
 
 
 def _check_invariance(rw, w, k, config, device):
@@ -89,7 +91,9 @@ def test_matches_reference_cuda(ggml_type):
             ref = reference(x, w)
             assert_close_to_reference(tiled_gemv(x, rw, config), ref, k)
             y16 = tiled_gemv(x.half(), rw, config, out_dtype=torch.float16)
-            torch.testing.assert_close(y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+            torch.testing.assert_close(
+                y16.float(), reference(x.half(), w), rtol=2e-3, atol=2e-3 * ref.abs().max().item()
+            )
 
 
 @pytest.mark.cuda

@@ -15,15 +15,14 @@ import json
 
 import pytest
 import torch
-
-from minivllm.kernels.gpu_profile import gpu_profile  # the T4 profile decides as a T4 would
-
 from conftest import DATA_DIR, cuda_devices
+
 from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.devices import check_dtype_supported, resolve_device, resolve_dtype
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.gguf.reader import GGUFFile
 from minivllm.gguf.tokenizer import Tokenizer
+from minivllm.kernels.gpu_profile import gpu_profile  # the T4 profile decides as a T4 would
 from minivllm.model.loader import load_model
 
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
@@ -66,7 +65,9 @@ def _agreement(path, device: str, dtypes: list[str]) -> dict[str, tuple[float, f
 
 def _check_agreement(agreement: dict, where: str) -> None:
     for dt, (frac, median, worst) in agreement.items():
-        assert median <= MEDIAN_DRIFT_BOUND[dt], f"{where} {dt}: median logit drift {median:.3%} > {MEDIAN_DRIFT_BOUND[dt]:.1%}"
+        assert median <= MEDIAN_DRIFT_BOUND[dt], (
+            f"{where} {dt}: median logit drift {median:.3%} > {MEDIAN_DRIFT_BOUND[dt]:.1%}"
+        )
         assert worst <= MAX_DRIFT_BOUND[dt], f"{where} {dt}: worst logit drift {worst:.2%} > {MAX_DRIFT_BOUND[dt]:.0%}"
         assert frac >= AGREEMENT_FLOOR, f"{where} {dt}: top-1 agreement with f32 is {frac:.2%} < {AGREEMENT_FLOOR:.0%}"
 
