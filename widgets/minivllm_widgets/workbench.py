@@ -133,7 +133,7 @@ class Workbench:
             "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
             "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
             "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),
-            "<h4>Throughput and latency</h4>", html_views.throughput_svg(throughput), html_views.latency_svg(step_ms)])
+            "<h4>Throughput and latency</h4>", html_views.throughput_static_html(throughput, step_ms)])
 
     def show_static(self) -> None:
         from IPython.display import HTML, display
