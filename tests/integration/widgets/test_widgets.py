@@ -456,3 +456,46 @@ def test_png_page_map_fallback_draws_the_same_codes(llm):
     assert png_map.image.value == b"" and "no snapshot yet" in png_map.caption.value
     with pytest.raises(ValueError, match="page_map"):
         make_page_map("svg")
+
+
+def test_explorer_run_dims_the_old_report_at_once_and_the_bar_advances(llm, sent):
+    """Run: the previous report is dimmed (its CSS class sent) before compare starts, the
+    form is locked, the bar moves through compare's phases, and all is undone at the end."""
+    from minivllm_widgets import DivergenceExplorer
+
+    ex = DivergenceExplorer(llm, prompt="The capital of France is", a={"gemv_max_rows": 0}, b={"gemv_max_rows": 0},
+                            max_tokens=3)
+    ex.run()
+    seen, original = [], ex._phase
+
+    def watching(words, fraction):
+        seen.append((time.monotonic() - started, "minivllm-stale" in ex.results._dom_classes, ex.run_button.disabled,
+                     words, fraction))
+        original(words, fraction)
+
+    ex._phase = watching
+    started = time.monotonic()
+    sent.clear()
+    ex.run()
+    first_message = next(i for i, (name, _, _) in enumerate(sent) if name == "VBox")  # the results box's class
+    assert first_message < 3, sent[:5]  # dimmed before anything else was sent
+    assert seen[0][0] < 0.5 and seen[0][1] and seen[0][2], seen[0]  # within 0.5 s: dimmed, the form locked
+    phases = [w for _, _, _, w, _ in seen]
+    assert phases[1:] == ["loading side a", "loading side b", "generating a", "generating b"], phases
+    fractions = [f for *_, f in seen]
+    assert fractions == sorted(fractions) and fractions[-1] > fractions[0]  # the bar advances
+    assert "minivllm-stale" not in ex.results._dom_classes and not ex.run_button.disabled
+    assert ex.progress.value == 1.0 and ex.status.value == "done"
+
+
+def test_explorer_greyed_fields_show_what_ran():
+    """A transformers side runs in f32 whatever its greyed menu said before."""
+    from minivllm_widgets import DivergenceExplorer
+
+    ex = DivergenceExplorer(None, a={"dtype": "bf16"}, b="transformers")
+    assert ex.b_dtype.disabled and ex.b_dtype.value == ""
+    report = _committed_report()
+    report.a_settings = {**report.a_settings, "engine": "minivllm", "dtype": "bf16"}
+    report.b_settings = {"engine": "transformers", "device": "cpu", "dtype": "f32"}
+    ex.show(report)
+    assert ex.b_dtype.value == "f32" and ex.a_dtype.value == "bf16"
