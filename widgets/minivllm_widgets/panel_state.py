@@ -49,11 +49,21 @@ def kv_view(snapshot: dict) -> dict:
             continue
         kv, cache = snap["kv"], snap["prefix_cache"]
         codes = page_codes(kv["page_states"], kv["ref_counts"])
-        out[w["name"]] = {"codes": codes, "counts": counts_from_codes(codes), "total": kv["total_pages"],
+        out[w["name"]] = {"codes": codes, "owners": page_owners(snap), "counts": counts_from_codes(codes), "total": kv["total_pages"],
                           "page_size": kv["page_size"], "hits": cache["hits"], "lookups": cache["lookups"],
                           "restored_tokens": cache["restored_tokens"], "flights": len(cache["flights"]),
                           "state": w.get("state")}
     return out
+
+
+def page_owners(engine_snapshot: dict) -> dict[int, list[str]]:
+    """Page id -> the ids of the requests whose block tables hold it (the map's hover)."""
+    owners: dict[int, list[str]] = {}
+    for queue in ("running", "waiting", "preempted"):
+        for r in engine_snapshot["queues"][queue]:
+            for page in r.get("block_table") or ():
+                owners.setdefault(int(page), []).append(r["id"])
+    return owners
 
 
 def router_view(snapshot: dict, last: int = 12) -> dict:

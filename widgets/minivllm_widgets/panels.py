@@ -140,7 +140,8 @@ class KVPanel(Panel):
             if name in previous and previous[name] == w:
                 continue  # only the workers whose pages changed are sent
             # no snapshot (starting, restarting): an empty map, never the old picture
-            self._maps[name].show(b"" if w is None else w["codes"], html_views.kv_caption_html(name, w))
+            self._maps[name].show(b"" if w is None else w["codes"], html_views.kv_caption_html(name, w),
+                                  owners={} if w is None else w.get("owners", {}))
 
 
 def default_panels(page_map: str = "auto") -> list[Panel]:
