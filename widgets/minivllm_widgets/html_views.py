@@ -116,6 +116,22 @@ def speculative_html(view: dict) -> str:
     return "".join(parts)
 
 
+def headline_html(rows: tuple) -> str:
+    """One line of large figures per worker (panel_state.headline_view)."""
+    big = "font:600 18px sans-serif;margin-right:4px"
+    parts = []
+    for name, state, running, waiting, rate, used, hits in rows:
+        cells = [f"<b>{html.escape(name)}</b> <span style='color:#666'>{html.escape(state)}</span>"]
+        if running is not None:
+            cells += [f"<span style='{big}'>{running}</span>running", f"<span style='{big}'>{waiting}</span>waiting",
+                      f"<span style='{big}'>{_fmt(rate, '.1f')}</span>decode tok/s",
+                      f"<span style='{big}'>{used:.0%}</span>KV in use",
+                      f"<span style='{big}'>{hits[0]}/{hits[1]}</span>prefix hits"]
+        parts.append("<div style='display:flex;gap:18px;align-items:baseline;font:12px sans-serif'>"
+                     + "".join(f"<span>{c}</span>" for c in cells) + "</div>")
+    return "".join(parts) or "<i>no workers</i>"
+
+
 def throughput_static_html(throughput: dict, step_ms: dict) -> str:
     """The dashboard's two time series (decode tok/s, step latency) over their shared
     window, as static SVG: the same `Chart`s the live plotly figures draw."""

@@ -66,6 +66,24 @@ def page_owners(engine_snapshot: dict) -> dict[int, list[str]]:
     return owners
 
 
+def headline_view(snapshot: dict, throughput: dict) -> tuple:
+    """The dashboard's first row, per worker: state, running and waiting requests, the
+    latest decode tok/s (the throughput chart's newest point), KV use and prefix hits."""
+    rows = []
+    for w in snapshot["workers"]:
+        snap = w.get("snapshot")
+        series = throughput.get(w["name"]) or []
+        rate = round(series[-1][1], 1) if series else None
+        if snap is None:
+            rows.append((w["name"], w["state"], None, None, rate, None, None))
+            continue
+        q, kv, cache = snap["queues"], snap["kv"], snap["prefix_cache"]
+        used = kv["used_pages"] / kv["total_pages"] if kv["total_pages"] else 0.0
+        rows.append((w["name"], w["state"], len(q["running"]), len(q["waiting"]) + len(q["preempted"]), rate,
+                     round(used, 3), (cache["hits"], cache["lookups"])))
+    return tuple(rows)
+
+
 def router_view(snapshot: dict, last: int = 12) -> dict:
     """The latest decisions: each candidate's score split into prefill and decode terms."""
     rows = []

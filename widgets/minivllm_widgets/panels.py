@@ -109,6 +109,23 @@ class ThroughputPanel(Panel):
             charts.update_figure(fig, chart)
 
 
+class HeadlinePanel(_HTMLPanel):
+    """The headline figures per worker, above the small multiples."""
+
+    title = "At a glance"
+    css_class = "minivllm-headline"
+
+    def __init__(self, throughput: "ThroughputPanel"):
+        self.throughput = throughput  # its tracker's newest rate: the number its chart ends on
+        super().__init__()
+
+    def view(self, snapshot):
+        return None if snapshot is None else panel_state.headline_view(snapshot, self.throughput.tracker.series)
+
+    def to_html(self, view):
+        return html_views.headline_html(view)
+
+
 class KVPanel(Panel):
     """One page map per worker (state bytes painted in the browser, or a PNG without
     anywidget), with a caption that counts each state."""
@@ -145,4 +162,7 @@ class KVPanel(Panel):
 
 
 def default_panels(page_map: str = "auto") -> list[Panel]:
-    return [QueuesPanel(), KVPanel(page_map), RouterPanel(), SpeculativePanel(), ThroughputPanel()]
+    """Every live panel; the throughput panel comes before the headline that reads its
+    tracker, so the headline's rate is this poll's."""
+    throughput = ThroughputPanel()
+    return [QueuesPanel(), KVPanel(page_map), RouterPanel(), SpeculativePanel(), throughput, HeadlinePanel(throughput)]

@@ -185,9 +185,9 @@ def test_publisher_rate_is_bounded(llm, sent):
     # Each poll starts at least 1/max_hz after the one before: at most 20 * elapsed + 1.
     assert pub.polls <= 20 * elapsed + 1, (pub.polls, elapsed)
     # per poll at most one message per HTML widget the panels own (queues, KV caption +
-    # image, router, speculative) and plotly's four per figure update (the edit, its reset
-    # and two edit ids) for the two throughput figures: far below Jupyter's ~1000 messages/s
-    assert len(sent) <= pub.polls * (5 + 2 * 4) and len(sent) / elapsed < 300
+    # image, router, speculative, headline) and plotly's four per figure update (the edit,
+    # its reset and two edit ids) for the two throughput figures: far below Jupyter's ~1000/s
+    assert len(sent) <= pub.polls * (6 + 2 * 4) and len(sent) / elapsed < 300
     with pytest.raises(ValueError, match="max_hz"):
         Publisher(source, panels, max_hz=60)
 
