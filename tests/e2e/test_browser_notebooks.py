@@ -88,19 +88,30 @@ def _shutdown_sessions(url: str) -> None:
         urllib.request.urlopen(req, timeout=30)
 
 
-def _wait_all_ran(page, url: str, notebook: str) -> list[str]:
-    """Until every code cell has an execution count and the kernel is idle; the prompts."""
+def _wait_until_settled(page, url: str, notebook: str) -> None:
+    """Until no cell is running or queued ([*]) and the kernel is idle, for 3 s running:
+    every cell ran, or Run All stopped at an error (the saved file says which)."""
     deadline = time.monotonic() + PER_NOTEBOOK_S
-    while True:
-        prompts = page.eval_on_selector_all(".jp-Notebook .jp-CodeCell .jp-InputPrompt", "els => els.map(e => e.innerText)")
-        if prompts and all("[*]" not in p and "[ ]" not in p and p.strip() not in ("", "[ ]:") for p in prompts) \
-                and not _kernel_busy_or_missing(url, notebook):
-            return prompts
-        errors = page.locator(".jp-Notebook .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']")
-        if errors.count():  # Run All stops at an error: the rest never runs
-            return prompts
+    settled = 0
+    while settled < 3:
+        # textContent: JupyterLab does not lay out cells outside the view, and their innerText is ""
+        prompts = page.eval_on_selector_all(".jp-Notebook .jp-CodeCell .jp-InputPrompt",
+                                            "els => els.map(e => e.textContent)")
+        busy = any("*" in p for p in prompts) or _kernel_busy_or_missing(url, notebook)
+        settled = 0 if busy else settled + 1
         assert time.monotonic() < deadline, f"{notebook} did not finish in {PER_NOTEBOOK_S} s: {prompts}"
         time.sleep(1.0)
+
+
+def _saved_cells(page, root, notebook: str) -> list[dict]:
+    """The notebook as the page holds it, saved to disk (outputs, execution counts)."""
+    before = (root / notebook).stat().st_mtime_ns
+    page.click(f"li.lm-TabBar-tab:has-text('{notebook}')")
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while (root / notebook).stat().st_mtime_ns == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return json.loads((root / notebook).read_text())["cells"]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +121,7 @@ def lab(tmp_path_factory, smollm2_path):
         shutil.copy(REPO_ROOT / "notebooks" / name, root)
     (root / "data").symlink_to(REPO_ROOT / "data")  # the notebooks find data/ above their folder
     proc, log, url = _start_lab(root, root.parent / "jupyter-notebooks.log")
-    yield url
+    yield url, root
     proc.terminate()
     try:
         proc.wait(20)
@@ -121,6 +132,7 @@ def lab(tmp_path_factory, smollm2_path):
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts(lab, notebook):
+    lab, root = lab
     _ensure_chromium()
     sync_playwright = _ensure_playwright()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -134,17 +146,17 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
         page.on("pageerror", lambda e: page_errors.append(str(e)))
         page.goto(f"{lab}/lab/workspaces/{notebook.split('.')[0]}/tree/{notebook}?reset&token={TOKEN}")
         _run_all(page, lab, notebook)
-        prompts = _wait_all_ran(page, lab, notebook)
+        _wait_until_settled(page, lab, notebook)
         page.wait_for_timeout(1500)  # the last widget messages and plotly's drawing
-        cell_errors = page.eval_on_selector_all(
-            ".jp-Notebook .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']",
-            "els => els.map(e => e.innerText.slice(0, 600))")
         charts = page.evaluate(CHART_CHECK)
+        cells = [c for c in _saved_cells(page, root, notebook) if c["cell_type"] == "code"]
         page.screenshot(path=str(ARTIFACTS / f"notebook-{notebook.split('.')[0]}.png"), full_page=False)
         browser.close()
     _shutdown_sessions(lab)
-    assert not cell_errors, f"{notebook}: error outputs: {cell_errors}"
+    errors = [f"{o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"] if o["output_type"] == "error"]
+    assert not errors, f"{notebook}: error outputs: {errors}"
+    assert all(c["execution_count"] for c in cells), f"{notebook}: cells that never ran: " + str(
+        ["".join(c["source"])[:60] for c in cells if not c["execution_count"]])
     assert not page_errors, f"{notebook}: the page threw: {page_errors}"
     assert not console, f"{notebook}: console errors: {console}"
     assert not charts["bad"], f"{notebook}: {charts}"
-    assert all("[*]" not in x for x in prompts)
