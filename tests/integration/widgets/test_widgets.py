@@ -264,6 +264,10 @@ def test_explorer_explains_a_divergence_in_plain_words():
                            "side a picks")
     assert "logits" in text and "side b picks" in text and "hidden states already differed from" in text
     assert "KV cache before the split" in text  # GEMM vs GEMV prefill: the prompt's rows already differ
+    # text, widget and report name one position: "generated token N", counted from 1
+    said = f"generated token {fd.position + 1}"
+    assert said in report.summary() and said in repr(report) and said in tokens_html(report)
+    assert f"top-k logits at {said}" in topk_html(report, fd.position)
     chips = tokens_html(report)
     assert chips.count("minivllm-chip") >= len(report.records) and "display:inline;" in chips  # chips wrap, and touch
     if fd.identical_tokens > 40:
