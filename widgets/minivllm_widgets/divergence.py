@@ -8,7 +8,10 @@ an engine (minivllm; transformers, the float32 reference; llama.cpp where it imp
 and for minivllm its engine options, device and activation dtype (blank: the model's).
 
 Compare runs inside the button's callback, on the kernel's thread, so every widget
-update happens there too; it blocks the kernel for the few seconds it takes.
+update happens there too; it blocks the kernel for the seconds it takes. Before it starts,
+the old report is dimmed and the form locked; a bar follows compare's phases (`on_phase`:
+loading each side, generating each, the per-layer capture); fields a side ignores show
+afterwards what it ran (a transformers side: f32).
 `report_html(report)` renders the same views statically (nbconvert, Kaggle commits).
 """
 

@@ -3,6 +3,7 @@
     from minivllm_widgets import Workbench
     wb = Workbench(model="smollm2-135m")     # a form; Launch starts a Cluster
     wb                                       # displays it and starts the publisher
+    wb.open_beside()                         # the dashboard in JupyterLab's side panel (sidecar)
     wb.static_html()                         # the same views as plain HTML (nbconvert, Kaggle)
 
 Every live view is fed by one publisher thread (publisher.py) from `Cluster.snapshot()`,
