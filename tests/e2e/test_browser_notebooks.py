@@ -151,6 +151,10 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
         charts = page.evaluate(CHART_CHECK)
         cells = [c for c in _saved_cells(page, root, notebook) if c["cell_type"] == "code"]
         page.screenshot(path=str(ARTIFACTS / f"notebook-{notebook.split('.')[0]}.png"), full_page=False)
+        if charts["plots"]:  # the first chart, for a look at what was drawn
+            plot = page.locator(".jp-Notebook .js-plotly-plot").first
+            plot.scroll_into_view_if_needed()
+            plot.screenshot(path=str(ARTIFACTS / f"notebook-{notebook.split('.')[0]}-chart.png"))
         browser.close()
     _shutdown_sessions(lab)
     errors = [f"{o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"] if o["output_type"] == "error"]
@@ -160,3 +164,6 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
     assert not page_errors, f"{notebook}: the page threw: {page_errors}"
     assert not console, f"{notebook}: console errors: {console}"
     assert not charts["bad"], f"{notebook}: {charts}"
+    source = "".join("".join(c["source"]) for c in cells)
+    if any(k in source for k in ("Workbench(", "DivergenceExplorer(", "figure(")):  # it draws charts: plotly ones
+        assert charts["plots"] >= 1, f"{notebook}: no plotly chart on the page ({charts})"
