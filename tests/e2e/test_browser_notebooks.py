@@ -41,7 +41,9 @@ CHART_CHECK = """() => {
         if (numeric.some(v => !Number.isFinite(v))) bad.push(`plot ${i}: NaN or infinity in its data`);
     }
     for (const el of document.querySelectorAll('.jp-Notebook .minivllm-chart'))
-        if (!el.querySelector('.js-plotly-plot')) bad.push('a live chart that is not a plotly plot');
+        // plotly draws into the widget's own element (which then carries js-plotly-plot) or inside it
+        if (!el.matches('.js-plotly-plot') && !el.querySelector('.js-plotly-plot'))
+            bad.push('a live chart that is not a plotly plot');
     for (const svg of document.querySelectorAll('.jp-Notebook svg.minivllm-static-chart')) {
         const text = [...svg.querySelectorAll('polyline, circle, text')]
             .map(e => (e.getAttribute('points') || '') + (e.getAttribute('cx') || '') + (e.getAttribute('cy') || '')
