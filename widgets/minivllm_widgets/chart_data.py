@@ -98,7 +98,7 @@ def dashboard_charts(throughput: dict[str, list[tuple[float, float, float]]],
                   default=0.0)
     decode = {name: [(t, v) for t, v, _ in s] for name, s in throughput.items()}
     return (time_chart(decode, title="decode throughput", unit="tokens/s", now=now, window_s=window_s),
-            time_chart(step_ms, title="step latency (time between two tokens of a running request)", unit="ms",
+            time_chart(step_ms, title="step latency (between two tokens of a request)", unit="ms",
                        now=now, window_s=window_s))
 
 

@@ -77,7 +77,7 @@ def figure(chart: Chart) -> go.Figure:
 def figure_widget(chart: Chart | None = None, *, css_class: str = "minivllm-chart") -> go.FigureWidget:
     """A live figure; `update_figure` redraws it in place."""
     fig = go.FigureWidget()
-    fig.update_layout(height=HEIGHT, template="plotly_white", margin={"l": 70, "r": 10, "t": 36, "b": 40})
+    fig.update_layout( template="plotly_white", margin={"l": 70, "r": 10, "t": 36, "b": 40})
     if chart is not None:
         update_figure(fig, chart)
     fig.add_class("minivllm-chart")  # the browser test's hook: every live chart is one of these
@@ -99,4 +99,7 @@ def update_figure(fig: go.FigureWidget, chart: Chart) -> None:
             fig.data = []
             fig.add_traces(traces)
         fig.layout.shapes, fig.layout.annotations = [], []
-        fig.update_layout(_layout(chart))
+        layout = _layout(chart)
+        # a size the container gave this figure (the dashboard's small multiples) stays
+        layout.update({k: v for k, v in (("height", fig.layout.height), ("width", fig.layout.width)) if v})
+        fig.update_layout(layout)

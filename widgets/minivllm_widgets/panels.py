@@ -88,7 +88,7 @@ class ThroughputPanel(Panel):
 
     def build(self):
         self.figures = (charts.figure_widget(), charts.figure_widget())
-        return W.VBox(list(self.figures))
+        return W.HBox(list(self.figures))
 
     def _series(self, snapshot):
         if snapshot["time"] != self._seen_time:  # a repeated snapshot is not a new measurement

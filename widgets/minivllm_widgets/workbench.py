@@ -112,10 +112,13 @@ class Workbench:
         throughput and latency charts), then the tables, folded: about one screen tall."""
         by_class = {type(p).__name__: p for p in self.panels}
         kv, throughput = by_class["KVPanel"], by_class["ThroughputPanel"]
+        # Fixed sizes, wrapping as the screen allows (one row on a wide screen or projector):
+        # a plotly figure first drawn inside a hidden tab would otherwise take a default
+        # width wider than its box, and its newest points would be cut off at the right.
         for fig in throughput.figures:
-            fig.layout.height = 200
-        row = W.HBox([W.Box([kv.widget], layout=W.Layout(width="48%", overflow="auto")),
-                      W.Box([throughput.widget], layout=W.Layout(width="52%"))])
+            fig.layout.height, fig.layout.width = 210, 430
+        throughput.widget.layout = W.Layout(flex_flow="row wrap")
+        row = W.HBox([kv.widget, throughput.widget], layout=W.Layout(flex_flow="row wrap", align_items="flex-start"))
         details = [p for p in self.panels if p not in (kv, throughput, by_class["HeadlinePanel"])]
         tables = W.Accordion(children=[p.widget for p in details])
         for i, p in enumerate(details):
