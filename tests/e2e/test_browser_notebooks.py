@@ -22,10 +22,16 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import REPO_ROOT
-from test_browser_workbench import (ARTIFACTS, CHROMIUM, TOKEN, _ensure_chromium, _ensure_playwright, _free_port,
-                                    _run_all)
+from test_browser_workbench import (
+    ARTIFACTS,
+    CHROMIUM,
+    TOKEN,
+    _ensure_chromium,
+    _ensure_playwright,
+    _free_port,
+    _run_all,
+)
 
 NOTEBOOKS = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))
 PER_NOTEBOOK_S = 1200

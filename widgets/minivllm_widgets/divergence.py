@@ -26,10 +26,17 @@ import ipywidgets as W
 from minivllm_widgets import charts
 from minivllm_widgets.chart_data import layer_chart, margin_chart
 from minivllm_widgets.divergence_story import starting_position
-from minivllm_widgets.divergence_views import (layer_note_html, layer_table_html, no_layers_words, report_html,
-                                               summary_html, tokens_html, topk_html)
+from minivllm_widgets.divergence_views import (
+    layer_note_html,
+    layer_table_html,
+    no_layers_words,
+    report_html,
+    summary_html,
+    tokens_html,
+    topk_html,
+)
 
-__all__ = ["DivergenceExplorer", "report_html", "side_spec", "split_side", "parse_options", "engine_choices"]
+__all__ = ["DivergenceExplorer", "engine_choices", "parse_options", "report_html", "side_spec", "split_side"]
 
 DEFAULT_A = {"gemv_max_rows": 0}
 DEFAULT_B = {"gemv_max_rows": 4096}

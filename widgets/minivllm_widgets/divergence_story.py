@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 from minivllm.debug.divergence_report import token_number
-
 from minivllm_widgets.chart_data import layer_chart
 
 TIE_RULE = "greedy argmax takes the lowest token id among equal logits (torch.argmax returns the first maximum)"

@@ -9,9 +9,14 @@ import html
 import json
 
 from minivllm.debug.divergence_report import token_number
-
 from minivllm_widgets.chart_data import layer_chart, margin_chart
-from minivllm_widgets.divergence_story import is_tie, margin_words, starting_position, summary_sentence, tie_words
+from minivllm_widgets.divergence_story import (
+    is_tie,
+    margin_words,
+    starting_position,
+    summary_sentence,
+    tie_words,
+)
 from minivllm_widgets.static_charts import chart_svg
 
 FOLD_AFTER = 40  # shared tokens shown before the rest fold into a count

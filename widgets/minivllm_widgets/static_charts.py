@@ -46,7 +46,7 @@ def chart_svg(chart, width: int = WIDTH, height: int = HEIGHT) -> str:
         xs = [x for s in chart.series for x in s.x]
         lo_x, hi_x = chart.x_range if chart.x_range is not None else (min(xs), max(xs))
     span_x = (hi_x - lo_x) or 1.0
-    f = (lambda v: math.log10(v)) if chart.y_log else (lambda v: v)  # noqa: E731
+    f = (lambda v: math.log10(v)) if chart.y_log else (lambda v: v)
     lo_y = min(f(v) for v in ys) if chart.y_log else min(0.0, min(ys))
     hi_y = max(f(v) for v in ys)
     span_y = (hi_y - lo_y) or 1.0

@@ -7,7 +7,12 @@ import math
 import re
 from types import SimpleNamespace as NS
 
-from minivllm_widgets.chart_data import dashboard_charts, layer_chart, margin_chart, time_chart
+from minivllm_widgets.chart_data import (
+    dashboard_charts,
+    layer_chart,
+    margin_chart,
+    time_chart,
+)
 from minivllm_widgets.static_charts import chart_svg
 
 

@@ -4,13 +4,16 @@ the magnitude in words, one token numbering, the slider's start, infinite margin
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace as NS
+
+from minivllm_widgets.divergence_story import (
+    magnitude_words,
+    starting_position,
+    summary_sentence,
+)
+from minivllm_widgets.divergence_views import layers_html, tokens_html, topk_html
+from test_chart_data import _report
 
 from minivllm.obs.machine import numerics_differences, same_cpu_numerics
-from minivllm_widgets.divergence_story import magnitude_words, starting_position, summary_sentence
-from minivllm_widgets.divergence_views import layers_html, tokens_html, topk_html
-
-from test_chart_data import _report
 
 
 def test_magnitude_words_name_the_rounding_level():
