@@ -51,6 +51,8 @@ def _layout(chart: Chart) -> dict:
         "shapes": [], "annotations": [], "hovermode": "x unified" if chart.time_x else "closest",
         "template": "plotly_white",
     }
+    if chart.time_x:  # clock time only: the date line under the ticks would run into the legend
+        layout["xaxis"].update(tickformat="%H:%M:%S", title={"text": ""})
     if chart.x_range is not None:
         lo, hi = chart.x_range
         layout["xaxis"]["range"] = _x(chart, [lo, hi])
