@@ -43,10 +43,14 @@ test-portability: setup
 	bash scripts/test_portability.sh $(PY) $(VARIANTS)
 
 # dist/minivllm-<version>-py3-none-any.whl with minivllm_widgets inside (what Kaggle users
-# attach as a dataset; README "On Kaggle"). Built with the venv's setuptools, offline.
-wheel: $(INSTALLED)
+# attach as a dataset; README "On Kaggle"). A pure-Python wheel needs only setuptools and
+# wheel: they live in their own small venv (.venv-build, ~20 s the first time), never torch.
+BUILD_VENV := .venv-build
+wheel:
+	test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/python -m pip install -q 'setuptools>=68' wheel
 	rm -rf build dist/minivllm-*.whl
-	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist .
+	$(BUILD_VENV)/bin/python -m pip wheel --no-deps --no-build-isolation -q -w dist .
 	@ls dist/minivllm-*.whl
 
 # On a machine with an NVIDIA GPU: only the CUDA tests.

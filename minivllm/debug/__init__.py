@@ -28,6 +28,6 @@ GEMM-vs-GEMV case.
 """
 
 from minivllm.debug.compare import compare
-from minivllm.debug.divergence_report import DivergenceReport
+from minivllm.debug.divergence_report import DivergenceReport, token_number
 
-__all__ = ["compare", "DivergenceReport"]
+__all__ = ["compare", "DivergenceReport", "token_number"]

@@ -46,7 +46,8 @@ from minivllm.errors import ConfigError, DeviceError
 
 def compare(model, prompt: str | list[int], a: dict | str | None = None, b: dict | str | None = None, *,
             max_tokens: int = 64, top_k: int = 5, chat: bool = False, device: str | None = None,
-            dtype: str | None = None, progress: bool = False, hidden_states: bool = True) -> DivergenceReport:
+            dtype: str | None = None, progress: bool = False, hidden_states: bool = True,
+            on_phase=None) -> DivergenceReport:
     """Greedy generations of `prompt` on sides `a` and `b`, and where they split.
 
     `model` is a registered name or .gguf path (the base: `device` with activation
@@ -58,22 +59,39 @@ def compare(model, prompt: str | list[int], a: dict | str | None = None, b: dict
     `b_settings` say what each side actually ran with, device and dtype included. `chat`
     wraps the prompt in the model's chat template as a user message. `hidden_states=False`
     skips the per-layer replay (it costs about as much as generating the prefix again).
+    `on_phase(words, fraction)`, if given, is called as each phase starts ("loading side b",
+    "generating a", "per-layer capture", ...) with the fraction of the phases done.
     """
+    phases = ["loading side a", "loading side b", "generating a", "generating b", "per-layer capture"]
+
+    def phase(name: str) -> None:
+        if on_phase is not None:
+            on_phase(name, phases.index(name) / len(phases))
+
     spec_a, spec_b = parse_side(a, "a"), parse_side(b, "b")
     if not (isinstance(top_k, int) and top_k >= 1):
         raise ConfigError("top_k", top_k, "must be an integer >= 1 (how many logits to record per position)")
     if not (isinstance(max_tokens, int) and max_tokens >= 1):
         raise ConfigError("max_tokens", max_tokens, "must be an integer >= 1")
     models = _Models(model, device, dtype, progress)
-    engine_sides = {s.side: _engine_side(s, models) for s in (spec_a, spec_b) if s.engine == "minivllm"}
+    engine_sides = {}
+    for s in (spec_a, spec_b):
+        if s.engine == "minivllm":
+            phase(f"loading side {s.side}")
+            engine_sides[s.side] = _engine_side(s, models)
     tok = models.tokenizer()
     prompt_ids = _prompt_ids(tok, prompt, chat)
-    sides = {s.side: engine_sides.get(s.side) or _reference_side(s, models, len(prompt_ids) + max_tokens, tok)
-             for s in (spec_a, spec_b)}
+    sides = {}
+    for s in (spec_a, spec_b):
+        if s.side not in engine_sides:
+            phase(f"loading side {s.side}")
+        sides[s.side] = engine_sides.get(s.side) or _reference_side(s, models, len(prompt_ids) + max_tokens, tok)
     side_a, side_b = sides["a"], sides["b"]
 
     k = max(top_k, 2)  # the margin needs the runner-up even when the user asks for top-1
+    phase("generating a")
     ids_a, top_a = side_a.greedy(prompt_ids, max_tokens, k)
+    phase("generating b")
     ids_b, top_b = side_b.greedy(prompt_ids, max_tokens, k)
 
     def side_token(ids, tops, i) -> SideToken | None:
@@ -105,6 +123,7 @@ def compare(model, prompt: str | list[int], a: dict | str | None = None, b: dict
     different = (spec_a.engine, side_a.device, _side_dtype(side_a)) != (spec_b.engine, side_b.device, _side_dtype(side_b))
     layers = _LayerReport()
     if hidden_states and (split is not None or different):
+        phase("per-layer capture")
         layers = _layer_report(side_a, side_b, prompt_ids, ids_a, split, (top_a, top_b))
 
     return DivergenceReport(

@@ -28,6 +28,12 @@ class SideToken:
     margin: float  # top-1 logit minus top-2 logit: how close greedy was to choosing otherwise
 
 
+def token_number(position: int) -> int:
+    """How every text, widget and report numbers a generated token: from 1 (the first
+    generated token is "generated token 1"). Records keep 0-based `position`s."""
+    return position + 1
+
+
 @dataclass
 class PositionRecord:
     position: int  # index into the generated tokens (0 = first generated token)
@@ -140,7 +146,7 @@ class DivergenceReport:
     def __repr__(self) -> str:
         fd = self.first_divergence
         where = ("no divergence" if fd is None else
-                 f"split at generated token {fd.position} after {fd.identical_chars} identical characters: "
+                 f"split at generated token {token_number(fd.position)} after {fd.identical_chars} identical characters: "
                  f"a={fd.a_token.text if fd.a_token else None!r} b={fd.b_token.text if fd.b_token else None!r}")
         return (f"DivergenceReport({self.model}, a={_opts(self.a_options)}, b={_opts(self.b_options)}, "
                 f"{len(self.records)} positions, {where})")
@@ -161,7 +167,7 @@ class DivergenceReport:
             lines.append(f"No divergence: both sides generated the same {len(self.a_token_ids)} tokens.")
             smallest = min((r for r in self.records if r.a is not None), key=lambda r: r.a.margin, default=None)
             if smallest is not None:
-                lines.append(f"Closest call: position {smallest.position}, a's top-1/top-2 margin "
+                lines.append(f"Closest call: generated token {token_number(smallest.position)}, a's top-1/top-2 margin "
                              f"{smallest.a.margin:.6f}.")
             lines += self._layer_lines(max_layers)
             lines += ["", "--- text ---", self.a_text]
@@ -170,7 +176,7 @@ class DivergenceReport:
         lines += [
             "",
             f"The sides agree on {fd.identical_tokens} generated tokens ({fd.identical_chars} characters), "
-            f"then split at generated token {fd.position} (sequence position {fd.sequence_position}).",
+            f"then split at generated token {token_number(fd.position)} (sequence position {fd.sequence_position}).",
             "",
             "--- shared prefix (prompt, then generated) ---",
             (self.prompt if self.prompt is not None else "<prompt given as token ids>") + fd.shared_text,

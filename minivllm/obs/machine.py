@@ -69,9 +69,28 @@ def cpu_fingerprint() -> dict:
     }
 
 
+NUMERICS_KEYS = ("cpu", "isa", "torch", "torch_cpu_capability", "blas", "torch_threads", "cpu_gemv_isa")
+
+
 def same_cpu_numerics(a: dict, b: dict) -> bool:
     """Whether two fingerprints would run the same CPU kernels (same model, ISA, torch, BLAS,
     capability, thread count and minivllm's own CPU GEMV build where recorded): only then is
     an exact float outcome expected to repeat."""
-    keys = ("cpu", "isa", "torch", "torch_cpu_capability", "blas", "torch_threads", "cpu_gemv_isa")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return not numerics_differences(a, b)
+
+
+def numerics_differences(a: dict, b: dict) -> list[str]:
+    """One line per field of `NUMERICS_KEYS` on which two fingerprints differ, naming only
+    what differs (for the ISA flags: the flags one side has and the other lacks)."""
+    lines = []
+    for key in NUMERICS_KEYS:
+        va, vb = a.get(key), b.get(key)
+        if va == vb:
+            continue
+        if isinstance(va, list) and isinstance(vb, list):
+            only_a, only_b = sorted(set(va) - set(vb)), sorted(set(vb) - set(va))
+            lines.append(f"{key}: only the first has {', '.join(only_a) or 'nothing more'}; "
+                         f"only the second has {', '.join(only_b) or 'nothing more'}")
+        else:
+            lines.append(f"{key}: {va!r} vs {vb!r}")
+    return lines

@@ -11,13 +11,15 @@ Two kinds, kept apart on purpose:
 
 Each server has its own CollectorRegistry, so several servers (tests, notebooks) can live
 in one process. Names follow Prometheus conventions with a `minivllm_` prefix and mirror
-vLLM's metric set.
+vLLM's metric set; `vllm_metrics.py` serves the same samples under vLLM's own names too.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from minivllm.serving.vllm_metrics import vllm_families
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
@@ -39,9 +41,23 @@ class ServingMetrics:
         self.generation_tokens = Counter("minivllm_generation_tokens", "Generated tokens", ["worker"], registry=r)
         self.rejected = Counter("minivllm_rejected_requests", "Requests refused with a 4xx", ["reason"], registry=r)
         r.register(_EngineStateCollector(cluster))
+        self.model_name = str(getattr(cluster, "model_name", "") or "")
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Our families, then the same samples under vLLM's names (vllm_metrics.py), from one
+        collection (one cluster snapshot per scrape)."""
+        families = list(self.registry.collect())
+        return generate_latest(_Collected(families + list(vllm_families(families, self.model_name))))
+
+
+class _Collected:
+    """Already collected families, in the shape `generate_latest` reads."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 class _EngineStateCollector:

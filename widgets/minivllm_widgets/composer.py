@@ -46,6 +46,8 @@ class Composer:
         self.send_workload.on_click(lambda _: self.submit(self._workload_prompts()))
         self.widget = W.VBox([self.prompt, W.HBox([self.max_tokens, self.temperature, self.chat]),
                               W.HBox([self.send, self.burst, self.send_burst]), W.HBox([self.workload, self.send_workload])])
+        for w in (self.max_tokens, self.temperature, self.burst, self.workload):
+            w.style.description_width = "initial"  # "temperature", never "temperat…"
 
     def _workload_prompts(self) -> list[str]:
         path = self._files.get(self.workload.value)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import html
 
+from minivllm_widgets.chart_data import dashboard_charts
 from minivllm_widgets.page_grid import COLOURS, LEGEND, png_data_uri, render_codes_png
+from minivllm_widgets.static_charts import chart_svg
 
 _TABLE = "border-collapse:collapse;font:12px monospace"
 _CELL = "padding:2px 6px;border-bottom:1px solid #ddd;text-align:left"
@@ -114,47 +116,23 @@ def speculative_html(view: dict) -> str:
     return "".join(parts)
 
 
-def throughput_svg(series: dict, width: int = 420, height: int = 90, *, label: str = "decode tokens/s",
-                   unit: str = "tok/s") -> str:
-    """Decode tok/s per worker over the last polls (or any (t, value, _) series), as an
-    inline SVG line chart with a time axis (seconds before the newest point) and a y scale."""
-    palette = ["#4285f4", "#ea4335", "#34a853", "#fbbc05", "#9c27b0"]
-    points = [v for s in series.values() for _, v, _ in s]
-    if not points:
-        return "<i>no throughput yet</i>"
-    top = max(points) or 1.0
-    t0 = min(t for s in series.values() for t, _, _ in s)
-    t1 = max(t for s in series.values() for t, _, _ in s)
-    span = (t1 - t0) or 1.0
-    left, bottom = 40, 14  # room for the y labels and the time axis
-    plot_w, plot_h = width - left - 5, height - bottom - 5
-    x = lambda t: left + (t - t0) / span * plot_w  # noqa: E731
-    y = lambda v: 5 + plot_h - v / top * plot_h  # noqa: E731
-    lines, legend = [], []
-    for i, (name, s) in enumerate(series.items()):
-        colour = palette[i % len(palette)]
-        xy = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v, _ in s)
-        lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{xy}"/>')
-        last = s[-1][1] if s else 0.0
-        legend.append(f'<span style="color:{colour}">■ {html.escape(name)} {last:.1f} {unit}</span>')
-    text = 'font-size="9" fill="#666" font-family="sans-serif"'
-    axes = [f'<line x1="{left}" x2="{left}" y1="5" y2="{5 + plot_h}" stroke="#bbb"/>',
-            f'<line x1="{left}" x2="{width - 5}" y1="{5 + plot_h}" y2="{5 + plot_h}" stroke="#bbb"/>',
-            f'<text x="{left - 3}" y="12" text-anchor="end" {text}>{top:.3g}</text>',
-            f'<text x="{left - 3}" y="{5 + plot_h}" text-anchor="end" {text}>0</text>']
-    for k in range(5):  # time ticks: seconds before now
-        tx = left + k / 4 * plot_w
-        ago = span * (1 - k / 4)
-        axes.append(f'<text x="{tx:.1f}" y="{height - 2}" text-anchor="middle" {text}>'
-                    f'{"now" if k == 4 else f"-{ago:.0f} s"}</text>')
-    return (f'<div style="font:12px sans-serif">{html.escape(label)} ({unit}, last {span:.0f} s) {" ".join(legend)}</div>'
-            f'<svg width="{width}" height="{height}" style="background:#fafafa">{"".join(axes)}{"".join(lines)}</svg>')
+def headline_html(rows: tuple) -> str:
+    """One line of large figures per worker (panel_state.headline_view)."""
+    big = "font:600 18px sans-serif;margin-right:4px"
+    parts = []
+    for name, state, running, waiting, rate, used, hits in rows:
+        cells = [f"<b>{html.escape(name)}</b> <span style='color:#666'>{html.escape(state)}</span>"]
+        if running is not None:
+            cells += [f"<span style='{big}'>{running}</span>running", f"<span style='{big}'>{waiting}</span>waiting",
+                      f"<span style='{big}'>{_fmt(rate, '.1f')}</span>decode tok/s",
+                      f"<span style='{big}'>{used:.0%}</span>KV in use",
+                      f"<span style='{big}'>{hits[0]}/{hits[1]}</span>prefix hits"]
+        parts.append("<div style='display:flex;gap:18px;align-items:baseline;font:12px sans-serif'>"
+                     + "".join(f"<span>{c}</span>" for c in cells) + "</div>")
+    return "".join(parts) or "<i>no workers</i>"
 
 
-def latency_svg(step_ms: dict, width: int = 420, height: int = 70) -> str:
-    """Each worker's step time in ms over the last polls: the latency between two tokens
-    of every request running there."""
-    series = {name: [(t, v, 0.0) for t, v in s] for name, s in step_ms.items() if s}
-    if not series:
-        return ""
-    return throughput_svg(series, width=width, height=height, label="step latency", unit="ms")
+def throughput_static_html(throughput: dict, step_ms: dict) -> str:
+    """The dashboard's two time series (decode tok/s, step latency) over their shared
+    window, as static SVG: the same `Chart`s the live plotly figures draw."""
+    return "".join(chart_svg(c) for c in dashboard_charts(throughput, step_ms))

@@ -69,7 +69,7 @@ class Launcher:
         self.model = W.Text(value=model, description="model", placeholder="name, .gguf path or hub id")
         # Several CPU workers (each its own process and engine) need a count, not a checkbox.
         self.cpu_count = W.BoundedIntText(value=len(cpus), min=0, max=16, description="CPU workers")
-        self.cpu_threads = W.BoundedIntText(value=threads, min=0, max=512, description="threads each",
+        self.cpu_threads = W.BoundedIntText(value=threads, min=0, max=512, description="threads each (0: auto)",
                                             tooltip="0 = let the cluster split the free cores")
         self.devices = {d: W.Checkbox(value=d in chosen, description=d, indent=False) for d in found if d != "cpu"}
         self.dtype = W.Dropdown(options=["auto", "f32", "f16", "bf16"], value=defaults.get("dtype", "auto"),
@@ -79,7 +79,7 @@ class Launcher:
         d = {name: defaults.get(name, option_default(name)) for name in _ENGINE_CONTROLS}
         self.kv_mode = W.Dropdown(options=list(KV_MODES), value=d["kv_mode"], description="KV mode")
         self.page_size = W.BoundedIntText(value=d["page_size"], min=1, max=4096, description="page size")
-        self.max_model_len = W.BoundedIntText(value=d["max_model_len"] or 0, min=0, max=131072, description="max len",
+        self.max_model_len = W.BoundedIntText(value=d["max_model_len"] or 0, min=0, max=131072, description="max len (0: auto)",
                                               tooltip="0 = the engine's default: min(model context, 4096)")
         self.prefix_cache = W.Checkbox(value=d["prefix_cache"] is not False, description="prefix cache", indent=False)
         self.publication = W.Dropdown(options=list(PUBLICATIONS), value=d["publication"], description="publish")
@@ -111,6 +111,10 @@ class Launcher:
             W.HBox([self.router, self.batch_invariant]),
             W.HBox([self.backend, self.ray_address]), more,
             W.HBox([self.launch, self.stop]), self.status])
+        for control in self.widget.children:  # labels at their own width: "CPU workers", never "CPU work…"
+            for w in getattr(control, "children", ()):
+                if getattr(w, "description", "") and hasattr(w.style, "description_width"):
+                    w.style.description_width = "initial"
 
     def options(self) -> dict:
         ray = self.backend.value == "ray"

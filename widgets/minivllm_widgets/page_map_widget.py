@@ -3,7 +3,9 @@
 `PageMap` is an anywidget: its `codes` trait (one byte per page, `page_grid.page_codes`)
 travels as one binary buffer, and the JavaScript below paints a crisp canvas
 (`image-rendering: pixelated`, a fixed width with wrapping rows, at most 300 px tall),
-repainting only the cells whose byte changed. It also writes the counts per state that it
+repainting only the cells whose byte changed. Hovering a cell names the page, its state, its
+request holders and ref count, whether it is cached, and the requests whose block tables
+hold it (`owners`, page id -> request ids, sent with the bytes). It also writes the counts per state that it
 computed from the bytes it received into `data-counts` on its element, so a browser test
 can check what was drawn against the snapshot.
 
@@ -13,6 +15,8 @@ extension mid-session would need a page reload) `make_page_map()` returns a PNG
 """
 
 from __future__ import annotations
+
+import json
 
 import ipywidgets as W
 
@@ -77,6 +81,21 @@ function render({ model, el }) {
     el.dataset.pages = String(n);
     el.dataset.draws = String(Number(el.dataset.draws || 0) + 1);
   }
+  // Hover: which page, its state, its holders and the requests whose block tables hold it.
+  canvas.addEventListener("mousemove", (ev) => {
+    const pitch = model.get("pitch"), cols = model.get("columns"), codes = bytesOf(model.get("codes"));
+    const rect = canvas.getBoundingClientRect();
+    const i = Math.floor((ev.clientY - rect.top) / pitch) * cols + Math.floor((ev.clientX - rect.left) / pitch);
+    if (i < 0 || i >= codes.length) { canvas.title = ""; return; }
+    const c = codes[i], holders = c >= %(shared2)d ? c - 2 : (c === 1 || c === 3 ? 1 : 0);
+    const cached = c >= 2;  // the prefix index holds one reference to every cached page
+    let owners = [];
+    try { owners = JSON.parse(model.get("owners") || "{}")[String(i)] || []; } catch (e) { owners = []; }
+    canvas.title = `page ${i}: ${STATES[Math.min(c, %(shared2)d)]}, ` +
+      `${holders} request holder(s), ref count ${holders + (cached ? 1 : 0)}, ` +
+      `${cached ? "in the prefix cache" : "not cached"}` + (owners.length ? `; requests: ${owners.join(", ")}` : "");
+    el.dataset.hover = canvas.title;
+  });
   const showCaption = () => { caption.innerHTML = model.get("caption"); };
   model.on("change:codes", draw);
   model.on("change:columns", draw);
@@ -101,14 +120,16 @@ def _anywidget_class():
         pitch = traitlets.Int(10).tag(sync=True)
         columns = traitlets.Int(60).tag(sync=True)
         caption = traitlets.Unicode("").tag(sync=True)
+        owners = traitlets.Unicode("{}").tag(sync=True)  # JSON: page id -> request ids (the hover)
 
-        def show(self, codes: bytes, caption: str) -> None:
+        def show(self, codes: bytes, caption: str, owners: dict | None = None) -> None:
             pitch, columns, _ = grid_layout(len(codes), WIDTH_PX, MAX_HEIGHT_PX)
             with self.hold_sync():  # one message: only the traits that changed, together
                 if (pitch, columns) != (self.pitch, self.columns):
                     self.pitch, self.columns = pitch, columns
                 self.codes = bytes(codes)
                 self.caption = caption
+                self.owners = json.dumps({str(k): v for k, v in (owners or {}).items()}, separators=(",", ":"))
 
     return PageMap
 
@@ -124,7 +145,7 @@ class PngPageMap(W.VBox):
         self._codes = None
         super().__init__([self.caption, self.image], **kwargs)
 
-    def show(self, codes: bytes, caption: str) -> None:
+    def show(self, codes: bytes, caption: str, owners: dict | None = None) -> None:
         if self.caption.value != caption:
             self.caption.value = caption
         if codes != self._codes:

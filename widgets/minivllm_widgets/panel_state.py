@@ -49,11 +49,39 @@ def kv_view(snapshot: dict) -> dict:
             continue
         kv, cache = snap["kv"], snap["prefix_cache"]
         codes = page_codes(kv["page_states"], kv["ref_counts"])
-        out[w["name"]] = {"codes": codes, "counts": counts_from_codes(codes), "total": kv["total_pages"],
+        out[w["name"]] = {"codes": codes, "owners": page_owners(snap), "counts": counts_from_codes(codes), "total": kv["total_pages"],
                           "page_size": kv["page_size"], "hits": cache["hits"], "lookups": cache["lookups"],
                           "restored_tokens": cache["restored_tokens"], "flights": len(cache["flights"]),
                           "state": w.get("state")}
     return out
+
+
+def page_owners(engine_snapshot: dict) -> dict[int, list[str]]:
+    """Page id -> the ids of the requests whose block tables hold it (the map's hover)."""
+    owners: dict[int, list[str]] = {}
+    for queue in ("running", "waiting", "preempted"):
+        for r in engine_snapshot["queues"][queue]:
+            for page in r.get("block_table") or ():
+                owners.setdefault(int(page), []).append(r["id"])
+    return owners
+
+
+def headline_view(snapshot: dict, throughput: dict) -> tuple:
+    """The dashboard's first row, per worker: state, running and waiting requests, the
+    latest decode tok/s (the throughput chart's newest point), KV use and prefix hits."""
+    rows = []
+    for w in snapshot["workers"]:
+        snap = w.get("snapshot")
+        series = throughput.get(w["name"]) or []
+        rate = round(series[-1][1], 1) if series else None
+        if snap is None:
+            rows.append((w["name"], w["state"], None, None, rate, None, None))
+            continue
+        q, kv, cache = snap["queues"], snap["kv"], snap["prefix_cache"]
+        used = kv["used_pages"] / kv["total_pages"] if kv["total_pages"] else 0.0
+        rows.append((w["name"], w["state"], len(q["running"]), len(q["waiting"]) + len(q["preempted"]), rate,
+                     round(used, 3), (cache["hits"], cache["lookups"])))
+    return tuple(rows)
 
 
 def router_view(snapshot: dict, last: int = 12) -> dict:

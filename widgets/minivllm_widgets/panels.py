@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from minivllm_widgets import html_views, panel_state
+from minivllm_widgets import chart_data, charts, html_views, panel_state
 from minivllm_widgets.page_map_widget import make_page_map
 
 
@@ -72,14 +72,23 @@ class SpeculativePanel(_HTMLPanel):
         return html_views.speculative_html(view)
 
 
-class ThroughputPanel(_HTMLPanel):
-    title = "Throughput and latency"
+class ThroughputPanel(Panel):
+    """Decode tok/s and step latency per worker: two plotly figures over one shared time
+    window, updated in place (one message per figure) when a new measurement arrives."""
 
-    def __init__(self):
+    title = "Throughput and latency"
+    css_class = "minivllm-throughput"
+
+    def __init__(self, window_s: float = chart_data.DASHBOARD_WINDOW_S):
         self.tracker = panel_state.ThroughputTracker()
+        self.window_s = window_s
         self._seen_time = None
         self._latest: dict = {}
         super().__init__()
+
+    def build(self):
+        self.figures = (charts.figure_widget(), charts.figure_widget())
+        return W.HBox(list(self.figures))
 
     def _series(self, snapshot):
         if snapshot["time"] != self._seen_time:  # a repeated snapshot is not a new measurement
@@ -88,11 +97,33 @@ class ThroughputPanel(_HTMLPanel):
         return self._latest
 
     def view(self, snapshot):
-        return None if snapshot is None else (self._series(snapshot), {k: list(v) for k, v in self.tracker.step_ms.items()})
+        if snapshot is None:
+            return None
+        throughput = self._series(snapshot)  # first: it records this snapshot's step latency too
+        step_ms = {k: list(v) for k, v in self.tracker.step_ms.items()}
+        return chart_data.dashboard_charts(throughput, step_ms, window_s=self.window_s)
+
+    def render(self, view) -> None:
+        empty = chart_data.dashboard_charts({}, {}, window_s=self.window_s)
+        for fig, chart in zip(self.figures, view or empty):
+            charts.update_figure(fig, chart)
+
+
+class HeadlinePanel(_HTMLPanel):
+    """The headline figures per worker, above the small multiples."""
+
+    title = "At a glance"
+    css_class = "minivllm-headline"
+
+    def __init__(self, throughput: "ThroughputPanel"):
+        self.throughput = throughput  # its tracker's newest rate: the number its chart ends on
+        super().__init__()
+
+    def view(self, snapshot):
+        return None if snapshot is None else panel_state.headline_view(snapshot, self.throughput.tracker.series)
 
     def to_html(self, view):
-        series, step_ms = view
-        return html_views.throughput_svg(series) + html_views.latency_svg(step_ms)
+        return html_views.headline_html(view)
 
 
 class KVPanel(Panel):
@@ -126,8 +157,12 @@ class KVPanel(Panel):
             if name in previous and previous[name] == w:
                 continue  # only the workers whose pages changed are sent
             # no snapshot (starting, restarting): an empty map, never the old picture
-            self._maps[name].show(b"" if w is None else w["codes"], html_views.kv_caption_html(name, w))
+            self._maps[name].show(b"" if w is None else w["codes"], html_views.kv_caption_html(name, w),
+                                  owners={} if w is None else w.get("owners", {}))
 
 
 def default_panels(page_map: str = "auto") -> list[Panel]:
-    return [QueuesPanel(), KVPanel(page_map), RouterPanel(), SpeculativePanel(), ThroughputPanel()]
+    """Every live panel; the throughput panel comes before the headline that reads its
+    tracker, so the headline's rate is this poll's."""
+    throughput = ThroughputPanel()
+    return [QueuesPanel(), KVPanel(page_map), RouterPanel(), SpeculativePanel(), throughput, HeadlinePanel(throughput)]

@@ -4,7 +4,8 @@ Jupyter drops widget messages beyond about 1000 per second, and a widget changed
 several threads can interleave half-updates. So: one publisher thread polls the cluster
 snapshot at most `max_hz` times a second (default 10, never above 20), asks every panel
 for its view model, and renders only the panels whose view changed, each inside one
-`hold_sync()` (one message per widget). Producers elsewhere (token streams, launch
+`hold_sync()` (one message per widget; a plotly figure is redrawn in one `batch_update()`,
+which plotly's protocol sends as four small messages). Producers elsewhere (token streams, launch
 progress) only write plain Python state that a panel reads on the next poll: nothing is
 ever sent per token or per page.
 """

@@ -3,6 +3,7 @@
     from minivllm_widgets import Workbench
     wb = Workbench(model="smollm2-135m")     # a form; Launch starts a Cluster
     wb                                       # displays it and starts the publisher
+    wb.open_beside()                         # the dashboard in JupyterLab's side panel (sidecar)
     wb.static_html()                         # the same views as plain HTML (nbconvert, Kaggle)
 
 Every live view is fed by one publisher thread (publisher.py) from `Cluster.snapshot()`,
@@ -98,12 +99,54 @@ class Workbench:
         self.live = live = _LivePanel(self.runner, self)
         extra = [_StatusPanel(self.runner, self.launcher.status), composer_panel, live]
         self.publisher = Publisher(self.runner.snapshot, self.panels + extra, max_hz=max_hz)
-        dashboard = W.VBox([live.widget] + [W.VBox([W.HTML(f"<h4>{p.title}</h4>"), p.widget]) for p in self.panels])
-        self.widget = W.Tab(children=[self.launcher.widget, dashboard, W.VBox([self.composer.widget, composer_panel.widget])])
+        self.dashboard = self._compact_dashboard()
+        self.widget = W.Tab(children=[self.launcher.widget, self.dashboard,
+                                      W.VBox([self.composer.widget, composer_panel.widget])])
         for i, title in enumerate(["Launch", "Dashboard", "Requests"]):
             self.widget.set_title(i, title)
         if cluster is not None:
             self.widget.selected_index = 1  # already running: open on the dashboard
+
+    def _compact_dashboard(self) -> W.VBox:
+        """The headline figures, then one row of small multiples (the KV map beside the
+        throughput and latency charts), then the tables, folded: about one screen tall."""
+        by_class = {type(p).__name__: p for p in self.panels}
+        kv, throughput = by_class["KVPanel"], by_class["ThroughputPanel"]
+        # Fixed sizes, wrapping as the screen allows (one row on a wide screen or projector):
+        # a plotly figure first drawn inside a hidden tab would otherwise take a default
+        # width wider than its box, and its newest points would be cut off at the right.
+        for fig in throughput.figures:
+            fig.layout.height, fig.layout.width = 210, 430
+        throughput.widget.layout = W.Layout(flex_flow="row wrap")
+        row = W.HBox([kv.widget, throughput.widget], layout=W.Layout(flex_flow="row wrap", align_items="flex-start"))
+        details = [p for p in self.panels if p not in (kv, throughput, by_class["HeadlinePanel"])]
+        tables = W.Accordion(children=[p.widget for p in details])
+        for i, p in enumerate(details):
+            tables.set_title(i, p.title)
+        tables.selected_index = 0  # the queues open
+        self.beside = W.Button(description="open beside the notebook", icon="columns",
+                               tooltip="the dashboard in JupyterLab's side panel, in view while you run the cells below",
+                               layout=W.Layout(width="auto"))
+        self.beside.on_click(lambda _: self.open_beside())
+        box = W.VBox([W.HBox([self.live.widget, self.beside]), by_class["HeadlinePanel"].widget, row, tables])
+        box.add_class("minivllm-dashboard")
+        return box
+
+    def open_beside(self, title: str = "minivllm dashboard"):
+        """The dashboard in JupyterLab's right-hand panel (jupyter-widgets' `sidecar`), so it
+        stays in view while you scroll and run the cells that drive it."""
+        from IPython.display import display
+
+        try:
+            from sidecar import Sidecar
+        except ImportError:
+            raise ImportError("open_beside() needs sidecar (in minivllm's notebook extra): pip install sidecar") from None
+        self._sidecar = Sidecar(title=title, anchor="split-right")
+        with self._sidecar:
+            display(self.dashboard)
+        self.watching = True
+        self.publisher.start()
+        return self._sidecar
 
     @property
     def cluster(self):
@@ -123,7 +166,7 @@ class Workbench:
         snapshot = self.runner.snapshot(fresh=True)
         if snapshot is None:
             return "<i>no cluster running</i>"
-        tracker = getattr(self.panels[-1], "tracker", None)
+        tracker = next((p.tracker for p in self.panels if hasattr(p, "tracker")), None)
         throughput = tracker.series if tracker is not None else {}
         step_ms = tracker.step_ms if tracker is not None else {}
         head = ("<div><b>cluster stopped</b>: its final state</div>" if self.runner.phase == "stopped" else
@@ -133,7 +176,7 @@ class Workbench:
             "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
             "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
             "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),
-            "<h4>Throughput and latency</h4>", html_views.throughput_svg(throughput), html_views.latency_svg(step_ms)])
+            "<h4>Throughput and latency</h4>", html_views.throughput_static_html(throughput, step_ms)])
 
     def show_static(self) -> None:
         from IPython.display import HTML, display

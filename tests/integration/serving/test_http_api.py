@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import REPO_ROOT
 from minivllm.engine.llm import LLM
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
@@ -264,6 +265,47 @@ def test_metrics_are_present_and_move(server, client):
     assert after["minivllm_requests_open"] == 0 and after["minivllm_duplicate_terminal_events_total"] == 0
     assert re.search(r'minivllm_time_to_first_token_seconds_bucket\{le="\+Inf",worker="cpu"\}', httpx.get(
         srv.url + "/metrics", headers=AUTH).text)
+
+
+GRAFANA_DASHBOARD = REPO_ROOT / "dashboards" / "grafana" / "minivllm.json"
+
+
+def _queried_series(dashboard: dict) -> set[str]:
+    """Every metric name a panel's PromQL reads (vllm:... and minivllm_...), in the form
+    the exposition uses (a histogram is queried through its _bucket series)."""
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)]
+    return {m for e in exprs for m in re.findall(r"\b(?:vllm:|minivllm_)[a-zA-Z0-9_:]+", e)}
+
+
+def test_grafana_dashboard_reads_series_that_metrics_serves(server, client):
+    """The committed Grafana dashboard queries only series a live /metrics has, parsed by
+    prometheus_client's own text parser; vLLM's names carry model_name and our numbers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv, cluster = server
+    client.completions.create(model=model_id(cluster), prompt=PROMPT, max_tokens=3, temperature=0)
+    deadline = time.monotonic() + 30
+    while True:  # the prefix-cache counters arrive with the worker's periodic snapshot
+        samples = {s.name: s for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics", headers=AUTH).text)
+                   for s in f.samples}
+        if samples.get("minivllm_prefix_cache_queries_total") and samples["minivllm_prefix_cache_queries_total"].value:
+            break
+        assert time.monotonic() < deadline, "the worker's snapshot never brought the prefix-cache query"
+        time.sleep(0.05)
+    queried = _queried_series(json.loads(GRAFANA_DASHBOARD.read_text()))
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_hits_total"} <= queried
+    missing = sorted(queried - set(samples))
+    assert not missing, f"the dashboard queries series /metrics does not serve: {missing}"
+    for name in queried:
+        if name.startswith("vllm:"):
+            assert samples[name].labels.get("model_name") == model_id(cluster), samples[name]
+    # the same numbers under both names
+    for ours, theirs in [("minivllm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+                         ("minivllm_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("minivllm_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count")]:
+        assert samples[ours].value == samples[theirs].value >= 1, (ours, theirs)
 
 
 def test_cluster_snapshot_endpoint(server, client):

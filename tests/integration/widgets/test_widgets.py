@@ -184,9 +184,10 @@ def test_publisher_rate_is_bounded(llm, sent):
     elapsed = time.monotonic() - started
     # Each poll starts at least 1/max_hz after the one before: at most 20 * elapsed + 1.
     assert pub.polls <= 20 * elapsed + 1, (pub.polls, elapsed)
-    # per poll at most one message per widget the panels own (queues, KV caption + image,
-    # router, speculative, throughput): far below Jupyter's ~1000 messages/s
-    assert len(sent) <= pub.polls * 6 and len(sent) / elapsed < 200
+    # per poll at most one message per HTML widget the panels own (queues, KV caption +
+    # image, router, speculative, headline) and plotly's four per figure update (the edit,
+    # its reset and two edit ids) for the two throughput figures: far below Jupyter's ~1000/s
+    assert len(sent) <= pub.polls * (6 + 2 * 4) and len(sent) / elapsed < 300
     with pytest.raises(ValueError, match="max_hz"):
         Publisher(source, panels, max_hz=60)
 
@@ -224,7 +225,8 @@ def test_divergence_explorer_shows_both_sides_and_topk(llm):
     ex.position.value = ex.position.max
     last = report.records[-1].a
     assert f"chose {last.text!r}".replace("'", "&#x27;") in ex.topk.value
-    assert "<svg" in ex.margins.value and "<svg" in report_html(report)
+    assert len(ex.margin_figure.data) == 2 and len(ex.margin_figure.data[0].y) == 6  # both sides, live plotly
+    assert "<svg" in report_html(report)  # the static fallback
     assert "The runs agree on all 6 generated tokens" in ex.summary.value
     assert ex.model.disabled and Path(llm.info()["model_path"]).name in ex.model.value  # the LLM it runs
     ex.a.value = "gemv_max_rows"
@@ -252,16 +254,22 @@ def _committed_report():
 
 
 def test_explorer_explains_a_divergence_in_plain_words():
-    from minivllm_widgets.divergence import TIE_RULE, summary_sentence, tokens_html, topk_html
+    from minivllm_widgets.divergence_story import TIE_RULE, summary_sentence
+    from minivllm_widgets.divergence_views import tokens_html, topk_html
 
     report = _committed_report()
     fd = report.first_divergence
     text = summary_sentence(report)
-    assert text.startswith(f"The runs agree for {fd.identical_tokens} tokens; at token {fd.position + 1} side a picks")
+    assert text.startswith(f"The runs agree for {fd.identical_tokens} tokens; at generated token {fd.position + 1} "
+                           "side a picks")
     assert "logits" in text and "side b picks" in text and "hidden states already differed from" in text
     assert "KV cache before the split" in text  # GEMM vs GEMV prefill: the prompt's rows already differ
+    # text, widget and report name one position: "generated token N", counted from 1
+    said = f"generated token {fd.position + 1}"
+    assert said in report.summary() and said in repr(report) and said in tokens_html(report)
+    assert f"top-k logits at {said}" in topk_html(report, fd.position)
     chips = tokens_html(report)
-    assert chips.count("minivllm-chip") >= len(report.records) and "display:inline-block" in chips  # chips wrap
+    assert chips.count("minivllm-chip") >= len(report.records) and "display:inline;" in chips  # chips wrap, and touch
     if fd.identical_tokens > 40:
         assert "shared tokens folded" in chips
     # an exact tie is called one, with the rule that broke it
@@ -276,7 +284,9 @@ def test_divergence_explorer_side_form_builds_compares_sides():
     """Each side: engine, engine options, device, dtype; what Run passes to `compare` (parsed by
     debug.sides, the same checker compare uses), and the static views of a cross-engine report."""
     from minivllm.debug.sides import parse_side
-    from minivllm_widgets.divergence import DivergenceExplorer, engine_choices, layers_html, summary_sentence
+    from minivllm_widgets.divergence import DivergenceExplorer, engine_choices
+    from minivllm_widgets.divergence_story import summary_sentence
+    from minivllm_widgets.divergence_views import layers_html
 
     ex = DivergenceExplorer(None, a={"gemv_max_rows": 0, "dtype": "bf16"}, b="transformers")
     assert ex.side("a") == {"gemv_max_rows": 0, "dtype": "bf16"} and ex.a_dtype.value == "bf16"
@@ -323,7 +333,7 @@ def test_throughput_is_smooth_when_polls_outpace_snapshots():
 
 def test_small_views_say_what_they_mean():
     from minivllm_widgets.composer import composer_html
-    from minivllm_widgets.html_views import queues_html, router_html, throughput_svg
+    from minivllm_widgets.html_views import queues_html, router_html, throughput_static_html
     from minivllm_widgets.launcher import Launcher
 
     idle = queues_html({"cpu": {"state": "ready", "device": "cpu", "requests": []}})
@@ -333,8 +343,8 @@ def test_small_views_say_what_they_mean():
          "decode_s": 2.0, "finish_s": 2.5, "score": 2.5}]}
     router = router_html({"policy": "cost", "decisions": [decision]})
     assert "123 µs" in router and "2 s" in router and "16 tokens" in router and "0.000122723" not in router
-    chart = throughput_svg({"w": [(0.0, 10.0, 0.0), (30.0, 20.0, 0.0)]})
-    assert "now" in chart and "-30 s" in chart and "tok/s" in chart
+    chart = throughput_static_html({"w": [(0.0, 10.0, 0.0), (30.0, 20.0, 0.0)]}, {})
+    assert "decode throughput" in chart and "tokens/s" in chart and "nan" not in chart
     rows = (None, (("r1", "cpu", "", "stop", 0, "completion"), ("r2", "cpu", "a\nb", "length", 2, "chat")))
     shown = composer_html(rows)
     assert "0 tokens: the model ended at once" in shown and "try chat" in shown and "pre-wrap" in shown
@@ -450,3 +460,46 @@ def test_png_page_map_fallback_draws_the_same_codes(llm):
     assert png_map.image.value == b"" and "no snapshot yet" in png_map.caption.value
     with pytest.raises(ValueError, match="page_map"):
         make_page_map("svg")
+
+
+def test_explorer_run_dims_the_old_report_at_once_and_the_bar_advances(llm, sent):
+    """Run: the previous report is dimmed (its CSS class sent) before compare starts, the
+    form is locked, the bar moves through compare's phases, and all is undone at the end."""
+    from minivllm_widgets import DivergenceExplorer
+
+    ex = DivergenceExplorer(llm, prompt="The capital of France is", a={"gemv_max_rows": 0}, b={"gemv_max_rows": 0},
+                            max_tokens=3)
+    ex.run()
+    seen, original = [], ex._phase
+
+    def watching(words, fraction):
+        seen.append((time.monotonic() - started, "minivllm-stale" in ex.results._dom_classes, ex.run_button.disabled,
+                     words, fraction))
+        original(words, fraction)
+
+    ex._phase = watching
+    started = time.monotonic()
+    sent.clear()
+    ex.run()
+    first_message = next(i for i, (name, _, _) in enumerate(sent) if name == "VBox")  # the results box's class
+    assert first_message < 3, sent[:5]  # dimmed before anything else was sent
+    assert seen[0][0] < 0.5 and seen[0][1] and seen[0][2], seen[0]  # within 0.5 s: dimmed, the form locked
+    phases = [w for _, _, _, w, _ in seen]
+    assert phases[1:] == ["loading side a", "loading side b", "generating a", "generating b"], phases
+    fractions = [f for *_, f in seen]
+    assert fractions == sorted(fractions) and fractions[-1] > fractions[0]  # the bar advances
+    assert "minivllm-stale" not in ex.results._dom_classes and not ex.run_button.disabled
+    assert ex.progress.value == 1.0 and ex.status.value == "done"
+
+
+def test_explorer_greyed_fields_show_what_ran():
+    """A transformers side runs in f32 whatever its greyed menu said before."""
+    from minivllm_widgets import DivergenceExplorer
+
+    ex = DivergenceExplorer(None, a={"dtype": "bf16"}, b="transformers")
+    assert ex.b_dtype.disabled and ex.b_dtype.value == ""
+    report = _committed_report()
+    report.a_settings = {**report.a_settings, "engine": "minivllm", "dtype": "bf16"}
+    report.b_settings = {"engine": "transformers", "device": "cpu", "dtype": "f32"}
+    ex.show(report)
+    assert ex.b_dtype.value == "f32" and ex.a_dtype.value == "bf16"
