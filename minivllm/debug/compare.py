@@ -34,7 +34,13 @@ from pathlib import Path
 import torch
 
 from minivllm.debug.divergence_report import (
-    DivergenceReport, FirstDivergence, LayerDiff, PositionRecord, ReplayCheck, SideToken, TopToken,
+    DivergenceReport,
+    FirstDivergence,
+    LayerDiff,
+    PositionRecord,
+    ReplayCheck,
+    SideToken,
+    TopToken,
 )
 from minivllm.debug.hidden_state_diff import diff_replays
 from minivllm.debug.reference_sides import LlamaCppSide, TransformersSide
@@ -120,7 +126,11 @@ def compare(model, prompt: str | list[int], a: dict | str | None = None, b: dict
         )
     # Two option sets on one model are compared layer by layer only where they split; two
     # different computations (engine, device, dtype) always, since equality is not expected.
-    different = (spec_a.engine, side_a.device, _side_dtype(side_a)) != (spec_b.engine, side_b.device, _side_dtype(side_b))
+    different = (spec_a.engine, side_a.device, _side_dtype(side_a)) != (
+        spec_b.engine,
+        side_b.device,
+        _side_dtype(side_b),
+    )
     layers = _LayerReport()
     if hidden_states and (split is not None or different):
         phase("per-layer capture")
@@ -272,9 +282,8 @@ def first_layer_difference(diffs: list[LayerDiff], n_prompt: int) -> dict | None
 
 
 def _machine(sides: dict) -> dict:
-    from minivllm.obs.machine import cpu_fingerprint
-
     from minivllm.kernels import cpu_gemv
+    from minivllm.obs.machine import cpu_fingerprint
 
     machine = cpu_fingerprint()
     # minivllm's own compiled f32 GEMV picks its ISA from the CPU flags, like MKL does (named

@@ -145,9 +145,13 @@ class DivergenceReport:
 
     def __repr__(self) -> str:
         fd = self.first_divergence
-        where = ("no divergence" if fd is None else
-                 f"split at generated token {token_number(fd.position)} after {fd.identical_chars} identical characters: "
-                 f"a={fd.a_token.text if fd.a_token else None!r} b={fd.b_token.text if fd.b_token else None!r}")
+        where = (
+            "no divergence"
+            if fd is None
+            else f"split at generated token {token_number(fd.position)} after {fd.identical_chars} "
+            "identical characters: "
+            f"a={fd.a_token.text if fd.a_token else None!r} b={fd.b_token.text if fd.b_token else None!r}"
+        )
         return (f"DivergenceReport({self.model}, a={_opts(self.a_options)}, b={_opts(self.b_options)}, "
                 f"{len(self.records)} positions, {where})")
 
@@ -195,8 +199,10 @@ class DivergenceReport:
         lines.append(f"  margin (top-1 minus top-2): a {_fmt(fd.a_margin)}   b {_fmt(fd.b_margin)}")
         if self.replay is not None:
             r = self.replay
-            lines.append(f"  replay check: greedy a={r.a_token} b={r.b_token}; top-k logits vs engine "
-                         f"max|Δ| a {_fmt(r.a_top_logits_max_abs_diff, '.3g')}, b {_fmt(r.b_top_logits_max_abs_diff, '.3g')}")
+            lines.append(
+                f"  replay check: greedy a={r.a_token} b={r.b_token}; top-k logits vs engine "
+                f"max|Δ| a {_fmt(r.a_top_logits_max_abs_diff, '.3g')}, b {_fmt(r.b_top_logits_max_abs_diff, '.3g')}"
+            )
         lines += self._layer_lines(max_layers)
         return "\n".join(lines)
 
@@ -256,7 +262,11 @@ def _machine(m: dict) -> str:
     if m.get("gpu") and on_cpu:
         parts.insert(1, m.get("cpu", "?"))
     if not m.get("gpu") or on_cpu:
-        parts += [f"{m.get('torch_cpu_capability', '?')} kernels", m.get("blas", "?"), f"{m.get('torch_threads', '?')} threads"]
+        parts += [
+            f"{m.get('torch_cpu_capability', '?')} kernels",
+            m.get("blas", "?"),
+            f"{m.get('torch_threads', '?')} threads",
+        ]
     if sides:
         parts.append("sides " + " / ".join(f"{name}: {side.get('engine')} on {side.get('device')}, {side.get('dtype')}"
                                             for name, side in sides.items()))

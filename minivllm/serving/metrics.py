@@ -37,7 +37,9 @@ class ServingMetrics:
         self.e2e = Histogram("minivllm_e2e_request_latency_seconds", "Arrival to last token, per request",
                              ["worker"], buckets=_E2E_BUCKETS, registry=r)
         self.requests = Counter("minivllm_requests", "Finished requests", ["worker", "finish_reason"], registry=r)
-        self.prompt_tokens = Counter("minivllm_prompt_tokens", "Prompt tokens of finished requests", ["worker"], registry=r)
+        self.prompt_tokens = Counter(
+            "minivllm_prompt_tokens", "Prompt tokens of finished requests", ["worker"], registry=r
+        )
         self.generation_tokens = Counter("minivllm_generation_tokens", "Generated tokens", ["worker"], registry=r)
         self.rejected = Counter("minivllm_rejected_requests", "Requests refused with a 4xx", ["reason"], registry=r)
         r.register(_EngineStateCollector(cluster))
@@ -74,10 +76,18 @@ class _EngineStateCollector:
         running = GaugeMetricFamily("minivllm_num_requests_running", "Requests holding KV pages", labels=["worker"])
         waiting = GaugeMetricFamily("minivllm_num_requests_waiting", "Requests waiting or preempted", labels=["worker"])
         kv = GaugeMetricFamily("minivllm_kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", labels=["worker"])
-        queries = CounterMetricFamily("minivllm_prefix_cache_queries", "Prefix-cache lookups at admission", labels=["worker"])
-        hits = CounterMetricFamily("minivllm_prefix_cache_hits", "Lookups that restored at least one page", labels=["worker"])
-        proposed = CounterMetricFamily("minivllm_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=["worker"])
-        accepted = CounterMetricFamily("minivllm_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["worker"])
+        queries = CounterMetricFamily(
+            "minivllm_prefix_cache_queries", "Prefix-cache lookups at admission", labels=["worker"]
+        )
+        hits = CounterMetricFamily(
+            "minivllm_prefix_cache_hits", "Lookups that restored at least one page", labels=["worker"]
+        )
+        proposed = CounterMetricFamily(
+            "minivllm_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=["worker"]
+        )
+        accepted = CounterMetricFamily(
+            "minivllm_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["worker"]
+        )
         structured = CounterMetricFamily("minivllm_structured_draws", "Constrained tokens by how they were drawn: "
                                          "forced (no mask), masked_ahead, masked_at_draw, checked",
                                          labels=["worker", "how"])
@@ -85,7 +95,9 @@ class _EngineStateCollector:
                                        "hang; failed ones included) and by hand", labels=["worker", "kind"])
         snapshot = self.cluster.snapshot()
         ledger = snapshot["requests"]
-        open_requests = GaugeMetricFamily("minivllm_requests_open", "Accepted requests without their terminal event yet")
+        open_requests = GaugeMetricFamily(
+            "minivllm_requests_open", "Accepted requests without their terminal event yet"
+        )
         open_requests.add_metric([], ledger["open"])
         duplicates = CounterMetricFamily("minivllm_duplicate_terminal_events",
                                          "Terminal events for requests that had already ended (should stay 0)")

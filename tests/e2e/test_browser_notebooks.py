@@ -150,7 +150,10 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("console", lambda m: console.append(f"{m.text} ({m.location.get('url', '')})") if m.type == "error" else None)
+        page.on(
+            "console",
+            lambda m: console.append(f"{m.text} ({m.location.get('url', '')})") if m.type == "error" else None,
+        )
         page.on("pageerror", lambda e: page_errors.append(str(e)))
         page.goto(f"{lab}/lab/workspaces/{notebook.split('.')[0]}/tree/{notebook}?reset&token={TOKEN}")
         _run_all(page, lab, notebook)
@@ -165,7 +168,9 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
             plot.screenshot(path=str(ARTIFACTS / f"notebook-{notebook.split('.')[0]}-chart.png"))
         browser.close()
     _shutdown_sessions(lab)
-    errors = [f"{o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"] if o["output_type"] == "error"]
+    errors = [
+        f"{o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"] if o["output_type"] == "error"
+    ]
     assert not errors, f"{notebook}: error outputs: {errors}"
     assert all(c["execution_count"] for c in cells), f"{notebook}: cells that never ran: " + str(
         ["".join(c["source"])[:60] for c in cells if not c["execution_count"]])

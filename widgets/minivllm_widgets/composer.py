@@ -44,8 +44,14 @@ class Composer:
         self.send.on_click(lambda _: self.submit([self.prompt.value]))
         self.send_burst.on_click(lambda _: self.submit([self.prompt.value] * self.burst.value))
         self.send_workload.on_click(lambda _: self.submit(self._workload_prompts()))
-        self.widget = W.VBox([self.prompt, W.HBox([self.max_tokens, self.temperature, self.chat]),
-                              W.HBox([self.send, self.burst, self.send_burst]), W.HBox([self.workload, self.send_workload])])
+        self.widget = W.VBox(
+            [
+                self.prompt,
+                W.HBox([self.max_tokens, self.temperature, self.chat]),
+                W.HBox([self.send, self.burst, self.send_burst]),
+                W.HBox([self.workload, self.send_workload]),
+            ]
+        )
         for w in (self.max_tokens, self.temperature, self.burst, self.workload):
             w.style.description_width = "initial"  # "temperature", never "temperat…"
 
@@ -54,8 +60,8 @@ class Composer:
         return [path.read_text()] if path else []
 
     def submit(self, prompts: list[str]) -> list[str]:
-        from minivllm.sampling.sampling_params import SamplingParams
         from minivllm.errors import MinivllmError
+        from minivllm.sampling.sampling_params import SamplingParams
 
         cluster = self.runner.cluster
         if cluster is None or self.runner.phase != "running":

@@ -107,9 +107,17 @@ def ran_dtype_value(settings: dict) -> str | None:
 
 
 class DivergenceExplorer:
-    def __init__(self, llm=None, prompt: str = "Once upon a time, in a village at the edge of a great forest, there lived",
-                 a: dict | None = None, b: dict | None = None, *, model: str = "smollm2-135m", max_tokens: int = 96,
-                 chat: bool = False):
+    def __init__(
+        self,
+        llm=None,
+        prompt: str = "Once upon a time, in a village at the edge of a great forest, there lived",
+        a: dict | None = None,
+        b: dict | None = None,
+        *,
+        model: str = "smollm2-135m",
+        max_tokens: int = 96,
+        chat: bool = False,
+    ):
         """`llm`: run on this loaded LLM (the model box then shows it and is read-only);
         without one, the model box names what `compare` loads."""
         self.llm = llm
@@ -124,8 +132,12 @@ class DivergenceExplorer:
         self.prompt = W.Textarea(value=prompt, layout=W.Layout(width="100%"))
         self.chat = W.Checkbox(value=chat, description="chat (wrap in the model's template)", indent=False)
         # Per side: the engine, its engine options (text, as `key=value, ...`), device and dtype.
-        self.a_engine, self.a, self.a_device, self.a_dtype, self._a_follow = self._side_form("a", DEFAULT_A if a is None else a)
-        self.b_engine, self.b, self.b_device, self.b_dtype, self._b_follow = self._side_form("b", DEFAULT_B if b is None else b)
+        self.a_engine, self.a, self.a_device, self.a_dtype, self._a_follow = self._side_form(
+            "a", DEFAULT_A if a is None else a
+        )
+        self.b_engine, self.b, self.b_device, self.b_dtype, self._b_follow = self._side_form(
+            "b", DEFAULT_B if b is None else b
+        )
         self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=2048, description="max tokens")
         self.run_button = W.Button(description="Run", button_style="primary")
         self.status = W.HTML()
@@ -259,7 +271,9 @@ class DivergenceExplorer:
         self.tokens.value = tokens_html(report)
         charts.update_figure(self.margin_figure, margin_chart(report))
         layers = layer_chart(report)
-        self.layer_note.value = layer_note_html(report) or ("" if layers else f"<i>{html.escape(no_layers_words(report))}</i>")
+        self.layer_note.value = layer_note_html(report) or (
+            "" if layers else f"<i>{html.escape(no_layers_words(report))}</i>"
+        )
         if layers is not None:
             charts.update_figure(self.layer_figure, layers)
         self.layer_box.children = [self.layer_figure] if layers is not None else []  # no empty axes

@@ -79,8 +79,12 @@ def choice_words(side: str, tok) -> str:
     second = tok.top[1].text if len(tok.top) > 1 and math.isfinite(tok.margin) else None
     if is_tie(tok):
         return f"side {side} picks {tok.text!r} in {tie_words(tok)}"
-    return (f"side {side} picks {tok.text!r} as {margin_words(tok)}" if not math.isfinite(tok.margin) else
-            f"side {side} picks {tok.text!r} by {margin_words(tok)}" + (f" over {second!r}" if second is not None else ""))
+    return (
+        f"side {side} picks {tok.text!r} as {margin_words(tok)}"
+        if not math.isfinite(tok.margin)
+        else f"side {side} picks {tok.text!r} by {margin_words(tok)}"
+        + (f" over {second!r}" if second is not None else "")
+    )
 
 
 def _closest(report, before: int | None = None):

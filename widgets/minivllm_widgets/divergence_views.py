@@ -94,8 +94,11 @@ def tokens_html(report) -> str:
         head = f"<b>no divergence</b>: both sides generated the same {len(report.a_token_ids)} tokens"
         body = f"<div style='line-height:1.9'>{prefix}</div>"
     else:
-        head = (f"<b>first divergence at generated token {token_number(split)}</b> after {fd.identical_tokens} identical tokens "
-                f"({fd.identical_chars} characters)")
+        head = (
+            f"<b>first divergence at generated token {token_number(split)}</b> "
+            f"after {fd.identical_tokens} identical tokens "
+            f"({fd.identical_chars} characters)"
+        )
         body = (f"<div><b>shared</b> ({shared_n} tokens)</div><div style='line-height:1.9'>{prefix}</div>"
                 f"<div><b>a</b> {html.escape(_opts_text(report.a_options))}</div>"
                 f"<div style='line-height:1.9'>{after_split('a')}</div>"
@@ -159,10 +162,14 @@ def topk_html(report, position: int) -> str:
         if tok is None:
             cols.append(f"<td><b>{side}</b>: ended</td>")
             continue
-        rows = "".join(f"<tr><td>{html.escape(repr(t.text))}</td><td>{t.token_id}</td><td>{t.logit:.4f}</td></tr>" for t in tok.top)
+        rows = "".join(
+            f"<tr><td>{html.escape(repr(t.text))}</td><td>{t.token_id}</td><td>{t.logit:.4f}</td></tr>" for t in tok.top
+        )
         how = (f"<br><b>{html.escape(tie_words(tok))}</b>" if is_tie(tok) else f" ({html.escape(margin_words(tok))})")
-        cols.append(f"<td style='vertical-align:top'><b>{side}</b> chose {html.escape(repr(tok.text))}{how}"
-                    f"<table style='font:11px monospace'><tr><th>text</th><th>id</th><th>logit</th></tr>{rows}</table></td>")
+        cols.append(
+            f"<td style='vertical-align:top'><b>{side}</b> chose {html.escape(repr(tok.text))}{how}"
+            f"<table style='font:11px monospace'><tr><th>text</th><th>id</th><th>logit</th></tr>{rows}</table></td>"
+        )
     return f"<div>top-k logits at generated token {token_number(position)}</div><table><tr>{''.join(cols)}</tr></table>"
 
 
@@ -170,6 +177,10 @@ def report_html(report, position: int | None = None) -> str:
     """Every view of one report as static HTML."""
     if position is None:
         position = starting_position(report)
-    return summary_html(report) + tokens_html(report) + margins_html(report) + topk_html(report, position) + layers_html(report)
-
-
+    return (
+        summary_html(report)
+        + tokens_html(report)
+        + margins_html(report)
+        + topk_html(report, position)
+        + layers_html(report)
+    )

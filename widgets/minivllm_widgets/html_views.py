@@ -43,7 +43,9 @@ def _secs(v) -> str:
 def queues_html(view: dict) -> str:
     parts = []
     for name, w in view.items():
-        counts = {q: sum(r["queue"] == q for r in w["requests"]) for q in ("running", "waiting", "preempted", "finished")}
+        counts = {
+            q: sum(r["queue"] == q for r in w["requests"]) for q in ("running", "waiting", "preempted", "finished")
+        }
         title = (f"<b>{html.escape(name)}</b> ({html.escape(w['device'])}, {html.escape(w['state'])}): "
                  f"{counts['running']} running, {counts['waiting']} waiting, {counts['preempted']} preempted"
                  + (f", {counts['finished']} just finished" if counts["finished"] else ""))
@@ -70,8 +72,11 @@ def kv_caption_html(name: str, w: dict | None) -> str:
 
 
 def kv_legend_html() -> str:
-    swatches = "".join(f'<span style="display:inline-block;width:10px;height:10px;background:rgb{c};margin:0 4px 0 10px">'
-                       f'</span>{html.escape(LEGEND[s])}' for s, c in COLOURS.items())
+    swatches = "".join(
+        f'<span style="display:inline-block;width:10px;height:10px;background:rgb{c};margin:0 4px 0 10px">'
+        f"</span>{html.escape(LEGEND[s])}"
+        for s, c in COLOURS.items()
+    )
     return f"<div style='font:12px sans-serif'>{swatches}</div>"
 
 
@@ -94,7 +99,9 @@ def router_html(view: dict) -> str:
             cells.append(f"{mark}{html.escape(c['worker'])}{state}: {c['active']} active / {c['queued']} queued, "
                          f"cached {c['cached']} tokens, prefill {_secs(c['prefill_s'])} + decode {_secs(c['decode_s'])}"
                          f" (finish {_secs(c['finish_s'])}) → <b>{_secs(c['score'])}</b>")
-        rows.append([html.escape(d["request_id"]), html.escape(d["reason"]), "<br>".join(cells), html.escape(d["chosen"])])
+        rows.append(
+            [html.escape(d["request_id"]), html.escape(d["reason"]), "<br>".join(cells), html.escape(d["chosen"])]
+        )
     table = _table(["request", "reason", "candidates (score = max(prefill + decode, finish), seconds; lowest wins)",
                     "chosen"], rows)
     return f"<div>router: <b>{html.escape(view['policy'])}</b></div>" + (table if rows else "<i>no decisions yet</i>")

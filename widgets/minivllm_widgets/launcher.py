@@ -79,8 +79,13 @@ class Launcher:
         d = {name: defaults.get(name, option_default(name)) for name in _ENGINE_CONTROLS}
         self.kv_mode = W.Dropdown(options=list(KV_MODES), value=d["kv_mode"], description="KV mode")
         self.page_size = W.BoundedIntText(value=d["page_size"], min=1, max=4096, description="page size")
-        self.max_model_len = W.BoundedIntText(value=d["max_model_len"] or 0, min=0, max=131072, description="max len (0: auto)",
-                                              tooltip="0 = the engine's default: min(model context, 4096)")
+        self.max_model_len = W.BoundedIntText(
+            value=d["max_model_len"] or 0,
+            min=0,
+            max=131072,
+            description="max len (0: auto)",
+            tooltip="0 = the engine's default: min(model context, 4096)",
+        )
         self.prefix_cache = W.Checkbox(value=d["prefix_cache"] is not False, description="prefix cache", indent=False)
         self.publication = W.Dropdown(options=list(PUBLICATIONS), value=d["publication"], description="publish")
         self.single_flight = W.Dropdown(options=list(SINGLE_FLIGHT), value=d["single_flight"],
@@ -90,7 +95,9 @@ class Launcher:
         self.tv_budget = W.BoundedFloatText(value=d["tv_budget"], min=0.0, max=1.0, step=0.05, description="TV budget")
         self.router = W.Dropdown(options=["cost", "round-robin", "least-loaded"], value="cost", description="router")
         # Ray: the same workers as actors on the nodes of a Ray cluster (Cluster(backend="ray")).
-        self.backend = W.Dropdown(options=["local", "ray"], value=defaults.get("backend", "local"), description="backend")
+        self.backend = W.Dropdown(
+            options=["local", "ray"], value=defaults.get("backend", "local"), description="backend"
+        )
         self.ray_address = W.Text(value=defaults.get("ray_address") or "auto", description="Ray address",
                                   placeholder="auto, ray://HOST:10001, or local")
         self.batch_invariant = W.Checkbox(value=d["batch_invariant"], description="batch-invariant", indent=False)

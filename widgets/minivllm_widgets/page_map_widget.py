@@ -20,8 +20,7 @@ import json
 
 import ipywidgets as W
 
-from minivllm_widgets.page_grid import (COLOURS, MAX_HEIGHT_PX, SHARED2, STATES, WIDTH_PX, grid_layout,
-                                        render_codes_png)
+from minivllm_widgets.page_grid import COLOURS, MAX_HEIGHT_PX, SHARED2, STATES, WIDTH_PX, grid_layout, render_codes_png
 
 _ESM = """
 const STATES = %(states)s;

@@ -35,7 +35,11 @@ def queues_view(snapshot: dict) -> dict:
                                  "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
                                  "restored_tokens": r["restored_tokens"], "flight": r.get("flight")})
         node = (w.get("location") or {}).get("node_ip")  # Ray workers: the node they run on
-        out[w["name"]] = {"state": w["state"], "device": w["device"] + (f" on {node}" if node else ""), "requests": rows}
+        out[w["name"]] = {
+            "state": w["state"],
+            "device": w["device"] + (f" on {node}" if node else ""),
+            "requests": rows,
+        }
     return out
 
 
@@ -49,10 +53,18 @@ def kv_view(snapshot: dict) -> dict:
             continue
         kv, cache = snap["kv"], snap["prefix_cache"]
         codes = page_codes(kv["page_states"], kv["ref_counts"])
-        out[w["name"]] = {"codes": codes, "owners": page_owners(snap), "counts": counts_from_codes(codes), "total": kv["total_pages"],
-                          "page_size": kv["page_size"], "hits": cache["hits"], "lookups": cache["lookups"],
-                          "restored_tokens": cache["restored_tokens"], "flights": len(cache["flights"]),
-                          "state": w.get("state")}
+        out[w["name"]] = {
+            "codes": codes,
+            "owners": page_owners(snap),
+            "counts": counts_from_codes(codes),
+            "total": kv["total_pages"],
+            "page_size": kv["page_size"],
+            "hits": cache["hits"],
+            "lookups": cache["lookups"],
+            "restored_tokens": cache["restored_tokens"],
+            "flights": len(cache["flights"]),
+            "state": w.get("state"),
+        }
     return out
 
 

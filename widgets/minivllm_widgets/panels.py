@@ -141,7 +141,9 @@ class KVPanel(Panel):
     def build(self):
         self._maps: dict[str, W.Widget] = {}
         # crisp cells in the PNG fallback too (JupyterLab would smooth a scaled image)
-        self._legend = W.HTML("<style>.minivllm-kv img{image-rendering:pixelated}</style>" + html_views.kv_legend_html())
+        self._legend = W.HTML(
+            "<style>.minivllm-kv img{image-rendering:pixelated}</style>" + html_views.kv_legend_html()
+        )
         return W.VBox([self._legend])
 
     def view(self, snapshot):

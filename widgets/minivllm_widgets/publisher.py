@@ -23,7 +23,9 @@ class Publisher:
     def __init__(self, source, panels: list, *, max_hz: float = 10.0):
         """`source()` returns the latest cluster snapshot or None (no cluster running)."""
         if not 0 < max_hz <= MAX_HZ:
-            raise ValueError(f"max_hz must be in (0, {MAX_HZ}]: the Jupyter server drops widget messages beyond ~1000/s")
+            raise ValueError(
+                f"max_hz must be in (0, {MAX_HZ}]: the Jupyter server drops widget messages beyond ~1000/s"
+            )
         self.source = source
         self.panels = list(panels)
         self.period = 1.0 / max_hz

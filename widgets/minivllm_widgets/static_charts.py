@@ -64,7 +64,9 @@ def chart_svg(chart, width: int = WIDTH, height: int = HEIGHT) -> str:
         value = lo_y + frac * span_y
         shown = 10 ** value if chart.y_log else value
         y = TOP + plot_h - frac * plot_h
-        parts.append(f'<text x="{LEFT - 4}" y="{y + 3:.1f}" text-anchor="end" {_TEXT}>{_label(shown, chart.y_log)}</text>')
+        parts.append(
+            f'<text x="{LEFT - 4}" y="{y + 3:.1f}" text-anchor="end" {_TEXT}>{_label(shown, chart.y_log)}</text>'
+        )
     ends = (labels[0], labels[-1]) if categorical else (lo_x, hi_x)
     parts.append(f'<text x="{LEFT}" y="{height - 4}" {_TEXT}>{html.escape(_x_label(chart, ends[0]))}</text>')
     parts.append(f'<text x="{width - RIGHT}" y="{height - 4}" text-anchor="end" {_TEXT}>'
@@ -77,16 +79,20 @@ def chart_svg(chart, width: int = WIDTH, height: int = HEIGHT) -> str:
         for x, y in list(zip(s.x, s.y)) + [(None, None)]:
             if y is None or (chart.y_log and y <= 0):
                 if segment:
-                    parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{" ".join(segment)}"/>'
-                                 if len(segment) > 1 else
-                                 f'<circle r="2" fill="{colour}" cx="{segment[0].split(",")[0]}" cy="{segment[0].split(",")[1]}"/>')
+                    parts.append(
+                        f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{" ".join(segment)}"/>'
+                        if len(segment) > 1
+                        else '<circle r="2" fill="{}" cx="{}" cy="{}"/>'.format(colour, *segment[0].split(",")[:2])
+                    )
                 segment = []
                 continue
             segment.append(f"{px(x):.1f},{py(y):.1f}")
     if chart.mark_x is not None:
         x = px(chart.mark_x)
-        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#999" stroke-dasharray="3"/>'
-                     f'<text x="{x + 3:.1f}" y="{TOP + 9}" {_TEXT}>{html.escape(chart.mark_label)}</text>')
+        parts.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#999" stroke-dasharray="3"/>'
+            f'<text x="{x + 3:.1f}" y="{TOP + 9}" {_TEXT}>{html.escape(chart.mark_label)}</text>'
+        )
     legend = " ".join(f'<span style="color:{PALETTE[i % len(PALETTE)]}">■ {html.escape(s.name)}</span>'
                       for i, s in enumerate(chart.series))
     return (f"{head} {legend}{notes}</div><svg class='minivllm-static-chart' width='{width}' height='{height}' "

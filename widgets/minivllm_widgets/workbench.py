@@ -124,9 +124,12 @@ class Workbench:
         for i, p in enumerate(details):
             tables.set_title(i, p.title)
         tables.selected_index = 0  # the queues open
-        self.beside = W.Button(description="open beside the notebook", icon="columns",
-                               tooltip="the dashboard in JupyterLab's side panel, in view while you run the cells below",
-                               layout=W.Layout(width="auto"))
+        self.beside = W.Button(
+            description="open beside the notebook",
+            icon="columns",
+            tooltip="the dashboard in JupyterLab's side panel, in view while you run the cells below",
+            layout=W.Layout(width="auto"),
+        )
         self.beside.on_click(lambda _: self.open_beside())
         box = W.VBox([W.HBox([self.live.widget, self.beside]), by_class["HeadlinePanel"].widget, row, tables])
         box.add_class("minivllm-dashboard")
@@ -140,7 +143,9 @@ class Workbench:
         try:
             from sidecar import Sidecar
         except ImportError:
-            raise ImportError("open_beside() needs sidecar (in minivllm's notebook extra): pip install sidecar") from None
+            raise ImportError(
+                "open_beside() needs sidecar (in minivllm's notebook extra): pip install sidecar"
+            ) from None
         self._sidecar = Sidecar(title=title, anchor="split-right")
         with self._sidecar:
             display(self.dashboard)

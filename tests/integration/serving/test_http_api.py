@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import REPO_ROOT
+
 from minivllm.engine.llm import LLM
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
@@ -63,8 +63,10 @@ def wait_until_idle(cluster, worker: str = "cpu", timeout: float = 15.0) -> dict
         if idle and kv["available_pages"] == kv["total_pages"]:
             return snap
         if time.monotonic() > deadline:
-            raise AssertionError(f"worker still busy or holding pages after {timeout} s: "
-                                 f"running={len(queues['running'])} available={kv['available_pages']}/{kv['total_pages']}")
+            raise AssertionError(
+                f"worker still busy or holding pages after {timeout} s: "
+                f"running={len(queues['running'])} available={kv['available_pages']}/{kv['total_pages']}"
+            )
         time.sleep(0.1)
 
 
@@ -224,7 +226,9 @@ def test_streaming_client_disconnect_aborts_and_frees_pages(server):
 
 def test_non_streaming_client_disconnect_aborts_and_frees_pages(server):
     srv, cluster = server
-    aborted = next(w for w in cluster.snapshot(fresh=True)["workers"] if w["name"] == "cpu")["snapshot"]["counters"]["finished_abort"]
+    aborted = next(w for w in cluster.snapshot(fresh=True)["workers"] if w["name"] == "cpu")["snapshot"]["counters"][
+        "finished_abort"
+    ]
     # Walk away once the worker is generating, not after a fixed time: a fast machine
     # finished the whole request inside a 1.5 s client timeout.
     body = json.dumps({"prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}).encode()
@@ -233,7 +237,9 @@ def test_non_streaming_client_disconnect_aborts_and_frees_pages(server):
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + 30
-        while not next(w for w in cluster.snapshot(fresh=True)["workers"] if w["name"] == "cpu")["snapshot"]["queues"]["running"]:
+        while not next(w for w in cluster.snapshot(fresh=True)["workers"] if w["name"] == "cpu")["snapshot"]["queues"][
+            "running"
+        ]:
             assert time.monotonic() < deadline, "the request never started running"
             time.sleep(0.02)
     snap = wait_until_idle(cluster)
@@ -254,12 +260,21 @@ def test_metrics_are_present_and_move(server, client):
         time.sleep(0.05)
     for name in ("minivllm_time_to_first_token_seconds_count", "minivllm_e2e_request_latency_seconds_count"):
         assert after[name + w] == before.get(name + w, 0) + 1
-    assert after["minivllm_inter_token_latency_seconds_count" + w] >= before.get("minivllm_inter_token_latency_seconds_count" + w, 0) + n - 1
+    assert (
+        after["minivllm_inter_token_latency_seconds_count" + w]
+        >= before.get("minivllm_inter_token_latency_seconds_count" + w, 0) + n - 1
+    )
     assert after["minivllm_generation_tokens_total" + w] == before.get("minivllm_generation_tokens_total" + w, 0) + n
     assert after["minivllm_prefix_cache_queries_total" + w] == before["minivllm_prefix_cache_queries_total" + w] + 1
-    for gauge in ("minivllm_num_requests_running", "minivllm_num_requests_waiting", "minivllm_kv_cache_usage_perc",
-                  "minivllm_worker_up", "minivllm_prefix_cache_hits_total", "minivllm_spec_decode_num_draft_tokens_total",
-                  "minivllm_spec_decode_num_accepted_tokens_total"):
+    for gauge in (
+        "minivllm_num_requests_running",
+        "minivllm_num_requests_waiting",
+        "minivllm_kv_cache_usage_perc",
+        "minivllm_worker_up",
+        "minivllm_prefix_cache_hits_total",
+        "minivllm_spec_decode_num_draft_tokens_total",
+        "minivllm_spec_decode_num_accepted_tokens_total",
+    ):
         assert gauge + w in after, gauge
     assert after["minivllm_worker_up" + w] == 1.0
     assert after["minivllm_requests_open"] == 0 and after["minivllm_duplicate_terminal_events_total"] == 0
@@ -332,4 +347,7 @@ def test_chat_content_cannot_forge_control_tokens(server, client, reference):
     text, ids = reference.tokenizer.encode_chat(attack)
     forged = reference.tokenizer.encode(text)
     assert r.usage.prompt_tokens == len(ids) != len(forged)
-    assert sum(reference.tokenizer.is_special(i) for i in ids) == sum(reference.tokenizer.is_special(i) for i in forged) - 3
+    assert (
+        sum(reference.tokenizer.is_special(i) for i in ids)
+        == sum(reference.tokenizer.is_special(i) for i in forged) - 3
+    )

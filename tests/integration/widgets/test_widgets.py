@@ -8,22 +8,31 @@ comm, so the bound holds for whatever the panels do internally.
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
+
+from minivllm.engine.llm import LLM
+from minivllm.sampling.sampling_params import SamplingParams
 
 W = pytest.importorskip("ipywidgets")
 
-from conftest import REPO_ROOT
-from minivllm.engine.llm import LLM
-from minivllm.sampling.sampling_params import SamplingParams
-from minivllm_widgets import Publisher, Workbench
-from minivllm_widgets.page_grid import COLOURS, counts_from_codes, grid_layout, grid_shape, page_codes, render_page_grid
-from minivllm_widgets.panel_state import ThroughputTracker, kv_view, queues_view, router_view
-from minivllm_widgets.panels import default_panels
+# The widgets package imports ipywidgets, so it comes after the skip.
+from minivllm_widgets import Publisher, Workbench  # noqa: E402
+from minivllm_widgets.page_grid import (  # noqa: E402
+    COLOURS,
+    counts_from_codes,
+    grid_layout,
+    grid_shape,
+    page_codes,
+    render_page_grid,
+)
+from minivllm_widgets.panel_state import ThroughputTracker, kv_view, queues_view, router_view  # noqa: E402
+from minivllm_widgets.panels import default_panels  # noqa: E402
 
 
 def decode_png(data: bytes) -> np.ndarray:
@@ -124,7 +133,11 @@ def test_router_view_keeps_terms_and_choice():
 
 def test_throughput_tracker_differences_counters():
     tr = ThroughputTracker()
-    snap = lambda t, d, p: {"time": t, "workers": [{"name": "w", "snapshot": {"counters": {"decode_tokens": d, "prefill_tokens": p}}}]}
+    def snap(t, d, p):
+        return {
+            "time": t,
+            "workers": [{"name": "w", "snapshot": {"counters": {"decode_tokens": d, "prefill_tokens": p}}}],
+        }
     assert tr.update(snap(0.0, 0, 0)) == {}
     assert tr.update(snap(2.0, 100, 50)) == {"w": [(2.0, 50.0, 25.0)]}
     assert tr.update(snap(3.0, 10, 0))["w"] == [(2.0, 50.0, 25.0)]  # counters reset (restart): skipped
@@ -238,13 +251,22 @@ def _committed_report():
     """The committed GEMM-vs-GEMV case, as the DivergenceReport it was saved from."""
     import json as _json
 
-    from minivllm.debug.divergence_report import (DivergenceReport, FirstDivergence, LayerDiff, PositionRecord,
-                                                  ReplayCheck, SideToken, TopToken)
+    from minivllm.debug.divergence_report import (
+        DivergenceReport,
+        FirstDivergence,
+        LayerDiff,
+        PositionRecord,
+        ReplayCheck,
+        SideToken,
+        TopToken,
+    )
 
     d = _json.loads((REPO_ROOT / "data" / "divergence" / "smollm2-gemm-vs-gemv.json").read_text())
-    side = lambda t: None if t is None else SideToken(t["token_id"], t["text"], [TopToken(**x) for x in t["top"]],
-                                                      t["margin"])
-    top = lambda t: None if t is None else TopToken(**t)
+    def side(t):
+        return None if t is None else SideToken(t["token_id"], t["text"], [TopToken(**x) for x in t["top"]],
+                                                          t["margin"])
+    def top(t):
+        return None if t is None else TopToken(**t)
     fd = d["first_divergence"]
     return DivergenceReport(**{
         **d, "records": [PositionRecord(r["position"], side(r["a"]), side(r["b"])) for r in d["records"]],
@@ -310,8 +332,9 @@ def test_divergence_explorer_side_form_builds_compares_sides():
 
 def test_throughput_tracker_records_step_latency():
     tr = ThroughputTracker()
-    snap = lambda t, d, idx, dur: {"time": t, "workers": [{"name": "w", "snapshot": {
-        "counters": {"decode_tokens": d, "prefill_tokens": 0}, "last_step": {"index": idx, "duration_s": dur}}}]}
+    def snap(t, d, idx, dur):
+        return {"time": t, "workers": [{"name": "w", "snapshot": {
+            "counters": {"decode_tokens": d, "prefill_tokens": 0}, "last_step": {"index": idx, "duration_s": dur}}}]}
     tr.update(snap(0.0, 0, 0, 0.0))  # no step yet: nothing
     tr.update(snap(1.0, 10, 5, 0.02))
     tr.update(snap(2.0, 10, 5, 0.02))  # idle: the same step again is not a new measurement
@@ -322,8 +345,9 @@ def test_throughput_tracker_records_step_latency():
 def test_throughput_is_smooth_when_polls_outpace_snapshots():
     """Snapshots every 0.25 s polled at 10 Hz: no saw-tooth between 0 and spikes."""
     tr = ThroughputTracker()
-    snap = lambda t, d: {"time": t, "workers": [{"name": "w", "snapshot": {"counters": {"decode_tokens": d,
-                                                                                          "prefill_tokens": 0}}}]}
+    def snap(t, d):
+        return {"time": t, "workers": [{"name": "w", "snapshot": {"counters": {"decode_tokens": d,
+                                                                                              "prefill_tokens": 0}}}]}
     for i in range(60):
         t = i * 0.1
         series = tr.update(snap(t, int(t / 0.25) * 10))  # 40 tok/s, counted in steps of 10
@@ -358,7 +382,9 @@ def test_two_requests_on_one_prefix_share_its_pages(llm):
     """A real prefix hit: while both run, the common full pages have two holders."""
     engine = llm.engine
     ps = engine.pool.page_size
-    common = llm.tokenizer.encode("You are a patient teacher. Explain one idea in a short paragraph, with one example. " * 3)
+    common = llm.tokenizer.encode(
+        "You are a patient teacher. Explain one idea in a short paragraph, with one example. " * 3
+    )
     a = engine.add_request(common + llm.tokenizer.encode(" Gravity."), SamplingParams(temperature=0, max_tokens=32))
     for _ in range(4):
         engine.step()  # a's prompt is in and published (incremental publication)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import math
 
+from test_chart_data import _report
+
+from minivllm.obs.machine import numerics_differences, same_cpu_numerics
 from minivllm_widgets.divergence_story import (
     magnitude_words,
     starting_position,
     summary_sentence,
 )
 from minivllm_widgets.divergence_views import layers_html, tokens_html, topk_html
-from test_chart_data import _report
-
-from minivllm.obs.machine import numerics_differences, same_cpu_numerics
 
 
 def test_magnitude_words_name_the_rounding_level():
@@ -64,5 +64,7 @@ def test_machine_lines_show_only_what_differs():
     here = {"cpu": "EPYC", "isa": ["avx2", "avx512f", "avx512_bf16"], "torch": "2.5", "torch_cpu_capability": "avx512",
             "blas": "mkl", "torch_threads": 2}
     there = {**here, "isa": ["avx2", "avx512f"]}
-    assert numerics_differences(here, there) == ["isa: only the first has avx512_bf16; only the second has nothing more"]
+    assert numerics_differences(here, there) == [
+        "isa: only the first has avx512_bf16; only the second has nothing more"
+    ]
     assert not same_cpu_numerics(here, there) and numerics_differences(here, dict(here)) == []
