@@ -33,16 +33,47 @@ DEADLINE_S = 120.0  # liveness only
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def worker_processes() -> set[tuple[int, str]]:
-    """(pid, status) of every worker process below this one, zombies included."""
-    found = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE or "minivllm.serving.worker" in " ".join(child.cmdline()):
-                found.add((child.pid, child.status()))
-        except psutil.NoSuchProcess:
-            pass
-    return found
+class WorkerPids:
+    """Every worker process this test's cluster starts, seen by polling this process's
+    children (`minivllm.serving.worker` in the command line) while the test runs. Only
+    those pids are checked afterwards: a full session's other children (servers of other
+    modules) may exit and sit unreaped meanwhile, and are not this cluster's."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self._before = {pid for pid, _ in self._workers()}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _workers() -> set[tuple[int, str]]:
+        found = set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if "minivllm.serving.worker" in " ".join(child.cmdline()):
+                    found.add((child.pid, child.status()))
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                pass
+        return found
+
+    def _poll(self) -> None:
+        while not self._done.wait(0.01):
+            self.seen |= {pid for pid, _ in self._workers()} - self._before
+
+    def left(self) -> set[tuple[int, str]]:
+        """(pid, status) of this cluster's workers still in the process table, zombies included."""
+        out = set()
+        for pid in self.seen:
+            try:
+                out.add((pid, psutil.Process(pid).status()))
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def wait_for(predicate, what: str, timeout: float = DEADLINE_S) -> None:
@@ -59,7 +90,7 @@ def healer_running() -> bool:
 def test_a_worker_that_cannot_start_is_not_restarted_forever(smollm2_path, tmp_path):
     model = tmp_path / "model.gguf"
     shutil.copy(smollm2_path, model)
-    baseline = worker_processes()  # other tests' workers in this session, if any
+    pids = WorkerPids()
     with Cluster(str(model), ["cpu:1"], calibrate=False, max_model_len=256, max_worker_restarts=2) as cluster:
         stream = cluster.submit("Count to ten:", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         wait_for(lambda: stream.token_ids, "a first token")
@@ -80,7 +111,8 @@ def test_a_worker_that_cannot_start_is_not_restarted_forever(smollm2_path, tmp_p
         assert "max_worker_restarts=2" in r["gave_up"] and str(model) in r["gave_up"], r["gave_up"]
         assert "killed by SIGKILL" in r["last_cause"]
         # Nothing left behind: no worker process, not even a zombie, and no more attempts.
-        assert worker_processes() - baseline == set()
+        assert len(pids.seen) >= 3, pids.seen  # the first worker and the two failed attempts were seen
+        assert pids.left() == set()
         assert cluster.health()["workers"][0]["restarts"]["automatic"] == 2
         with pytest.raises(NoWorkerAvailable):
             cluster.submit("Hello", SamplingParams(max_tokens=2))
@@ -93,7 +125,8 @@ def test_a_worker_that_cannot_start_is_not_restarted_forever(smollm2_path, tmp_p
         assert health["status"] == "ok" and (r["state"], r["manual"], r["in_window"]) == ("up", 1, 0), health
         again = cluster.submit("Name a colour:", SamplingParams(temperature=0.0, max_tokens=3))
         assert again.result(60).finish_reason in ("stop", "length") and again.error is None
-    assert worker_processes() - baseline == set()
+    pids.stop()
+    assert pids.left() == set()
 
 
 def test_a_restarted_worker_takes_its_predecessors_rates_instead_of_calibrating(smollm2_path):
