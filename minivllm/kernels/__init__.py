@@ -25,7 +25,7 @@ summed in slice order, no atomics), whose launch shape per (type, N, K) comes fr
 per-GPU table (`gemv_configs.json`, written by `scripts/gemv_sweep.py` on that GPU);
 several rows share one decode of each weight field (up to 8 per program); `q8_gemv.py`
 (int8 activations per group of 32 and `dp4a`, same tiling, every repacked type) serves
-f16/bf16 activations on the T4 path and natively with `MINIVLLM_Q8_GEMV=1`. Every
+f16/bf16 activations only when asked for by name (`MINIVLLM_Q8_GEMV=1`, on any GPU). Every
 capability-based choice (bf16, the int8 path, the table row) reads `gpu_profile.py`, and
 `MINIVLLM_GPU_PROFILE=sm75` makes them a T4's on any GPU. A type whose kernel fails to
 compile falls back to dequantize + cuBLAS with a warning naming it. With

@@ -2,8 +2,10 @@
 
 `MINIVLLM_GPU_PROFILE=sm75` makes the engine choose, on any NVIDIA GPU, exactly what it
 would choose on a T4 (sm_75): f16 activations (bf16 refused), no `tl.dot`, the T4's GEMV
-launch table (`gemv_configs.json`, key "sm75") and the int8-activation (`dp4a`) GEMV
-for the types that have it. So the T4 path can be run and tested on a lent H100/H200.
+launch table (`gemv_configs.json`, key "sm75"). So the T4 path can be run and tested on a
+lent H100/H200. The int8-activation (`dp4a`) GEMV is never a default, a T4's included: it
+rounds activations to 8 bits, a precision nobody asked for by choosing f16, so it runs only
+under its own name (`MINIVLLM_Q8_GEMV=1`).
 Unset (or `native`), the device's own capability decides.
 
 Why a profile and not per-call checks: the choices (dtype, GEMV kernel, config table)
@@ -42,13 +44,12 @@ class GpuProfile:
 
     @property
     def int8_gemv(self) -> bool:
-        """The int8-activation GEMV, for f16/bf16 activations (float32 stays float32):
-        always on the T4 path (its float32 FMA rate makes the float decode compute-bound
-        there), else opt-in (MINIVLLM_Q8_GEMV=1): it rounds activations to 8 bits per group
-        as llama.cpp does, and the greedy-agreement tests on real files have not run with
-        it on a GPU yet."""
-        if self.capability < (8, 0):
-            return True
+        """The int8-activation GEMV, for f16/bf16 activations (float32 stays float32), on
+        every profile only when asked for by name (MINIVLLM_Q8_GEMV=1): it rounds
+        activations to 8 bits per group as llama.cpp does, a lower precision than the f16
+        the user chose. On a T4 it is likely the faster path (its float32 FMA rate makes
+        the float decode compute-bound there), which is why the T4 profile's runs report
+        it beside the float one."""
         return os.environ.get("MINIVLLM_Q8_GEMV") == "1"
 
 

@@ -16,8 +16,9 @@ holds element p * 8 + t in byte p (activation word t). Integer sums are exact, s
 result equals dequant(W) @ (xq * dx) up to float32 rounding of the per-group terms: the
 tests hold it to that reference with the float32 bound.
 
-Not measured on a GPU yet: it is off unless MINIVLLM_Q8_GEMV=1, and it changes the
-numerics (activations rounded to 8 bits per group, as llama.cpp does).
+Off unless MINIVLLM_Q8_GEMV=1, on every GPU: it changes the numerics (activations rounded
+to 8 bits per group, as llama.cpp does), so it runs only under its own name
+(benchmarks/results/h100-issue41-vs-llama-cpp.md has its H100 rows).
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@ def test_sm75_profile_is_a_t4(monkeypatch):
     monkeypatch.setenv(PROFILE_ENV, "sm75")
     p = gpu_profile()
     assert (p.name, p.capability, p.table_key, p.sm_count) == ("sm75", (7, 5), "sm75", 40)
-    assert not p.bf16 and not p.tensor_core_dot and p.int8_gemv
+    monkeypatch.delenv("MINIVLLM_Q8_GEMV", raising=False)
+    assert not p.bf16 and not p.tensor_core_dot and not p.int8_gemv  # lower precision only by name
+    monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
+    assert p.int8_gemv
 
 
 def test_native_profile_uses_the_device_or_sm90_without_one(monkeypatch):
@@ -42,15 +45,19 @@ def test_unknown_profile_is_refused_naming_the_setting(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs the interpreter or a GPU")
-@pytest.mark.parametrize("profile,expect_q8", [("sm75", True), ("native", False)])
-def test_repacked_dispatch_takes_the_int8_path_on_the_t4_profile(monkeypatch, profile, expect_q8):
+@pytest.mark.parametrize("profile", ["sm75", "native"])
+@pytest.mark.parametrize("expect_q8", [True, False], ids=["q8-asked", "default"])
+def test_repacked_dispatch_takes_the_int8_path_only_when_asked(monkeypatch, profile, expect_q8):
     from minivllm.kernels.repacked_layout import repack
     from minivllm.kernels.triton import q8_gemv as q8
     from minivllm.kernels.triton import tiled_gemv as tg
     from minivllm.kernels.triton.repacked_gemv import repacked_gemv
 
     monkeypatch.setenv(PROFILE_ENV, profile)
-    monkeypatch.delenv("MINIVLLM_Q8_GEMV", raising=False)
+    if expect_q8:
+        monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
+    else:
+        monkeypatch.delenv("MINIVLLM_Q8_GEMV", raising=False)
     device = "cpu" if INTERPRETED else "cuda"
     called = []
     real_q8, real_tiled = q8.q8_gemv, tg.tiled_gemv
@@ -67,11 +74,6 @@ def test_repacked_dispatch_takes_the_int8_path_on_the_t4_profile(monkeypatch, pr
     called.clear()
     repacked_gemv(x.float(), w)
     assert called == ["tiled"]
-    # On the native profile the int8 path is an opt-in switch.
-    called.clear()
-    monkeypatch.setenv("MINIVLLM_Q8_GEMV", "1")
-    repacked_gemv(x, w)
-    assert called == ["q8"]
 
 
 @pytest.mark.cuda
