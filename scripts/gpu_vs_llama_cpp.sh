@@ -5,6 +5,7 @@
 #   run 1:    cd DEST && source env.sh && cd tree && bash scripts/gpu_vs_llama_cpp.sh 1
 #   run 2:    (the same, with 2) right after run 1, on the same warm machine
 #   here:     python3 scripts/gpu_vs_llama_cpp_table.py run1.tgz run2.tgz   # the one JSON + Markdown table
+#   any time: ... profile   # pytest -m cuda in both profiles, then a profile of decode steps (no peer)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -21,7 +22,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -76,7 +77,20 @@ run_pytest() {  # both profiles side by side, each under the time left minus RES
   stamp "pytest sm75 exit $e2: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
 }
 
-if [ "$MODE" = 3 ]; then
+if [ "$MODE" = profile ]; then
+  # Where a decode step's time goes (scripts/profile_decode_step.py), with both pytest
+  # profiles first (they share the GPU with the synthetic-file writer, not with the profile).
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; } > "$R/device.txt" 2>&1
+  ( synthetic qwen2.5-0.5b-q4_k_m; synthetic qwen2.5-7b-q4_k_m ) > "$W/synthetic.log" 2>&1 &
+  sp=$!
+  RESERVE=${RESERVE:-300} run_pytest
+  wait $sp
+  P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
+  step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
+  step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "profile eager 7b 512" "$R/profile-eager.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 512 --eager
+  cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
+elif [ "$MODE" = 3 ]; then
   # A third run (a fresh machine is fine): both pytest profiles again, then the int8 GEMV and
   # the T4 profile beside the native path and llama.cpp (rebuilt here in the background).
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; } > "$R/device.txt" 2>&1

@@ -68,7 +68,7 @@ cat > "$DEST/env.sh" <<ENV
 # Source on the GPU machine: installs the staged wheels once, then sets the offline environment.
 HERE=\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)
 [ -d "\$HERE/site" ] || python3 -m pip install -q --no-index --no-deps --target "\$HERE/site" "\$HERE"/wheels/*.whl
-export PYTHONPATH="\$HERE/site:\$HERE/tree" PYTHONUNBUFFERED=1 MINIVLLM_CACHE="\$HERE/cache" MINIVLLM_OFFLINE=1 \\
+export PYTHONPATH="\$HERE/site:\$HERE/tree:\$HERE/tree/widgets" PYTHONUNBUFFERED=1 MINIVLLM_CACHE="\$HERE/cache" MINIVLLM_OFFLINE=1 \\
        MINIVLLM_TEST_SKIP_MISSING_MODELS=1 HF_HUB_OFFLINE=1 MINIVLLM_COMMIT=$COMMIT
 unset TRITON_INTERPRET
 ENV
