@@ -37,6 +37,9 @@ OUT=${OUT:-$W/out}
 FIELDS=../peers/qwen2.5-tokenizer-fields.json.xz
 LLAMA_BIN=$W/llama/llama.cpp/build/bin
 export MINIVLLM_CACHE=$W/cache LLAMA_CPP_COMMIT=0c1e57098bba43ac29e6e3b677cdceebdd22334f
+# CUDA tests that need a model fall back to the synthetic Qwen2.5-0.5B written from these fields.
+MINIVLLM_TEST_SYNTHETIC_FIELDS=$(cd "$(dirname "$FIELDS")" 2>/dev/null && pwd)/$(basename "$FIELDS")
+export MINIVLLM_TEST_SYNTHETIC_FIELDS
 mkdir -p "$W/res$MODE" "$OUT" "$MINIVLLM_CACHE"
 R=$W/res$MODE
 T0=$(date +%s)
@@ -133,10 +136,14 @@ for n in ('qwen2.5-0.5b-q4_k_m', 'qwen2.5-7b-q4_k_m'):
     print(e(n, tokenizer_source='$FIELDS', progress=False), flush=True)
 \"" > "$W/synthetic.log" 2>&1 < /dev/null &
   stamp "synthetic files started (background)"
-  BUDGET=330 step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --quick Q4_0,Q4_1,Q5_0
-  stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
-  cp "$W"/sweep/* "$R/" 2>/dev/null
-  run_pytest
+  if [ -n "${SWEEP:-}" ]; then
+    BUDGET=330 step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --quick Q4_0,Q4_1,Q5_0
+    stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
+    cp "$W"/sweep/* "$R/" 2>/dev/null
+  fi
+  RESERVE=${RESERVE:-150} run_pytest
+  [ -f scripts/attention_bench.py ] && step "attention bench" "$R/attention-bench.log" \
+    python3 scripts/attention_bench.py "$R/attention-bench.json"
   stamp "llama build: $(tail -n 2 "$W/llama-build.log" | tr '\n' ' ')"
   stamp "synthetic: $(tr '\n' ' ' < "$W/synthetic.log" | tail -c 300)"
 else
@@ -179,6 +186,15 @@ else
     "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
   step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
     "$R/batched-default-0.5b.json" --npl 1,8
+  # host overhead: the same decode with async scheduling off (every step read before the next)
+  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+    step "decode sync $s" "$R/decode-sync-$s.log" $DEC $SYN $s --prompt-tokens 512 --option async_scheduling=false
+  done
+  # where a step's time goes now (kernels, calls per step, GPU idle between steps)
+  P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
+  step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
+  step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
 fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"

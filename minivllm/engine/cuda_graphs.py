@@ -16,8 +16,19 @@ What a graph needs, and how it gets it:
 - nothing in the captured forward synchronises with the host.
 
 Graphs are captured lazily, per bucket, the first time a step of that size runs (after
-one eager warm-up run of the same shapes, which compiles the Triton kernels). Sampling
-stays outside the graph. `enforce_eager=True` turns the whole thing off.
+one eager warm-up run of the same shapes, which compiles the Triton kernels).
+`enforce_eager=True` turns the whole thing off.
+
+The greedy draw is part of the graph: it ends with each row's argmax, written into the
+token-id buffer itself, and a replay queues a copy of those tokens into pinned host
+memory. So a decode step whose rows all continue can be replayed again before the host
+has read the tokens (engine/step_pipeline.py): the next replay reads its input tokens
+where the last one left them. Rows that sample, mask or penalise draw from the logits
+outside the graph, as before; the argmax they do not use costs one small kernel.
+
+Inputs travel in two host-to-device copies per step (one int64 and one int32 buffer,
+packed from pinned host memory through numpy), not one per tensor: on a slow host each
+copy from a fresh tensor cost tens of microseconds.
 """
 
 from __future__ import annotations
@@ -63,15 +74,22 @@ class DecodeGraphRunner:
         # The padding rows' page: taken from the pool for the engine's lifetime.
         self.scratch_page = pool.allocate(1)[0]
         n = self.buckets[-1]
-        i32 = dict(dtype=torch.int32, device=device)
-        self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.write_slots = torch.full((n,), self.scratch_page * pool.page_size, dtype=torch.long, device=device)
-        self.block_tables = torch.full((n, self.max_pages), self.scratch_page, **i32)
-        self.row_seq = torch.arange(n, **i32)
-        self.row_pos = torch.zeros(n, **i32)
+        self.max_rows = n
+        # Device inputs: views of two packed buffers (one copy each per step), laid out as
+        # [token_ids | positions | write_slots] (int64) and [row_pos | block_tables] (int32).
+        self._long = torch.zeros(3 * n, dtype=torch.long, device=device)
+        self._int = torch.zeros(n + n * self.max_pages, dtype=torch.int32, device=device)
+        self.token_ids, self.positions, self.write_slots = self._long.view(3, n).unbind(0)
+        self.row_pos = self._int[:n]
+        self.block_tables = self._int[n:].view(n, self.max_pages)
+        self.row_seq = torch.arange(n, dtype=torch.int32, device=device)
+        self._staging = [_PinnedInputs(n, self.max_pages) for _ in range(2)]  # flipped per fill
+        self._fills = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, torch.Tensor] = {}  # bucket -> the graph's argmax per row (int64)
+        self._read_back = [_PinnedTokens(n) for _ in range(2)]  # the drawn tokens, per replay
+        self._replays_queued = 0
         self.path_counts: dict[int, Counter] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.replays = 0
@@ -84,21 +102,37 @@ class DecodeGraphRunner:
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def _fill(self, token_ids: list[int], segments: list[Segment], bucket: int) -> None:
-        b, ps, device = len(segments), self.pool.page_size, self.model.device
+    def _fill(self, token_ids: list[int] | None, segments: list[Segment], bucket: int) -> None:
+        """Write the step's inputs into the graph's buffers: `token_ids` None keeps the
+        tokens the last replay drew (a pipelined step, same rows in the same order).
+        Padding rows: token 0 at position 0 in the scratch page."""
+        b, ps = len(segments), self.pool.page_size
+        staging = self._staging[self._fills % 2]
+        self._fills += 1
+        staging.ready.synchronize()  # its last copies (two fills ago) have been read
+        longs, ints = staging.longs, staging.ints
+        n = self.max_rows
         pos = [s.start for s in segments]
-        tables = torch.full((bucket, self.max_pages), self.scratch_page, dtype=torch.int32)
+        longs[n:n + b] = pos
+        longs[n + b:n + bucket] = 0
+        longs[2 * n:2 * n + b] = [s.block_table[p // ps] * ps + p % ps for s, p in zip(segments, pos)]
+        longs[2 * n + b:2 * n + bucket] = self.scratch_page * ps
+        ints[:b] = pos
+        ints[b:bucket] = 0
+        tables = ints[n:n + bucket * self.max_pages].reshape(bucket, self.max_pages)
+        tables[:] = self.scratch_page
         for i, s in enumerate(segments):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        slots = [s.block_table[p // ps] * ps + p % ps for s, p in zip(segments, pos)]
-        pad = bucket - b
-        # One host-to-device copy per buffer; padding rows: token 0 at position 0 in the
-        # scratch page.
-        self.token_ids[:bucket].copy_(torch.tensor(token_ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        self.row_pos[:bucket].copy_(torch.tensor(pos + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.write_slots[:bucket].copy_(torch.tensor(slots + [self.scratch_page * ps] * pad), non_blocking=True)
-        self.block_tables[:bucket].copy_(tables.to(device, non_blocking=True))
+            tables[i, :len(s.block_table)] = s.block_table
+        # Contiguous ranges only (a strided copy would stage through pageable memory); rows
+        # past the bucket carry stale values no graph of this bucket reads.
+        first = 0 if token_ids is not None else n  # None: keep the token ids the last replay drew
+        if token_ids is not None:
+            longs[:b] = token_ids
+            longs[b:bucket] = 0
+        self._long[first:].copy_(staging.long_tensor[first:], non_blocking=True)
+        used = n + bucket * self.max_pages
+        self._int[:used].copy_(staging.int_tensor[:used], non_blocking=True)
+        staging.ready.record()
 
     def _forward(self, bucket: int) -> torch.Tensor:
         kv = PagedBatchKV.static_decode(self.pool, self.write_slots[:bucket], self.block_tables[:bucket],
@@ -117,15 +151,21 @@ class DecodeGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._forward(bucket)
+            tokens = out.argmax(dim=-1)  # the greedy draw: the first maximum, as torch.argmax anywhere
+            self.token_ids[:bucket].copy_(tokens)  # the next replay's input, if the rows stay
         # The Python dispatch ran once, during capture: keep its path counts to report
         # them on every replay.
         self.path_counts[bucket] = Counter(counts)
-        self.graphs[bucket], self.outputs[bucket] = graph, out
+        self.graphs[bucket], self.outputs[bucket], self.tokens[bucket] = graph, out, tokens
 
-    def run(self, token_ids: list[int], segments: list[Segment]) -> torch.Tensor | None:
-        """Logits (B, vocab) float32 for a decode-only step through the bucket's graph, or
-        None when this bucket cannot be captured (the caller then runs the step eagerly)."""
+    def run(self, token_ids: list[int] | None, segments: list[Segment]) -> "GraphStep | None":
+        """Replay the bucket's graph for a decode-only step: its logits (B, vocab) float32
+        and its drawn tokens (read with `GraphStep.greedy_tokens`), or None when this bucket
+        cannot be captured (the caller then runs the step eagerly). `token_ids` None: the
+        rows are the last replay's, in its order, and take the tokens it drew."""
         bucket = self.bucket(len(segments))
+        if token_ids is None and bucket not in self.graphs:
+            raise RuntimeError("a pipelined step needs the previous replay of its bucket")
         self._fill(token_ids, segments, bucket)
         if bucket not in self.graphs:
             try:
@@ -136,7 +176,51 @@ class DecodeGraphRunner:
                 return None
         self.graphs[bucket].replay()
         self.replays += 1
+        # The drawn tokens go to pinned memory now, queued behind the replay, so the host
+        # can read them after the next step is already queued.
+        back = self._read_back[self._replays_queued % 2]
+        self._replays_queued += 1
+        back.ready.synchronize()  # its previous copy (two replays ago) has been read
+        rows = len(segments)
+        back.tokens[:rows].copy_(self.tokens[bucket][:rows], non_blocking=True)
+        back.ready.record()
         counts = self.options.path_counts
         counts.clear()
         counts.update({f"{path} (graph)": n for path, n in self.path_counts[bucket].items()})
-        return self.outputs[bucket][:len(segments)]
+        return GraphStep(self.outputs[bucket][:rows], back, rows)
+
+
+class GraphStep:
+    """A queued replay: `logits` (valid until the next replay) and its greedy tokens."""
+
+    def __init__(self, logits: torch.Tensor, back: "_PinnedTokens", rows: int):
+        self.logits = logits
+        self._back = back
+        self.rows = rows
+        self._generation = back.generation = back.generation + 1
+
+    def greedy_tokens(self) -> list[int]:
+        """Each row's argmax, once the replay has run (waits for it, not for later work)."""
+        if self._back.generation != self._generation:
+            raise RuntimeError("greedy_tokens read after its buffer was reused (two replays later)")
+        self._back.ready.synchronize()
+        return self._back.tokens[:self.rows].tolist()
+
+
+class _PinnedInputs:
+    """Host staging of one fill: int64 [ids | positions | slots], int32 [row_pos | tables]."""
+
+    def __init__(self, rows: int, max_pages: int):
+        self.long_tensor = torch.zeros(3 * rows, dtype=torch.long, pin_memory=True)
+        self.int_tensor = torch.zeros(rows + rows * max_pages, dtype=torch.int32, pin_memory=True)
+        self.longs, self.ints = self.long_tensor.numpy(), self.int_tensor.numpy()
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+
+class _PinnedTokens:
+    def __init__(self, rows: int):
+        self.tokens = torch.zeros(rows, dtype=torch.long, pin_memory=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+        self.generation = 0

@@ -25,6 +25,7 @@ finish_reason "error" and frees their pages; nothing a request does can leak a p
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -39,6 +40,7 @@ from minivllm.engine.request import Request, RequestView, Status
 from minivllm.engine.request_checks import check_request
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.snapshot import build_snapshot
+from minivllm.engine.step_pipeline import steady_decode, still_valid
 from minivllm.errors import ConfigError
 from minivllm.model.decoder import DecoderModel
 from minivllm.obs.trace import trace_scope
@@ -93,6 +95,7 @@ class LLMEngine:
                                     eos_ids=tokenizer.eos_ids, requests=self._requests, speculator=self.speculator,
                                     draw_alone=self.runner.draw_alone)
         self._arrivals = itertools.count()
+        self._ahead = None  # (plan, launched step, each row's start): queued by step_pipeline
 
     # -- submission ----------------------------------------------------------------------
 
@@ -166,12 +169,44 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
         """One step in three calls: the scheduler plans it, the model runner runs it (draft,
-        forward, draws, verification), the scheduler applies the output. Returns the token events."""
-        scheduler = self._scheduler
+        forward, draws, verification), the scheduler applies the output. Returns the token events.
+
+        With async scheduling, a steady decode step also queues the next one before its
+        tokens are read, and the next call starts from that (engine/step_pipeline.py)."""
+        scheduler, runner = self._scheduler, self.runner
         with trace_scope("step", scheduler.counters["steps"]):
-            plan = scheduler.schedule()
-            output = self.runner.execute(plan) if plan.rows else None
+            plan, launched = self._take_ahead()
+            if plan is None:
+                plan = scheduler.schedule()
+                launched = runner.launch(plan) if plan.rows else None
+            hooked = scheduler.logits_hook is not None or runner.masked_logits_wanted
+            if self.config.async_scheduling and steady_decode(plan, launched, hooked=hooked,
+                                                              running=len(scheduler.running)):
+                ahead = scheduler.plan_ahead(plan)
+                queued = runner.launch_ahead(ahead) if ahead is not None else None
+                if queued is not None:
+                    scheduler.counters["steps_queued_ahead"] += 1
+                    launched.overtaken = True
+                    self._ahead = (ahead, queued, [row.request.num_computed + 1 for row in ahead.rows])
+            output = runner.collect(launched) if launched is not None else None
             return scheduler.update(plan, output)
+
+    def _take_ahead(self):
+        """The step queued ahead by the last call, without the rows that call's update
+        finished (or an abort since); (None, None) when there is none or no row is left."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, None
+        plan, launched, starts = ahead
+        valid = still_valid(plan, starts)
+        if not any(valid):
+            return None, None
+        if not all(valid):
+            keep = {id(row) for row, ok in zip(plan.rows, valid, strict=True) if ok}
+            plan.rows = [row for row in plan.rows if id(row) in keep]
+            launched.rows = [r for r in launched.rows if id(r[0]) in keep]
+        plan.started = time.perf_counter()  # the step's own time, not the one it overlapped
+        return plan, launched
 
     @property
     def logits_hook(self):

@@ -46,6 +46,9 @@ class EngineConfig(KernelSettings):
     max_active_requests: int = option(16, "requests the scheduler runs at once (per worker)", "scheduler")
     policy: str = option("fcfs", "which waiting request is admitted first", "scheduler", choices=POLICIES)
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps", "kernels")
+    async_scheduling: bool = option(
+        True, "queue the next decode step before reading this one's tokens, when it can only be the same rows "
+        "one position further (CUDA graphs, plain greedy rows; engine/step_pipeline.py)", "scheduler")
     # Prefix cache (cache/prefix_index.py, cache/flight_coordinator.py).
     prefix_cache: bool | None = option(
         None, "share full KV pages between requests with a common prefix (default: on in paged mode, off in "
@@ -79,8 +82,9 @@ class EngineConfig(KernelSettings):
             )
         if not (isinstance(self.max_batched_tokens, int) and self.max_batched_tokens >= 1):
             raise ConfigError("max_batched_tokens", self.max_batched_tokens, "must be an integer >= 1")
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError("enforce_eager", self.enforce_eager, "must be True or False")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be True or False")
         if self.prefix_cache not in (None, True, False):
             raise ConfigError("prefix_cache", self.prefix_cache, "must be True, False or None (on in paged mode)")
         if self.prefix_cache and self.kv_mode not in PREFIX_CACHE_KV_MODES:

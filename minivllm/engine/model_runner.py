@@ -24,13 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.engine.cuda_graphs import decode_graph_runner
+from minivllm.cache.batch_kv import Segment
+from minivllm.engine.cuda_graphs import GraphStep, decode_graph_runner
 from minivllm.engine.runner_output import RowError, RowOutput, RunnerOutput
 from minivllm.engine.step_inputs import Chunk, StepInputs
 from minivllm.obs.trace import trace_scope
 from minivllm.sampling.constraint import Unsatisfiable
 from minivllm.sampling.sampler import top_logprobs
-from minivllm.sampling.step_draw import draw_step
+from minivllm.sampling.step_draw import Drawn, draw_step
 
 
 @dataclass
@@ -40,6 +41,10 @@ class LaunchedStep:
     output: RunnerOutput
     logits: torch.Tensor | None
     rows: list[tuple[object, int, int]]  # (scheduled row, first logits row, draft tokens verified there)
+    graph: GraphStep | None = None  # the CUDA-graph replay that ran it, if one did
+    # Set when a later step was queued before this one was collected (step_pipeline.py):
+    # its logits may be overwritten, so every row takes the graph's greedy token.
+    overtaken: bool = False
 
 
 class ModelRunner:
@@ -100,23 +105,50 @@ class ModelRunner:
             chunks.append(Chunk(chunk, start, req.block_table))
         output.logits_rows = len(logit_rows)
         self.options.path_counts.clear()
+        graph = None
         try:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
-                logits = self._forward(chunks, logit_rows)
+                graph = self._replay(chunks, logit_rows)
+                logits = graph.logits if graph is not None else self._forward(chunks, logit_rows)
         except Exception as exc:  # noqa: BLE001 — a failed forward fails its requests, not the engine
             output.forward_error = f"forward failed: {exc}"
             logits = None
         output.kernel_paths = dict(self.options.path_counts)
-        return LaunchedStep(plan, output, logits, rows)
+        return LaunchedStep(plan, output, logits, rows, graph)
+
+    def launch_ahead(self, plan) -> LaunchedStep | None:
+        """Queue `plan`, the rows of the step just launched (same rows, same order, one
+        position further), before that step's tokens are read: its graph replay takes the
+        tokens the last replay drew on the device (step_pipeline.py). None (nothing queued)
+        when no graph can run it."""
+        segments = [Segment(row.request.block_table, row.request.num_computed + 1, 1) for row in plan.rows]
+        graphs = self.graphs
+        if graphs is None or not graphs.can_run(segments):
+            return None
+        output = RunnerOutput()
+        output.logits_rows = len(segments)
+        self.options.path_counts.clear()
+        with trace_scope("model", "decode ahead"):
+            graph = graphs.run(None, segments)
+        if graph is None:
+            return None
+        output.kernel_paths = dict(self.options.path_counts)
+        return LaunchedStep(plan, output, graph.logits, [(row, i, 0) for i, row in enumerate(plan.rows)], graph)
+
+    def _replay(self, chunks: list[Chunk], logit_rows: list[int]) -> GraphStep | None:
+        """A pure decode step through its bucket's CUDA graph (no generic input fill: the
+        graph runner packs its own), or None for the eager path."""
+        graphs = self.graphs
+        if graphs is None or len(logit_rows) != len(chunks) or any(len(c.token_ids) != 1 for c in chunks):
+            return None
+        segments = [Segment(c.block_table, c.start, 1) for c in chunks]
+        if not graphs.can_run(segments):
+            return None
+        return graphs.run([c.token_ids[0] for c in chunks], segments)
 
     def _forward(self, chunks: list[Chunk], logit_rows: list[int]) -> torch.Tensor:
         batch = self.inputs.fill(chunks, logit_rows)
-        graphs = self.graphs
-        if graphs is not None and len(logit_rows) == len(chunks) and graphs.can_run(batch.segments):
-            logits = graphs.run([t for c in chunks for t in c.token_ids], batch.segments)
-            if logits is not None:
-                return logits
         return self.model.forward_batch(batch.token_ids, batch.positions, batch.kv, batch.logit_rows,
                                         options=self.options)
 
@@ -126,6 +158,13 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         output, logits = step.output, step.logits
         if logits is None:
+            return output
+        if step.overtaken:
+            # Every row is a plain greedy one (step_pipeline.py): its token is the graph's
+            # argmax; the logits buffer already holds the next step's.
+            tokens = step.graph.greedy_tokens()
+            for row, li, _ in step.rows:
+                output.rows[row.request.id] = self.token_row(row.request, Drawn(tokens[li], logits[li]))
             return output
         plain = [(row.request, li) for row, li, drafted in step.rows if not drafted]
         # Constrained rows' masks, computed while a GPU still runs the forward just queued.

@@ -51,11 +51,13 @@ from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, Status
 from minivllm.engine.runner_output import RowError, RowOutput, RunnerOutput
 from minivllm.engine.snapshot import describe_step
+from minivllm.engine.step_pipeline import can_continue
 from minivllm.engine.token_append import append_token, constraint_error
 from minivllm.sampling.outputs import TokenEvent
 
 COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted", "requests_finished",
-            "finished_stop", "finished_length", "finished_abort", "finished_error", "rejected")
+            "finished_stop", "finished_length", "finished_abort", "finished_error", "rejected",
+            "steps_queued_ahead")  # decode steps queued before the previous one's tokens were read
 
 
 @dataclass
@@ -201,6 +203,26 @@ class Scheduler:
             row.keep_logits = (row.needs_logits and not req.output_ids and self.flights is not None
                                and self.flights.role(req.id) == "leader")
         return step
+
+    def plan_ahead(self, plan: ScheduledStep) -> ScheduledStep | None:
+        """The step after `plan` (launched, not yet applied) when it is the same rows one
+        position further: every row can take another token and gets the page for it now.
+        None when anything else could happen (someone waits for admission, a row is at its
+        limit, no free page without preempting): then the next step is planned as usual,
+        after this one is applied (engine/step_pipeline.py)."""
+        if self.waiting:
+            return None
+        rows = []
+        for row in plan.rows:
+            req = row.request
+            if not can_continue(req, self.max_model_len):
+                return None
+            # The ahead row writes K/V at num_computed + 1 (num_computed still excludes
+            # the row in flight).
+            if self.kv.allocate_slots(req, req.num_computed + 2) is None:
+                return None
+            rows.append(ScheduledRow(req, 1, True))
+        return ScheduledStep(rows)
 
     def _add_draft_tokens(self, step: ScheduledStep, budget: int) -> int:
         for row in step.rows:

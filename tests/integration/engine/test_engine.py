@@ -659,7 +659,7 @@ LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows
 ROW_KEYS = {"id", "phase", "tokens", "draft_tokens"}
 COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted",
                 "requests_finished", "finished_stop", "finished_length", "finished_abort", "finished_error",
-                "rejected"}
+                "rejected", "steps_queued_ahead"}
 STRUCTURED_KEYS = {"forced", "masked_ahead", "masked_at_draw", "checked"}
 REQUEST_KEYS = {"id", "status", "phase", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens",
                 "restored_tokens", "pages", "block_table", "preemptions", "flight", "waiting_on", "speculation"}
