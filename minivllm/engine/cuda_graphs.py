@@ -23,7 +23,8 @@ The greedy draw is part of the graph: it ends with each row's argmax, written in
 token-id buffer itself, and a replay queues a copy of those tokens into pinned host
 memory. So a decode step whose rows all continue can be replayed again before the host
 has read the tokens (engine/step_pipeline.py): the next replay reads its input tokens
-where the last one left them. Rows that sample, mask or penalise draw from the logits
+where the last one left them. A sampled row's device draw replaces its argmax there
+(`GraphStep.replace`). Rows that mask, penalise or report logprobs draw from the logits
 outside the graph, as before; the argmax they do not use costs one small kernel.
 
 Inputs travel in two host-to-device copies per step (one int64 and one int32 buffer,
@@ -160,7 +161,7 @@ class DecodeGraphRunner:
 
     def run(self, token_ids: list[int] | None, segments: list[Segment]) -> "GraphStep | None":
         """Replay the bucket's graph for a decode-only step: its logits (B, vocab) float32
-        and its drawn tokens (read with `GraphStep.greedy_tokens`), or None when this bucket
+        and its drawn tokens (read with `GraphStep.tokens`), or None when this bucket
         cannot be captured (the caller then runs the step eagerly). `token_ids` None: the
         rows are the last replay's, in its order, and take the tokens it drew."""
         bucket = self.bucket(len(segments))
@@ -187,22 +188,32 @@ class DecodeGraphRunner:
         counts = self.options.path_counts
         counts.clear()
         counts.update({f"{path} (graph)": n for path, n in self.path_counts[bucket].items()})
-        return GraphStep(self.outputs[bucket][:rows], back, rows)
+        return GraphStep(self.outputs[bucket][:rows], back, rows, self.token_ids)
 
 
 class GraphStep:
-    """A queued replay: `logits` (valid until the next replay) and its greedy tokens."""
+    """A queued replay: `logits` (valid until the next replay) and each row's token: the
+    graph's argmax, or what `replace` put there (a draw made on the device)."""
 
-    def __init__(self, logits: torch.Tensor, back: "_PinnedTokens", rows: int):
+    def __init__(self, logits: torch.Tensor, back: "_PinnedTokens", rows: int, next_inputs: torch.Tensor):
         self.logits = logits
         self._back = back
         self.rows = rows
+        self._next_inputs = next_inputs  # the token-id buffer the next replay reads
         self._generation = back.generation = back.generation + 1
 
-    def greedy_tokens(self) -> list[int]:
-        """Each row's argmax, once the replay has run (waits for it, not for later work)."""
+    def replace(self, row: int, token: torch.Tensor) -> None:
+        """Row `row` takes `token` (a (1,) int64 device tensor) instead of its argmax: for
+        the next replay and for `tokens`. Queued on the stream; nothing waits."""
+        self._next_inputs[row:row + 1].copy_(token)
+        self._back.tokens[row:row + 1].copy_(token, non_blocking=True)
+        self._back.ready.record()
+
+    def tokens(self) -> list[int]:
+        """Each row's token, once the replay (and any `replace`) has run: waits for that,
+        not for later work."""
         if self._back.generation != self._generation:
-            raise RuntimeError("greedy_tokens read after its buffer was reused (two replays later)")
+            raise RuntimeError("tokens read after their buffer was reused (two replays later)")
         self._back.ready.synchronize()
         return self._back.tokens[:self.rows].tolist()
 

@@ -183,11 +183,12 @@ class LLMEngine:
             if self.config.async_scheduling and steady_decode(plan, launched, hooked=hooked,
                                                               running=len(scheduler.running)):
                 ahead = scheduler.plan_ahead(plan)
-                queued = runner.launch_ahead(ahead) if ahead is not None else None
-                if queued is not None:
-                    scheduler.counters["steps_queued_ahead"] += 1
-                    launched.overtaken = True
-                    self._ahead = (ahead, queued, [row.request.num_computed + 1 for row in ahead.rows])
+                if ahead is not None:
+                    runner.draw_on_device(launched)  # the tokens the ahead step reads
+                    queued = runner.launch_ahead(ahead)
+                    if queued is not None:
+                        scheduler.counters["steps_queued_ahead"] += 1
+                        self._ahead = (ahead, queued, [row.request.num_computed + 1 for row in ahead.rows])
             output = runner.collect(launched) if launched is not None else None
             return scheduler.update(plan, output)
 

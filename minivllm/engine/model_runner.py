@@ -30,7 +30,7 @@ from minivllm.engine.runner_output import RowError, RowOutput, RunnerOutput
 from minivllm.engine.step_inputs import Chunk, StepInputs
 from minivllm.obs.trace import trace_scope
 from minivllm.sampling.constraint import Unsatisfiable
-from minivllm.sampling.sampler import top_logprobs
+from minivllm.sampling.sampler import sampled_on_device, top_logprobs
 from minivllm.sampling.step_draw import Drawn, draw_step
 
 
@@ -42,9 +42,9 @@ class LaunchedStep:
     logits: torch.Tensor | None
     rows: list[tuple[object, int, int]]  # (scheduled row, first logits row, draft tokens verified there)
     graph: GraphStep | None = None  # the CUDA-graph replay that ran it, if one did
-    # Set when a later step was queued before this one was collected (step_pipeline.py):
-    # its logits may be overwritten, so every row takes the graph's greedy token.
-    overtaken: bool = False
+    # Every row's token is already drawn on the device (`draw_on_device`): a later step may
+    # have been queued since and overwritten the logits, so `collect` reads only tokens.
+    drawn_on_device: bool = False
 
 
 class ModelRunner:
@@ -117,6 +117,17 @@ class ModelRunner:
         output.kernel_paths = dict(self.options.path_counts)
         return LaunchedStep(plan, output, logits, rows, graph)
 
+    def draw_on_device(self, step: LaunchedStep) -> None:
+        """Draw every row of `step` (a replayed graph whose rows all pass
+        `step_pipeline.row_can_pipeline`) without waiting for it: greedy rows keep the
+        graph's argmax, sampled rows sample from their logits on the device with their own
+        generator, as `sample` would. The next replay reads these tokens."""
+        for row, li, _ in step.rows:
+            req = row.request
+            if not req.params.greedy:
+                step.graph.replace(li, sampled_on_device(step.logits[li], req.params, req.generator))
+        step.drawn_on_device = True
+
     def launch_ahead(self, plan) -> LaunchedStep | None:
         """Queue `plan`, the rows of the step just launched (same rows, same order, one
         position further), before that step's tokens are read: its graph replay takes the
@@ -159,10 +170,8 @@ class ModelRunner:
         output, logits = step.output, step.logits
         if logits is None:
             return output
-        if step.overtaken:
-            # Every row is a plain greedy one (step_pipeline.py): its token is the graph's
-            # argmax; the logits buffer already holds the next step's.
-            tokens = step.graph.greedy_tokens()
+        if step.drawn_on_device:
+            tokens = step.graph.tokens()
             for row, li, _ in step.rows:
                 output.rows[row.request.id] = self.token_row(row.request, Drawn(tokens[li], logits[li]))
             return output

@@ -17,16 +17,19 @@ queues it first and reads afterwards:
               update k            (appends, finishes, publishes)
     step k+1: collect k+1 ...
 
-It holds for a step whose rows are all plain greedy decode rows (no constraint, draft,
-penalty, logit bias, logprobs, logits hook or flight leader), run through a CUDA graph,
+It holds for a step whose rows are all plain decode rows, greedy or sampled (no
+constraint, draft, penalty, logit bias, logprobs, logits hook or flight leader: nothing
+that needs the host between the logits and the token), run through a CUDA graph,
 with nobody waiting for admission and every row able to take one more token
 (`can_continue`). A row that update k finishes anyway (an EOS, a stop string, an abort)
 is dropped from step k+1 before it is applied: its ahead token's K/V landed in one of
 its own pages, past its computed positions, so nothing reads it, and nothing published
 covers it. If any row is dropped, the whole ahead step is applied without that row.
 
-The drawn tokens are the same: the graph's argmax is the greedy draw (first maximum),
-and the step's inputs are the ones the next normal step would have built.
+The drawn tokens are the same: the graph's argmax is the greedy draw (first maximum); a
+sampled row samples on the device from its own logits with its own generator, the same
+operations in the same order as `sampler.sample`; and the step's inputs are the ones the
+next normal step would have built.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ from minivllm.sampling.sampler import adjusts_logits
 
 
 def row_can_pipeline(row) -> bool:
-    """A scheduled row whose next step can be queued before its token is read."""
+    """A scheduled row whose token can be drawn on the device and fed to the next step."""
     req = row.request
     p = req.params
     return (row.n_tokens == 1 and row.needs_logits and not row.draft_tokens and not row.keep_logits
-            and req.phase == "decode" and req.constraint is None and req.spec is None and p.greedy
+            and req.phase == "decode" and req.constraint is None and req.spec is None
             and p.logprobs is None and not adjusts_logits(p))
 
 

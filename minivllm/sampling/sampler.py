@@ -93,8 +93,13 @@ def sample(logits: torch.Tensor, context_ids: list[int], output_ids: list[int], 
     logits = apply_penalties(logits.clone(), context_ids, output_ids, p)
     if p.greedy:
         return int(torch.argmax(logits).item())
-    probs = filtered_probs(logits, p)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(sampled_on_device(logits, p, generator).item())
+
+
+def sampled_on_device(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """A non-greedy draw from `logits` (penalties already applied), left on the device as a
+    (1,) int64 tensor: nothing waits for it (async scheduling feeds it to the next step)."""
+    return torch.multinomial(filtered_probs(logits, p), 1, generator=generator)
 
 
 def top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:

@@ -31,7 +31,10 @@ class _Replayed:
     def __init__(self, logits: torch.Tensor, tokens: list[int]):
         self.logits, self.rows, self._tokens = logits, len(tokens), tokens
 
-    def greedy_tokens(self) -> list[int]:
+    def replace(self, row: int, token: torch.Tensor) -> None:
+        self._tokens[row] = int(token)  # the double's next input too (the same list)
+
+    def tokens(self) -> list[int]:
         return list(self._tokens)
 
 
@@ -140,11 +143,23 @@ def test_abort_and_arrival_while_a_step_is_queued_ahead(llm):
     assert free_pages(engine, double)
 
 
+def test_seeded_sampled_rows_are_drawn_on_the_device_with_the_same_tokens(llm):
+    requests = [(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=14, ignore_eos=True)),
+                (PROMPTS[1], greedy(14, ignore_eos=True)),
+                (PROMPTS[2], SamplingParams(temperature=1.3, top_k=20, min_p=0.05, seed=11, max_tokens=10))]
+    engine, double = make(llm)
+    got = drive(engine, requests)
+    ref, _ = make(llm, async_scheduling=False)
+    assert got == drive(ref, requests)
+    assert engine.counters["steps_queued_ahead"] > 5 and free_pages(engine, double)
+
+
 def test_rows_that_need_their_logits_are_never_queued_ahead(llm):
-    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    sampled_with_penalty = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True,
+                                          presence_penalty=0.5)
     with_logprobs = greedy(12, ignore_eos=True, logprobs=2)
     penalised = greedy(12, ignore_eos=True, repetition_penalty=1.3)
-    for params in (sampled, with_logprobs, penalised):
+    for params in (sampled_with_penalty, with_logprobs, penalised):
         requests = [(PROMPTS[0], greedy(12, ignore_eos=True)), (PROMPTS[1], params)]
         engine, _ = make(llm)
         got = drive(engine, requests)

@@ -68,6 +68,15 @@ def test_async_steps_give_the_tokens_of_sync_steps(llm, n, invariant):
     assert engine.counters["steps_queued_ahead"] > 0 and ref.counters["steps_queued_ahead"] == 0
 
 
+def test_seeded_sampled_rows_drawn_on_the_device(llm):
+    requests = [(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True)),
+                (PROMPTS[1], greedy(20, ignore_eos=True)),
+                (PROMPTS[2], SamplingParams(temperature=1.2, top_k=40, seed=5, max_tokens=16, ignore_eos=True))]
+    engine, got, _ = run(llm, requests, batch_invariant=True)
+    _, want, _ = run(llm, requests, batch_invariant=True, async_scheduling=False)
+    assert got == want and engine.counters["steps_queued_ahead"] > 0
+
+
 def test_abort_of_a_row_in_a_step_queued_ahead(llm):
     requests = [(PROMPTS[i], greedy(24, ignore_eos=True)) for i in range(3)]
     _, got, ahead = run(llm, requests, abort_at=8)
