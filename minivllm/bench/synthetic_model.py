@@ -324,7 +324,7 @@ def write_synthetic_model(
     spec.validate()
     plan = plan_tensors(spec)
     rng = np.random.default_rng(seed)
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two writers at once never share a file
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(tmp), arch="qwen2")
     try:
