@@ -190,17 +190,17 @@ else
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode sync $s" "$R/decode-sync-$s.log" $DEC $SYN $s --prompt-tokens 512 --option async_scheduling=false
   done
+  # where a step's time goes now (kernels, calls per step, GPU idle between steps)
+  P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
+  step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
+  step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   # the GEMV/GEMM crossover from batched decode (Deliver 6): GEMV vs dequantize+GEMM per N
   for f in "$S05" "$S7"; do
     step "gemv threshold $(basename "$f")" "$R/gemv-threshold-$(basename "$f" .gguf).log" python3 -m minivllm bench \
       gemv-threshold --model "$f" --inference-device cuda:0 --activation-dtype f16 --concurrency 1,2,4,8,16,32 \
       --max-tokens 32 --runs 2 --max-runs 2
   done
-  # where a step's time goes now (kernels, calls per step, GPU idle between steps)
-  P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
-  step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
-  step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
 fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
