@@ -124,7 +124,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             top = ", ".join(f"{k['kernel']} {k['calls_per_step']:.0f}×{k['us_per_call']:.1f} µs"
                             for k in p["kernels"][:4])
             t.row(
-                f"step profile {p['model']}, context {p['context']}",
+                f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)",
                 "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
                 "—",
                 f"step {p['untraced_step_us']:.0f}; GPU busy {p['gpu_busy_us_per_step']:.0f}, idle "

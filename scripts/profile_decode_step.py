@@ -98,17 +98,19 @@ def analyse(trace_path: Path, steps: int) -> dict:
 
 
 def profile_one(name: str, fields: str, prompt_tokens: int, steps: int, eager: bool, out: Path,
-                device: str = "cuda:0") -> dict:
+                device: str = "cuda:0", rows: int = 1) -> dict:
     path = ensure_synthetic_model(name, tokenizer_source=fields, progress=False)
     dtype = "f16" if device.startswith("cuda") else "f32"
     llm = LLM(str(path), device=device, dtype=dtype, progress=False, max_model_len=prompt_tokens + 256,
-              max_batched_tokens=max(512, prompt_tokens), max_active_requests=1, prefix_cache=False,
+              max_batched_tokens=max(512, prompt_tokens), max_active_requests=rows, prefix_cache=False,
               enforce_eager=eager)
     ids = [1000 + (i * 7919) % 20000 for i in range(prompt_tokens)]
     llm.generate([ids[:64]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # compile, capture
     engine = llm.engine
-    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=steps * 3 + 16, ignore_eos=True))
-    while engine.has_unfinished() and engine.counters["steps"] < 8 + -(-prompt_tokens // 512):
+    for r in range(rows):  # distinct prompts (no shared prefix), decoding side by side
+        engine.add_request([(t + 131 * r) % 30000 + 1000 for t in ids],
+                           SamplingParams(temperature=0.0, max_tokens=steps * 3 + 16, ignore_eos=True))
+    while engine.has_unfinished() and engine.counters["steps"] < 8 + rows * -(-prompt_tokens // 512):
         engine.step()  # the prefill chunks, then a few decode steps (graph capture)
     sync(device)
     # Untraced timing first: the profiler itself slows the host.
@@ -122,10 +124,10 @@ def profile_one(name: str, fields: str, prompt_tokens: int, steps: int, eager: b
             with torch.profiler.record_function("decode_step"):
                 engine.step()
         sync(device)
-    trace = out / f"trace-{name}-{prompt_tokens}{'-eager' if eager else ''}.json"
+    trace = out / f"trace-{name}-{prompt_tokens}-{rows}{'-eager' if eager else ''}.json"
     prof.export_chrome_trace(str(trace))
     result = analyse(trace, steps)
-    result.update(model=name, context=prompt_tokens, eager=eager, untraced_step_us=untraced_us,
+    result.update(model=name, context=prompt_tokens, rows=rows, eager=eager, untraced_step_us=untraced_us,
                   tok_per_s=1e6 / untraced_us, kernel_paths=llm.snapshot().get("kernels"))
     trace.unlink()  # tens of MB; the analysis is what comes back
     del llm, engine
@@ -135,14 +137,19 @@ def profile_one(name: str, fields: str, prompt_tokens: int, steps: int, eager: b
 
 
 def markdown(r: dict) -> str:
-    lines = [f"### {r['model']}, context {r['context']}, {'eager' if r['eager'] else 'CUDA graphs'}", "",
-             f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
-             f"median {r['step_wall_us']['median'] or 0:.0f} µs",
-             f"- GPU busy {r['gpu_busy_us_per_step']:.0f} µs/step, idle {r['gpu_idle_us_per_step']:.0f} µs/step "
-             f"({r['gaps_over_5us_per_step']:.1f} gaps > 5 µs per step; largest "
-             f"{', '.join(f'{g:.0f}' for g in r['largest_gaps_us'][:4])} µs)",
-             f"- {r['gpu_events_per_step']:.0f} GPU kernels and copies per step", "",
-             "| kernel | calls/step | µs/step | share | µs/call |", "|---|---|---|---|---|"]
+    lines = [
+        f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}",
+        "",
+        f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
+        f"median {r['step_wall_us']['median'] or 0:.0f} µs",
+        f"- GPU busy {r['gpu_busy_us_per_step']:.0f} µs/step, idle {r['gpu_idle_us_per_step']:.0f} µs/step "
+        f"({r['gaps_over_5us_per_step']:.1f} gaps > 5 µs per step; largest "
+        f"{', '.join(f'{g:.0f}' for g in r['largest_gaps_us'][:4])} µs)",
+        f"- {r['gpu_events_per_step']:.0f} GPU kernels and copies per step",
+        "",
+        "| kernel | calls/step | µs/step | share | µs/call |",
+        "|---|---|---|---|---|",
+    ]
     for k in r["kernels"][:18]:
         lines.append(f"| `{k['kernel']}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} | "
                      f"{100 * k['share']:.1f}% | {k['us_per_call']:.2f} |")
@@ -157,6 +164,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, action="append")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--rows", type=int, default=1, help="requests decoding side by side")
     ap.add_argument("--device", default="cuda:0", help="cuda:0; cpu only checks the script")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -165,12 +173,12 @@ def main() -> None:
     for name in names:
         for ctx in a.prompt_tokens or [512]:
             try:
-                r = profile_one(name, a.fields, ctx, a.steps, a.eager, a.out, a.device)
+                r = profile_one(name, a.fields, ctx, a.steps, a.eager, a.out, a.device, a.rows)
             except Exception as exc:  # noqa: BLE001 — one failed profile must not lose the others
                 r = {"model": name, "context": ctx, "error": f"{type(exc).__name__}: {exc}"}
                 print(r, file=sys.stderr)
             results.append(r)
-            tag = f"{name}-{ctx}{'-eager' if a.eager else ''}"
+            tag = f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}"
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)
