@@ -195,6 +195,7 @@ else
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
   step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
+  step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   # the GEMV/GEMM crossover from batched decode (Deliver 6): GEMV vs dequantize+GEMM per N
   for f in "$S05" "$S7"; do

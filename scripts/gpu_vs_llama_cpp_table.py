@@ -125,7 +125,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             for k in p["kernels"][:4])
             t.row(
                 f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)",
-                "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
+                f"µs per {p['context']}-token prefill (eager)" if p.get("prefill")
+                else "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
                 "—",
                 f"step {p['untraced_step_us']:.0f}; GPU busy {p['gpu_busy_us_per_step']:.0f}, idle "
                 f"{p['gpu_idle_us_per_step']:.0f}; {p['gpu_events_per_step']:.0f} kernels/step",

@@ -98,7 +98,7 @@ def analyse(trace_path: Path, steps: int) -> dict:
 
 
 def profile_one(name: str, fields: str, prompt_tokens: int, steps: int, eager: bool, out: Path,
-                device: str = "cuda:0", rows: int = 1) -> dict:
+                device: str = "cuda:0", rows: int = 1, prefill: bool = False) -> dict:
     path = ensure_synthetic_model(name, tokenizer_source=fields, progress=False)
     dtype = "f16" if device.startswith("cuda") else "f32"
     llm = LLM(str(path), device=device, dtype=dtype, progress=False, max_model_len=prompt_tokens + 256,
@@ -107,6 +107,8 @@ def profile_one(name: str, fields: str, prompt_tokens: int, steps: int, eager: b
     ids = [1000 + (i * 7919) % 20000 for i in range(prompt_tokens)]
     llm.generate([ids[:64]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # compile, capture
     engine = llm.engine
+    if prefill:
+        return profile_prefills(llm, name, ids, steps, device, out)
     for r in range(rows):  # distinct prompts (no shared prefix), decoding side by side
         engine.add_request([(t + 131 * r) % 30000 + 1000 for t in ids],
                            SamplingParams(temperature=0.0, max_tokens=steps * 3 + 16, ignore_eos=True))
@@ -133,6 +135,39 @@ def profile_one(name: str, fields: str, prompt_tokens: int, steps: int, eager: b
     del llm, engine
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+    return result
+
+
+def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, out: Path) -> dict:
+    """`steps` prefills of `ids` (each a fresh prompt, one step for the whole chunk):
+    what the prompt's forward costs the GPU and the host."""
+    engine = llm.engine
+
+    def one_prefill(k: int) -> None:
+        rid = engine.add_request([(t + 17 * k) % 30000 + 1000 for t in ids],
+                                 SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        engine.pop_output(rid)
+
+    one_prefill(-1)
+    sync(device)
+    t0 = time.perf_counter()
+    for k in range(steps):
+        one_prefill(k)
+    sync(device)
+    untraced_us = (time.perf_counter() - t0) / steps * 1e6
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(steps):
+            with torch.profiler.record_function("decode_step"):
+                one_prefill(steps + k)
+        sync(device)
+    trace = out / f"trace-{name}-{len(ids)}-prefill.json"
+    prof.export_chrome_trace(str(trace))
+    result = analyse(trace, steps)
+    result.update(model=name, context=len(ids), rows=1, eager=True, prefill=True, untraced_step_us=untraced_us,
+                  tok_per_s=len(ids) * 1e6 / untraced_us, kernel_paths=llm.snapshot().get("kernels"))
+    trace.unlink()
     return result
 
 
@@ -165,6 +200,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--rows", type=int, default=1, help="requests decoding side by side")
+    ap.add_argument("--prefill", action="store_true", help="profile whole prompts' prefills instead")
     ap.add_argument("--device", default="cuda:0", help="cuda:0; cpu only checks the script")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -173,12 +209,12 @@ def main() -> None:
     for name in names:
         for ctx in a.prompt_tokens or [512]:
             try:
-                r = profile_one(name, a.fields, ctx, a.steps, a.eager, a.out, a.device, a.rows)
+                r = profile_one(name, a.fields, ctx, a.steps, a.eager, a.out, a.device, a.rows, a.prefill)
             except Exception as exc:  # noqa: BLE001 — one failed profile must not lose the others
                 r = {"model": name, "context": ctx, "error": f"{type(exc).__name__}: {exc}"}
                 print(r, file=sys.stderr)
             results.append(r)
-            tag = f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}"
+            tag = f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)
