@@ -40,6 +40,23 @@ def qwen05_path() -> Path:
     return _model("qwen2.5-coder-0.5b")
 
 
+@pytest.fixture(scope="session")
+def small_gpu_model_path() -> Path:
+    """SmolLM2 where it is cached; on an offline GPU machine without it, the synthetic
+    Qwen2.5-0.5B layout (random weights) written from the tokenizer fields named by
+    MINIVLLM_TEST_SYNTHETIC_FIELDS (scripts/gpu_vs_llama_cpp.sh sets it): for CUDA tests
+    that compare two paths of the engine with each other, not with a reference."""
+    try:
+        return _model("smollm2-135m")
+    except pytest.skip.Exception:
+        fields = os.environ.get("MINIVLLM_TEST_SYNTHETIC_FIELDS")
+        if not fields:
+            raise
+        from minivllm.bench.synthetic_model import ensure_synthetic_model
+
+        return ensure_synthetic_model("qwen2.5-0.5b-q4_k_m", tokenizer_source=fields, progress=False)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Engine tests: on a 2-core machine that another job is also using, two OpenMP

@@ -45,7 +45,10 @@ class EngineConfig(KernelSettings):
     max_batched_tokens: int = option(512, "per-step token budget (decode rows + prefill chunks)", "scheduler")
     max_active_requests: int = option(16, "requests the scheduler runs at once (per worker)", "scheduler")
     policy: str = option("fcfs", "which waiting request is admitted first", "scheduler", choices=POLICIES)
-    enforce_eager: bool = option(False, "no CUDA graphs for decode steps", "kernels")
+    enforce_eager: bool = option(False, "no CUDA graphs (decode steps and prompt chunks)", "kernels")
+    prefill_graphs: bool = option(
+        True, "steps with prompt chunks replay CUDA graphs too (per row-count bucket), their attention through "
+        "the paged kernel (engine/prefill_graphs.py)", "kernels")
     async_scheduling: bool = option(
         True, "queue the next decode step before reading this one's tokens, when it can only be the same rows "
         "one position further (CUDA graphs, plain greedy rows; engine/step_pipeline.py)", "scheduler")
@@ -82,7 +85,7 @@ class EngineConfig(KernelSettings):
             )
         if not (isinstance(self.max_batched_tokens, int) and self.max_batched_tokens >= 1):
             raise ConfigError("max_batched_tokens", self.max_batched_tokens, "must be an integer >= 1")
-        for name in ("enforce_eager", "async_scheduling"):
+        for name in ("enforce_eager", "prefill_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be True or False")
         if self.prefix_cache not in (None, True, False):

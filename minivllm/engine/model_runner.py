@@ -26,6 +26,7 @@ import torch
 
 from minivllm.cache.batch_kv import Segment
 from minivllm.engine.cuda_graphs import GraphStep, decode_graph_runner
+from minivllm.engine.prefill_graphs import PrefillGraphRunner
 from minivllm.engine.runner_output import RowError, RowOutput, RunnerOutput
 from minivllm.engine.step_inputs import Chunk, StepInputs
 from minivllm.obs.trace import trace_scope
@@ -56,6 +57,11 @@ class ModelRunner:
         self.options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())
         self.graphs = None if config.enforce_eager else decode_graph_runner(
             model, pool, max_rows=config.max_active_requests, max_model_len=max_model_len, options=self.options)
+        self.prefill_graphs = None
+        if self.graphs is not None and config.prefill_graphs:
+            self.prefill_graphs = PrefillGraphRunner(
+                model, pool, scratch_page=self.graphs.scratch_page, max_tokens=config.max_batched_tokens,
+                max_rows=config.max_active_requests, max_model_len=max_model_len, options=self.options)
         self.inputs = StepInputs(pool, tokens=config.max_batched_tokens, rows=config.max_active_requests,
                                  invariant=self.options.batch_invariant)
         # Set by the engine: something reads every drawn row's logits (LLMEngine.logits_hook),
@@ -110,7 +116,9 @@ class ModelRunner:
             with trace_scope("model", "mixed" if plan.decode_rows and plan.prefill_tokens else
                              "decode" if plan.decode_rows else "prefill"):
                 graph = self._replay(chunks, logit_rows)
-                logits = graph.logits if graph is not None else self._forward(chunks, logit_rows)
+                logits = graph.logits if graph is not None else self._replay_prefill(chunks, logit_rows)
+                if logits is None:
+                    logits = self._forward(chunks, logit_rows)
         except Exception as exc:  # noqa: BLE001 — a failed forward fails its requests, not the engine
             output.forward_error = f"forward failed: {exc}"
             logits = None
@@ -157,6 +165,14 @@ class ModelRunner:
         if not graphs.can_run(segments):
             return None
         return graphs.run([c.token_ids[0] for c in chunks], segments)
+
+    def _replay_prefill(self, chunks: list[Chunk], logit_rows: list[int]) -> torch.Tensor | None:
+        """A step with prompt chunks through its bucket's CUDA graph (prefill_graphs.py):
+        the logits rows asked for, or None for the eager path."""
+        graphs = self.prefill_graphs
+        if graphs is None or not graphs.can_run(sum(len(c.token_ids) for c in chunks), len(chunks), len(logit_rows)):
+            return None
+        return graphs.run(chunks, logit_rows)
 
     def _forward(self, chunks: list[Chunk], logit_rows: list[int]) -> torch.Tensor:
         batch = self.inputs.fill(chunks, logit_rows)

@@ -34,7 +34,8 @@ This is a contract: the widgets, the router and the tests read only this. Schema
       "last_step": {index, rows: [{id, phase, tokens, draft_tokens}], prefill_tokens, decode_rows,
                     logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
       "kernels": {<kernel settings>,
-                  cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why}},
+                  cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why},
+                                       prefill: null | {buckets, captured, replays, failed}},
                   weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
                    requests_finished, finished_stop, finished_length, finished_abort,
@@ -144,11 +145,14 @@ def describe_kernels(engine) -> dict:
         kinds = Counter(getattr(layer, f).gemv_kind for layer in model.layers
                         for f in ("q", "k", "v", "o", "gate", "up", "down"))
         kinds[model.output.gemv_kind] += 1
-    graphs = engine.graph_runner
+    graphs, prefill = engine.graph_runner, engine.runner.prefill_graphs
     return {**engine.kernel_options.describe(),
             "cuda_graphs": None if graphs is None else {
                 "buckets": graphs.buckets, "captured": sorted(graphs.graphs), "replays": graphs.replays,
-                "failed": {str(b): why for b, why in graphs.failed.items()}},
+                "failed": {str(b): why for b, why in graphs.failed.items()},
+                "prefill": None if prefill is None else {
+                    "buckets": prefill.buckets, "captured": sorted(prefill.graphs), "replays": prefill.replays,
+                    "failed": {str(b): why for b, why in prefill.failed.items()}}},
             "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
 
 

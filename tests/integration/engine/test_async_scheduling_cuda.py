@@ -2,16 +2,13 @@
 
 Reference: the same engine with `async_scheduling=False` (every step's tokens read
 before the next is planned). Both run the same captured graphs with the same inputs, so
-the tokens must be identical, in batch-invariant mode and in the default one. The model
-is SmolLM2 where it is cached; on an offline GPU machine without it, the synthetic
-Qwen2.5-0.5B layout written from the tokenizer fields named by
-MINIVLLM_TEST_SYNTHETIC_FIELDS (scripts/gpu_vs_llama_cpp.sh sets it).
+the tokens must be identical, in batch-invariant mode and in the default one. The model:
+conftest's `small_gpu_model_path` (SmolLM2, or a synthetic file on an offline GPU box).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from conftest import DATA_DIR
@@ -25,17 +22,8 @@ PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
 
 
 @pytest.fixture(scope="module")
-def llm(request):
-    try:
-        path = request.getfixturevalue("smollm2_path")
-    except pytest.skip.Exception:
-        fields = os.environ.get("MINIVLLM_TEST_SYNTHETIC_FIELDS")
-        if not fields:
-            raise
-        from minivllm.bench.synthetic_model import ensure_synthetic_model
-
-        path = ensure_synthetic_model("qwen2.5-0.5b-q4_k_m", tokenizer_source=fields, progress=False)
-    return LLM(str(path), device="cuda", dtype="float16", max_model_len=256, progress=False)
+def llm(small_gpu_model_path):
+    return LLM(str(small_gpu_model_path), device="cuda", dtype="float16", max_model_len=256, progress=False)
 
 
 def run(llm, requests, *, abort_at: int | None = None, **options):
