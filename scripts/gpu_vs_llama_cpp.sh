@@ -189,6 +189,8 @@ else
   # host overhead: the same decode with async scheduling off (every step read before the next)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode sync $s" "$R/decode-sync-$s.log" $DEC $SYN $s --prompt-tokens 512 --option async_scheduling=false
+    step "decode eager prefill $s" "$R/decode-eagerprefill-$s.log" $DEC $SYN $s --prompt-tokens 512 \
+      --option prefill_graphs=false
   done
   # where a step's time goes now (kernels, calls per step, GPU idle between steps)
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"

@@ -110,6 +110,12 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                 t.row(f"{label}, {s} batch-1 decode", "tg128 after 512, tok/s", p["decode_tok_s"],
                       f"{v:.1f} (native, same run: {n['decode_tok_s_median']:.1f})",
                       v / p["decode_tok_s_median"], f.name)
+        f = r2.get(f"decode-eagerprefill-{name[s]}.json")
+        if f:
+            v = minivllm_row(f)["prefill_tok_s_median"]
+            t.row(f"prefill graphs off, {s} pp512", "prefill of a 512-token prompt, tok/s", p["prefill_tok_s"],
+                  f"{v:.0f} (graphs, same run: {n['prefill_tok_s_median']:.0f})", v / p["prefill_tok_s_median"],
+                  f.name)
     inv, dflt = r2.get("batched-invariant-0.5b.json"), r2.get("batched-default-0.5b.json")
     if inv and dflt:
         for a, b in zip(json.loads(inv.read_text())["minivllm"], json.loads(dflt.read_text())["minivllm"]):
