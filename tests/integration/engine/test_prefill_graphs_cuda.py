@@ -68,7 +68,7 @@ def test_prefill_graphs_match_eager_prefill_in_default_mode(llm):
     assert graphed.snapshot()["kernels"]["cuda_graphs"]["prefill"]["replays"] >= 1
     for rid in g_tokens:
         assert torch.allclose(g_first[rid], e_first[rid], atol=0.05, rtol=0), rid
-        a, b = g_tokens[rid], e_tokens[rid]
-        if a != b:
-            i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            assert i > 0, f"{rid}: the first token differs"
+        if g_tokens[rid][0] != e_tokens[rid][0]:
+            # Two logits each within the 0.05 above can swap only under a top-2 gap of 0.1.
+            top2 = torch.topk(e_first[rid], 2).values
+            assert float(top2[0] - top2[1]) < 2 * 0.05, f"{rid}: the first token differs without a near tie"
