@@ -148,8 +148,11 @@ class ModelRunner:
         output = RunnerOutput()
         output.logits_rows = len(segments)
         self.options.path_counts.clear()
-        with trace_scope("model", "decode ahead"):
-            graph = graphs.run(None, segments)
+        try:
+            with trace_scope("model", "decode ahead"):
+                graph = graphs.run(None, segments)
+        except Exception:  # noqa: BLE001 — the step then runs the usual way, after this one is applied
+            return None
         if graph is None:
             return None
         output.kernel_paths = dict(self.options.path_counts)
