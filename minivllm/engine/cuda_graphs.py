@@ -107,29 +107,15 @@ class DecodeGraphRunner:
         """Write the step's inputs into the graph's buffers: `token_ids` None keeps the
         tokens the last replay drew (a pipelined step, same rows in the same order).
         Padding rows: token 0 at position 0 in the scratch page."""
-        b, ps = len(segments), self.pool.page_size
         staging = self._staging[self._fills % 2]
         self._fills += 1
         staging.ready.synchronize()  # its last copies (two fills ago) have been read
-        longs, ints = staging.longs, staging.ints
         n = self.max_rows
-        pos = [s.start for s in segments]
-        longs[n:n + b] = pos
-        longs[n + b:n + bucket] = 0
-        longs[2 * n:2 * n + b] = [s.block_table[p // ps] * ps + p % ps for s, p in zip(segments, pos)]
-        longs[2 * n + b:2 * n + bucket] = self.scratch_page * ps
-        ints[:b] = pos
-        ints[b:bucket] = 0
-        tables = ints[n:n + bucket * self.max_pages].reshape(bucket, self.max_pages)
-        tables[:] = self.scratch_page
-        for i, s in enumerate(segments):
-            tables[i, :len(s.block_table)] = s.block_table
+        pack_decode(staging.longs, staging.ints, token_ids, segments, bucket=bucket, max_rows=n,
+                    max_pages=self.max_pages, page_size=self.pool.page_size, scratch_page=self.scratch_page)
         # Contiguous ranges only (a strided copy would stage through pageable memory); rows
         # past the bucket carry stale values no graph of this bucket reads.
         first = 0 if token_ids is not None else n  # None: keep the token ids the last replay drew
-        if token_ids is not None:
-            longs[:b] = token_ids
-            longs[b:bucket] = 0
         self._long[first:].copy_(staging.long_tensor[first:], non_blocking=True)
         used = n + bucket * self.max_pages
         self._int[:used].copy_(staging.int_tensor[:used], non_blocking=True)
@@ -189,6 +175,29 @@ class DecodeGraphRunner:
         counts.clear()
         counts.update({f"{path} (graph)": n for path, n in self.path_counts[bucket].items()})
         return GraphStep(self.outputs[bucket][:rows], back, rows, self.token_ids)
+
+
+def pack_decode(longs, ints, token_ids: list[int] | None, segments: list[Segment], *, bucket: int, max_rows: int,
+                max_pages: int, page_size: int, scratch_page: int) -> None:
+    """A decode step's graph inputs in the two host arrays (numpy views of the pinned
+    buffers): longs = [token ids | positions | write slots] (max_rows each), ints =
+    [row positions (max_rows) | block tables (max_rows x max_pages)]. Rows b..bucket are
+    padding: token 0 at position 0 in the scratch page. `token_ids` None leaves the ids."""
+    b, ps, n = len(segments), page_size, max_rows
+    pos = [s.start for s in segments]
+    longs[n:n + b] = pos
+    longs[n + b:n + bucket] = 0
+    longs[2 * n:2 * n + b] = [s.block_table[p // ps] * ps + p % ps for s, p in zip(segments, pos)]
+    longs[2 * n + b:2 * n + bucket] = scratch_page * ps
+    ints[:b] = pos
+    ints[b:bucket] = 0
+    tables = ints[n:n + bucket * max_pages].reshape(bucket, max_pages)
+    tables[:] = scratch_page
+    for i, s in enumerate(segments):
+        tables[i, :len(s.block_table)] = s.block_table
+    if token_ids is not None:
+        longs[:b] = token_ids
+        longs[b:bucket] = 0
 
 
 class GraphStep:

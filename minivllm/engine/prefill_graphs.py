@@ -79,31 +79,12 @@ class PrefillGraphRunner:
         return next(b for b in self.buckets if b >= n_rows)
 
     def _fill(self, chunks, logit_rows: list[int], bucket: int) -> None:
-        ps, n, sp, pad_seq = self.pool.page_size, self.max_tokens, self.scratch_page, self.max_rows
         staging = self._staging[self._fills % 2]
         self._fills += 1
         staging.ready.synchronize()  # its copies of two fills ago have been read
-        longs, ints = staging.longs, staging.ints
-        tables = ints[2 * n:].reshape(pad_seq + 1, self.max_pages)
-        tables[pad_seq] = sp
-        t = 0
-        for i, c in enumerate(chunks):
-            k, table = len(c.token_ids), c.block_table
-            pos = range(c.start, c.start + k)
-            longs[t:t + k] = c.token_ids
-            longs[n + t:n + t + k] = pos
-            longs[2 * n + t:2 * n + t + k] = [table[p // ps] * ps + p % ps for p in pos]
-            ints[t:t + k] = i
-            ints[n + t:n + t + k] = pos
-            tables[i, :len(table)] = table
-            t += k
-        longs[t:bucket] = 0  # padding rows: token 0 at position 0 of the scratch page
-        longs[n + t:n + bucket] = 0
-        longs[2 * n + t:2 * n + bucket] = sp * ps
-        ints[t:bucket] = pad_seq
-        ints[n + t:n + bucket] = 0
-        longs[3 * n:3 * n + len(logit_rows)] = logit_rows
-        longs[3 * n + len(logit_rows):] = 0
+        pack_step(staging.longs, staging.ints, chunks, logit_rows, bucket=bucket, max_tokens=self.max_tokens,
+                  max_rows=self.max_rows, max_pages=self.max_pages, page_size=self.pool.page_size,
+                  scratch_page=self.scratch_page)
         self._long.copy_(staging.long_tensor, non_blocking=True)
         self._int.copy_(staging.int_tensor, non_blocking=True)
         staging.ready.record()
@@ -147,6 +128,36 @@ class PrefillGraphRunner:
         counts.clear()
         counts.update({f"{path} (prefill graph)": n for path, n in self.path_counts[bucket].items()})
         return self.outputs[bucket][:len(logit_rows)]
+
+
+def pack_step(longs, ints, chunks, logit_rows: list[int], *, bucket: int, max_tokens: int, max_rows: int,
+              max_pages: int, page_size: int, scratch_page: int) -> None:
+    """Write a step's graph inputs into the two host arrays (numpy views of the pinned
+    buffers), in the layout of `PrefillGraphRunner`'s device buffers:
+    longs = [token ids | positions | write slots] (max_tokens each) + [logits rows] (max_rows);
+    ints = [row sequence | row position] (max_tokens each) + block tables (max_rows + 1 rows
+    of max_pages, the last for the padding rows). Rows past `bucket` are left as they were."""
+    n, ps, sp, pad_seq = max_tokens, page_size, scratch_page, max_rows
+    tables = ints[2 * n:].reshape(pad_seq + 1, max_pages)
+    tables[pad_seq] = sp
+    t = 0
+    for i, c in enumerate(chunks):
+        k, table = len(c.token_ids), c.block_table
+        pos = range(c.start, c.start + k)
+        longs[t:t + k] = c.token_ids
+        longs[n + t:n + t + k] = pos
+        longs[2 * n + t:2 * n + t + k] = [table[p // ps] * ps + p % ps for p in pos]
+        ints[t:t + k] = i
+        ints[n + t:n + t + k] = pos
+        tables[i, :len(table)] = table
+        t += k
+    longs[t:bucket] = 0  # padding rows: token 0 at position 0 of the scratch page
+    longs[n + t:n + bucket] = 0
+    longs[2 * n + t:2 * n + bucket] = sp * ps
+    ints[t:bucket] = pad_seq
+    ints[n + t:n + bucket] = 0
+    longs[3 * n:3 * n + len(logit_rows)] = logit_rows
+    longs[3 * n + len(logit_rows):] = 0
 
 
 class _Staging:
