@@ -207,10 +207,12 @@ class Scheduler:
     def plan_ahead(self, plan: ScheduledStep) -> ScheduledStep | None:
         """The step after `plan` (launched, not yet applied) when it is the same rows one
         position further: every row can take another token and gets the page for it now.
-        None when anything else could happen (someone waits for admission, a row is at its
-        limit, no free page without preempting): then the next step is planned as usual,
-        after this one is applied (engine/step_pipeline.py)."""
-        if self.waiting:
+        None when anything else could happen (a waiting request could take a free slot, a
+        row is at its limit, no free page without preempting): then the next step is
+        planned as usual, after this one is applied (engine/step_pipeline.py). With every
+        slot taken, nobody waiting can be admitted next step anyway: a slot a finishing row
+        frees is filled one step later than without the pipeline."""
+        if self.waiting and len(self.running) < self.config.max_active_requests:
             return None
         rows = []
         for row in plan.rows:

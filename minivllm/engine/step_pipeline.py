@@ -20,7 +20,7 @@ queues it first and reads afterwards:
 It holds for a step whose rows are all plain decode rows, greedy or sampled (no
 constraint, draft, penalty, logit bias, logprobs, logits hook or flight leader: nothing
 that needs the host between the logits and the token), run through a CUDA graph,
-with nobody waiting for admission and every row able to take one more token
+with no waiting request able to take a free slot and every row able to take one more token
 (`can_continue`). A row that update k finishes anyway (an EOS, a stop string, an abort)
 is dropped from step k+1 before it is applied: its ahead token's K/V landed in one of
 its own pages, past its computed positions, so nothing reads it, and nothing published

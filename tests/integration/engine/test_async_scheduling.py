@@ -154,6 +154,19 @@ def test_seeded_sampled_rows_are_drawn_on_the_device_with_the_same_tokens(llm):
     assert engine.counters["steps_queued_ahead"] > 5 and free_pages(engine, double)
 
 
+def test_a_full_engine_with_a_queue_keeps_pipelining(llm):
+    # Three requests for two slots: the third waits, and the two running still pipeline.
+    requests = [(PROMPTS[i], greedy(10 + 4 * i, ignore_eos=True)) for i in range(3)]
+    engine, double = make(llm, max_active_requests=2)
+    seen = []
+    got = drive(engine, requests, between=lambda k, e, ids: seen.append((len(e._scheduler.waiting),
+                                                                         e._ahead is not None)))
+    ref, _ = make(llm, max_active_requests=2, async_scheduling=False)
+    assert got == drive(ref, requests)
+    assert any(waiting and ahead for waiting, ahead in seen)
+    assert free_pages(engine, double)
+
+
 def test_rows_that_need_their_logits_are_never_queued_ahead(llm):
     sampled_with_penalty = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True,
                                           presence_penalty=0.5)
