@@ -39,7 +39,7 @@ from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 
 # The methods that change block tables, the pool or the prefix index.
-MUTATORS = frozenset({"admit", "allocate_slots", "truncate", "free", "publish", "computed", "clear_cache"})
+MUTATORS = frozenset({"admit", "allocate_slots", "truncate", "free", "publish", "computed", "clear_cache", "adopt"})
 
 
 class KVManager:
@@ -142,6 +142,36 @@ class KVManager:
         keys = index.keys_for(ids[:full * ps], req.cache_keys)
         index.publish(ids, keys, req.block_table, req.published_pages, full)
         req.published_pages = full
+
+    # -- pages from another worker (cache/kv_transfer.py) ----------------------------------------
+
+    def adopt(self, blocks) -> int:
+        """Publish another worker's full pages (`KVBlocks`) in this prefix cache, as if this
+        pool had computed them: blocks already cached here are kept (theirs are the same
+        tokens in the same context), the rest are written into free pages (this pool's
+        dtype) and indexed, held by the index alone (cached-idle, evictable like any).
+        Returns how many tokens were newly cached; 0 without a prefix cache or free pages."""
+        from minivllm.cache.kv_transfer import check_blocks, write_page
+
+        index, pool = self._prefix, self.pool
+        if index is None:
+            return 0
+        check_blocks(pool, blocks)
+        ids = blocks.token_ids
+        keys = index.keys_for(ids, [])
+        # Blocks this cache holds already: held while the rest are allocated, so an
+        # allocation cannot evict a page the chain is about to point at.
+        held = index.hold(index.match(ids, keys))
+        table = list(held)
+        for i in range(len(held), len(keys)):
+            if pool.num_available < 1:
+                break
+            page = pool.allocate(1, after=table[-1] if table else None)[0]
+            write_page(pool, page, blocks, i)
+            table.append(page)
+        added = index.publish(ids, keys, table, len(held), len(table)) if len(table) > len(held) else 0
+        pool.release(table[::-1])  # the index keeps its reference: cached-idle, deepest first
+        return added * pool.page_size
 
     # -- the prefix cache as a whole -----------------------------------------------------------
 

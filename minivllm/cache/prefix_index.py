@@ -84,16 +84,22 @@ class PrefixIndex:
             parent = block.key
         return found
 
+    def hold(self, blocks: list[CachedBlock]) -> list[int]:
+        """Take a reference on each block's page (no longer idle, so never evicted until
+        released) and return the pages; counts nothing."""
+        pages = [b.page for b in blocks]
+        for p in pages:
+            self._idle.pop(p, None)
+        self.pool.retain(pages)
+        return pages
+
     def num_idle_among(self, blocks: list[CachedBlock]) -> int:
         return sum(1 for b in blocks if b.page in self._idle)
 
     def acquire(self, blocks: list[CachedBlock]) -> list[int]:
         """Take a reference on each matched block's page for a request being admitted,
         count the lookup, and return the pages (the start of its block table)."""
-        pages = [b.page for b in blocks]
-        for p in pages:
-            self._idle.pop(p, None)
-        self.pool.retain(pages)
+        pages = self.hold(blocks)
         self.counters["lookups"] += 1
         self.counters["hits"] += bool(blocks)
         self.counters["restored_tokens"] += len(blocks) * self.page_size

@@ -35,6 +35,7 @@ from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.handoff import Handoff, continuation, export_request, restore_generator
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.request import Request, RequestView, Status
 from minivllm.engine.request_checks import check_request
@@ -121,6 +122,24 @@ class LLMEngine:
             self.speculator.attach(req)
         self._scheduler.add(req)
         self.counters["requests_submitted"] += 1
+        return rid
+
+    # -- moving a request to another engine (engine/handoff.py) -------------------------
+
+    def export_request(self, request_id: str) -> Handoff:
+        """What another engine needs to continue this request (its tokens, the K/V of its
+        full computed pages, its sampler state); this engine keeps the request until told."""
+        return export_request(self._requests[request_id], self.pool)
+
+    def import_request(self, handoff: Handoff, *, request_id: str | None = None) -> str:
+        """Continue another engine's request here: its pages go into this prefix cache
+        (prefix_cache must be on), then a request with its tokens as prompt restores them."""
+        if not self._kv.caching:
+            raise ConfigError("prefix_cache", False, "importing a request needs the prefix cache (kv_mode='paged')")
+        prompt_ids, params = continuation(handoff)
+        self._scheduler.import_kv(handoff.kv)
+        rid = self.add_request(prompt_ids, params, request_id=request_id)
+        restore_generator(self._requests[rid], handoff)
         return rid
 
     def abort(self, request_id: str) -> TokenEvent | None:

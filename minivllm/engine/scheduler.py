@@ -127,6 +127,11 @@ class Scheduler:
         self.waiting.append(request)
         self.waiting.sort(key=lambda r: r.arrival_index)
 
+    def import_kv(self, blocks) -> int:
+        """Another engine's full pages (cache/kv_transfer.KVBlocks) into the prefix cache,
+        for an imported request's admission to restore; returns the tokens newly cached."""
+        return self.kv.adopt(blocks)
+
     def remove(self, request: Request) -> None:
         """Take a request out of every queue and free its pages (finish, abort or error)."""
         if request in self.waiting:
