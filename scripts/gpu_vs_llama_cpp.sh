@@ -130,12 +130,12 @@ elif [ "$MODE" = 1 ]; then
       > "$W/llama-build.log" 2>&1 < /dev/null &
     stamp "llama.cpp build started (background)"
   fi
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1  # first: the CUDA tests' fallback model
   setsid nohup nice -n 10 bash -c "python3 -c \"
 from minivllm.bench.synthetic_model import ensure_synthetic_model as e
-for n in ('qwen2.5-0.5b-q4_k_m', 'qwen2.5-7b-q4_k_m'):
-    print(e(n, tokenizer_source='$FIELDS', progress=False), flush=True)
-\"" > "$W/synthetic.log" 2>&1 < /dev/null &
-  stamp "synthetic files started (background)"
+print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
+\"" >> "$W/synthetic.log" 2>&1 < /dev/null &
+  stamp "0.5B file written; 7B file started (background)"
   if [ -n "${SWEEP:-}" ]; then
     BUDGET=330 step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --quick Q4_0,Q4_1,Q5_0
     stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
