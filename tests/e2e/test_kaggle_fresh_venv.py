@@ -71,6 +71,11 @@ def _kaggle_like_venv(venv: Path) -> Path:
     return py
 
 
+def _output_text(output) -> str:
+    data = output.get("data", {})
+    return output.get("text", "") + data.get("text/plain", "") + data.get("text/html", "")
+
+
 def _cell_json(cell) -> dict:
     text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
     line = next((x for x in text.splitlines() if x.startswith(MARK)), None)
@@ -119,8 +124,7 @@ def test_kaggle_notebook_runs_in_a_fresh_venv_with_only_torch_and_ipywidgets(tmp
         assert "site-packages" not in entry or entry.startswith(str(venv)), entry
     assert "minivllm" not in before["dists"] and {"torch", "ipywidgets", "ipykernel"} <= set(before["dists"])
 
-    text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") + o.get("data", {}).get("text/html", "")
-                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = "\n".join(_output_text(o) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert f"minivllm {minivllm.__version__} from {wheel}" in text, text[:3000]
     for expected in nb.metadata.get("minivllm", {}).get("expect", []):
         assert expected in text, f"{expected!r} missing from the outputs"
