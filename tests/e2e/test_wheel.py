@@ -59,7 +59,9 @@ def test_wheel_installs_with_no_deps_over_existing_torch_and_generates(tmp_path,
         print(json.dumps({{"minivllm": minivllm.__file__, "widgets": minivllm_widgets.__file__,
                           "torch": torch.__file__, "tokens": len(out.token_ids), "text": out.text}}))
     """)
-    done = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # PYTHONPATH emptied here too: a checkout on it would shadow the wheel.
+    done = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["minivllm"].startswith(str(site)) and got["widgets"].startswith(str(site)), got
