@@ -44,10 +44,17 @@ print({MARK!r} + json.dumps({{"prefix": sys.prefix, "base_prefix": sys.base_pref
     "importable": [m for m in {ABSENT_BEFORE!r} if importlib.util.find_spec(m) is not None],
     "dists": sorted(d.metadata["Name"].lower() for d in md.distributions())}}))
 """
+# Also asks the install cell's own pip_install (dry run) for a newer ipywidgets: its constraints
+# must make pip refuse, where a plain `pip install` would replace Kaggle's build.
 CHECK_AFTER = f"""
-import importlib.metadata as md, json, minivllm, minivllm_widgets, torch
+import importlib.metadata as md, json, subprocess, minivllm, minivllm_widgets, torch
+try:
+    pip_install("--dry-run", "ipywidgets>8.1.5")
+    refused = False
+except subprocess.CalledProcessError:
+    refused = True
 print({MARK!r} + json.dumps({{"minivllm": minivllm.__file__, "widgets": minivllm_widgets.__file__,
-    "torch": md.version("torch"), "ipywidgets": md.version("ipywidgets"),
+    "torch": md.version("torch"), "ipywidgets": md.version("ipywidgets"), "newer_ipywidgets_refused": refused,
     "dists": sorted(d.metadata["Name"].lower() for d in md.distributions())}}))
 """
 
@@ -138,6 +145,7 @@ def test_kaggle_notebook_runs_in_a_fresh_venv_with_only_torch_and_ipywidgets(tmp
     assert after["minivllm"].startswith(site) and after["widgets"].startswith(site), after
     torch_before = next(d["version"] for d in top if d["name"].lower() == "torch")
     assert after["torch"] == torch_before and after["ipywidgets"] == "8.1.5", after
+    assert after["newer_ipywidgets_refused"], after
     # The install cell added minivllm and what it requires; nothing it brought in replaced a
     # package the venv already had (pip would have printed an uninstall; versions are checked
     # for torch and ipywidgets above, here every earlier distribution is still there).
