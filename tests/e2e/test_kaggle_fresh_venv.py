@@ -146,8 +146,7 @@ def test_kaggle_notebook_runs_in_a_fresh_venv_with_only_torch_and_ipywidgets(tmp
     torch_before = next(d["version"] for d in top if d["name"].lower() == "torch")
     assert after["torch"] == torch_before and after["ipywidgets"] == "8.1.5", after
     assert after["newer_ipywidgets_refused"], after
-    # The install cell added minivllm and what it requires; nothing it brought in replaced a
-    # package the venv already had (pip would have printed an uninstall; versions are checked
-    # for torch and ipywidgets above, here every earlier distribution is still there).
+    # The install cell only added: minivllm, its requirements and the widgets extra; every
+    # distribution the venv had is still there (torch's and ipywidgets' versions checked above).
     assert set(before["dists"]) <= set(after["dists"]), set(before["dists"]) - set(after["dists"])
     assert {"minivllm", "gguf", "llguidance", "plotly"} <= set(after["dists"]), after["dists"]
