@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,30 +20,13 @@ import zipfile
 from pathlib import Path
 
 from conftest import REPO_ROOT
-
-
-def _build_wheel(tmp_path: Path) -> Path:
-    # A copy of the sources, so the build never meets a stale build/ folder in the checkout
-    # (nor writes one there while someone else builds).
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO_ROOT / name, src)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    shutil.copytree(REPO_ROOT / "minivllm", src / "minivllm", ignore=ignore)
-    shutil.copytree(REPO_ROOT / "widgets", src / "widgets", ignore=ignore)
-    dist = tmp_path / "dist"
-    # The same command as `make wheel`.
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(src)], check=True, capture_output=True, text=True, timeout=600)
-    (wheel,) = dist.glob("minivllm-*-py3-none-any.whl")
-    return wheel
+from wheel_build import build_wheel
 
 
 def test_wheel_installs_with_no_deps_over_existing_torch_and_generates(tmp_path, smollm2_path):
     import minivllm
 
-    wheel = _build_wheel(tmp_path)
+    wheel = build_wheel(tmp_path)
     assert wheel.name == f"minivllm-{minivllm.__version__}-py3-none-any.whl"
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"minivllm/__init__.py", "minivllm_widgets/__init__.py", "minivllm_widgets/workbench.py",
@@ -77,7 +59,9 @@ def test_wheel_installs_with_no_deps_over_existing_torch_and_generates(tmp_path,
         print(json.dumps({{"minivllm": minivllm.__file__, "widgets": minivllm_widgets.__file__,
                           "torch": torch.__file__, "tokens": len(out.token_ids), "text": out.text}}))
     """)
-    done = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # PYTHONPATH emptied here too: a checkout on it would shadow the wheel.
+    done = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["minivllm"].startswith(str(site)) and got["widgets"].startswith(str(site)), got
