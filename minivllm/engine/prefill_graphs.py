@@ -13,8 +13,8 @@ of the smallest bucket (16, 32, ..., max_batched_tokens) that holds its rows:
   packed into two pinned buffers and copied once each;
 - padding rows (bucket > rows) belong to a sequence of their own in the scratch page:
   they write their K/V there and attend only to it;
-- logits are computed for `max_rows` rows every time (the step's logits rows, then row 0
-  again): one shape per bucket, and at most a few LM-head rows more than needed;
+- logits are computed for min(`max_rows`, bucket) rows every time (the step's logits rows,
+  then row 0 again): one shape per bucket, a few LM-head rows more than needed;
 - attention runs every row through the paged Triton kernel (the eager default-mode
   prefill uses SDPA over the pages' runs, which a graph cannot capture: the runs change
   per request). Both compute in float32; their sums differ only in order. In
@@ -93,8 +93,9 @@ class PrefillGraphRunner:
         kv = PagedBatchKV.static_decode(self.pool, self.write_slots[:bucket], self.block_tables,
                                         self.row_seq[:bucket], self.row_pos[:bucket],
                                         invariant=self.options.batch_invariant)
-        return self.model.forward_batch(self.token_ids[:bucket], self.positions[:bucket], kv, self.logit_rows,
-                                        options=self.options)
+        # A bucket of b rows has at most b logits rows to give: no more LM-head rows than that.
+        return self.model.forward_batch(self.token_ids[:bucket], self.positions[:bucket], kv,
+                                        self.logit_rows[:min(self.max_rows, bucket)], options=self.options)
 
     def _capture(self, bucket: int) -> None:
         counts = self.options.path_counts
