@@ -63,7 +63,31 @@ def decode_graph_runner(model, pool: PagePool, *, max_rows: int, max_model_len: 
     return DecodeGraphRunner(model, pool, max_rows=max_rows, max_model_len=max_model_len, options=options)
 
 
-class DecodeGraphRunner:
+class BucketGraphs:
+    """Graphs captured lazily, one per bucket: `replay_bucket` captures on first use (a
+    failure is remembered, and that bucket runs eagerly from then on), replays, and
+    reports the captured kernel paths as this step's. Subclasses set `graphs`, `failed`,
+    `path_counts`, `options`, `replays`, `label` and define `_capture(bucket)`."""
+
+    label = "graph"
+
+    def replay_bucket(self, bucket: int) -> bool:
+        if bucket not in self.graphs:
+            try:
+                self._capture(bucket)
+            except Exception as exc:  # noqa: BLE001 — a capture failure costs speed, not the requests
+                self.failed[bucket] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize()
+                return False
+        self.graphs[bucket].replay()
+        self.replays += 1
+        counts = self.options.path_counts
+        counts.clear()
+        counts.update({f"{path} ({self.label})": n for path, n in self.path_counts[bucket].items()})
+        return True
+
+
+class DecodeGraphRunner(BucketGraphs):
     def __init__(self, model, pool: PagePool, *, max_rows: int, max_model_len: int, options):
         self.model = model
         self.pool = pool
@@ -128,21 +152,14 @@ class DecodeGraphRunner:
                                         options=self.options)
 
     def _capture(self, bucket: int) -> None:
-        counts = self.options.path_counts
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(bucket)  # warm-up: Triton compilation and autotuning happen here
-        torch.cuda.current_stream().wait_stream(stream)
-        counts.clear()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        def body():
             out = self._forward(bucket)
             tokens = out.argmax(dim=-1)  # the greedy draw: the first maximum, as torch.argmax anywhere
             self.token_ids[:bucket].copy_(tokens)  # the next replay's input, if the rows stay
-        # The Python dispatch ran once, during capture: keep its path counts to report
-        # them on every replay.
-        self.path_counts[bucket] = Counter(counts)
+            return out, tokens
+
+        graph, (out, tokens), self.path_counts[bucket] = capture_graph(lambda: self._forward(bucket), body,
+                                                                       self.mempool, self.options.path_counts)
         self.graphs[bucket], self.outputs[bucket], self.tokens[bucket] = graph, out, tokens
 
     def run(self, token_ids: list[int] | None, segments: list[Segment]) -> "GraphStep | None":
@@ -154,15 +171,8 @@ class DecodeGraphRunner:
         if token_ids is None and bucket not in self.graphs:
             raise RuntimeError("a pipelined step needs the previous replay of its bucket")
         self._fill(token_ids, segments, bucket)
-        if bucket not in self.graphs:
-            try:
-                self._capture(bucket)
-            except Exception as exc:  # noqa: BLE001 — a capture failure costs speed, not the requests
-                self.failed[bucket] = f"{type(exc).__name__}: {exc}"[:300]
-                torch.cuda.synchronize()
-                return None
-        self.graphs[bucket].replay()
-        self.replays += 1
+        if not self.replay_bucket(bucket):
+            return None
         # The drawn tokens go to pinned memory now, queued behind the replay, so the host
         # can read them after the next step is already queued.
         back = self._read_back[self._replays_queued % 2]
@@ -171,10 +181,24 @@ class DecodeGraphRunner:
         rows = len(segments)
         back.tokens[:rows].copy_(self.tokens[bucket][:rows], non_blocking=True)
         back.ready.record()
-        counts = self.options.path_counts
-        counts.clear()
-        counts.update({f"{path} (graph)": n for path, n in self.path_counts[bucket].items()})
         return GraphStep(self.outputs[bucket][:rows], back, rows, self.token_ids)
+
+
+def capture_graph(warm_up, body, mempool, counts: Counter):
+    """Run `warm_up()` once eagerly on a side stream (Triton compilation, autotuning,
+    cuBLAS workspaces happen there), then capture `body()` into a new graph. Returns the
+    graph, what `body` returned (the graph's static outputs) and the kernel path counts
+    its Python dispatch recorded: it runs once, so they are kept to report on every replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    counts.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        out = body()
+    return graph, out, Counter(counts)
 
 
 def pack_decode(longs, ints, token_ids: list[int] | None, segments: list[Segment], *, bucket: int, max_rows: int,

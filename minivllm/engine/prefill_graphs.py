@@ -32,6 +32,7 @@ import torch
 
 from minivllm.cache.batch_kv import PagedBatchKV
 from minivllm.cache.page_pool import PagePool
+from minivllm.engine.cuda_graphs import BucketGraphs, capture_graph
 
 _SMALLEST = 16
 
@@ -44,7 +45,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
-class PrefillGraphRunner:
+class PrefillGraphRunner(BucketGraphs):
+    label = "prefill graph"
+
     def __init__(self, model, pool: PagePool, *, scratch_page: int, max_tokens: int, max_rows: int,
                  max_model_len: int, options):
         self.model, self.pool, self.options = model, pool, options
@@ -98,17 +101,8 @@ class PrefillGraphRunner:
                                         self.logit_rows[:min(self.max_rows, bucket)], options=self.options)
 
     def _capture(self, bucket: int) -> None:
-        counts = self.options.path_counts
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(bucket)  # warm-up: compilation, autotuning, cuBLAS workspaces
-        torch.cuda.current_stream().wait_stream(stream)
-        counts.clear()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = self._forward(bucket)
-        self.path_counts[bucket] = Counter(counts)
+        forward = lambda: self._forward(bucket)  # noqa: E731
+        graph, out, self.path_counts[bucket] = capture_graph(forward, forward, self.mempool, self.options.path_counts)
         self.graphs[bucket], self.outputs[bucket] = graph, out
 
     def run(self, chunks, logit_rows: list[int]) -> torch.Tensor | None:
@@ -116,18 +110,8 @@ class PrefillGraphRunner:
         queued; None when this bucket cannot be captured (the caller runs the step eagerly)."""
         bucket = self.bucket(sum(len(c.token_ids) for c in chunks))
         self._fill(chunks, logit_rows, bucket)
-        if bucket not in self.graphs:
-            try:
-                self._capture(bucket)
-            except Exception as exc:  # noqa: BLE001 — a capture failure costs speed, not the requests
-                self.failed[bucket] = f"{type(exc).__name__}: {exc}"[:300]
-                torch.cuda.synchronize()
-                return None
-        self.graphs[bucket].replay()
-        self.replays += 1
-        counts = self.options.path_counts
-        counts.clear()
-        counts.update({f"{path} (prefill graph)": n for path, n in self.path_counts[bucket].items()})
+        if not self.replay_bucket(bucket):
+            return None
         return self.outputs[bucket][:len(logit_rows)]
 
 
