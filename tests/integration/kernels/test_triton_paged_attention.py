@@ -33,20 +33,22 @@ def device(request) -> torch.device:
     return torch.device(name)
 
 
-def _batch(*, seq_lens: list[int], page_size: int, kvh: int, dtype: torch.dtype, device, seed: int):
+def _batch(*, seq_lens: list[int], page_size: int, kvh: int, dtype: torch.dtype, device, seed: int,
+           head_dim: int = HEAD_DIM, width: int | None = None):
     """Random K/V pages and block tables whose pages are scattered and out of order
-    (a permutation of the pool), padded to the longest table with a junk page id."""
+    (a permutation of the pool), padded with a junk page id to `width` pages (default:
+    one more than the longest table; a CUDA graph's tables are max_model_len wide)."""
     gen = torch.Generator().manual_seed(seed)
     n_pages = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(n_pages) + 3  # a few pages nobody owns
-    k = torch.randn(num_pages, page_size, kvh, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(num_pages, page_size, kvh, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_pages, page_size, kvh, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_pages, page_size, kvh, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables, used = [], 0
     for n in n_pages:
         tables.append(order[used:used + n])
         used += n
-    width = max(n_pages) + 1
+    width = width or max(n_pages) + 1
     padded = [t + [order[-1]] * (width - len(t)) for t in tables]
     block_tables = torch.tensor(padded, dtype=torch.int32)
     return k.to(device), v.to(device), block_tables.to(device), tables
@@ -267,6 +269,53 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
     narrow = paged_attention(q[1:2].contiguous(), k, v, tables[1:2, :3].contiguous(), seq1,
                              torch.tensor([44], dtype=torch.int32, device=device))
     assert torch.equal(narrow[0], full[1])
+
+
+# (n_heads, n_kv_heads, head_dim) of Qwen2.5-7B and Qwen2.5-0.5B: group 7.
+MODEL_SHAPES = [pytest.param(28, 4, 128, id="7B"), pytest.param(14, 2, 64, id="0.5B")]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
+def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim, cache_dtype):
+    """The real models' shapes (group 7, head_dim 128 and 64) with a CUDA graph's wide
+    block table (most programs have no split to do): decode rows whose keys end on both
+    sides of page and split boundaries, beside a prefill chunk that crosses both, each
+    against softmax attention in float64 over its sequence's dense keys."""
+    seq_lens = [150, 70, 16, 129, 1]
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=cache_dtype,
+                                       device=device, seed=heads + head_dim, head_dim=head_dim, width=40)
+    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (3, 63)] + [(1, p) for p in range(60, 70)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(4)).to(device)
+    out = paged_attention(q, k, v, tables, torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device),
+                          torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device))
+    for i, (s, p) in enumerate(rows):
+        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(out[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
+    """7B shape, f16 cache, graph-wide tables: each decode row gives the same bits alone
+    as among 7 other rows at other positions, and whether its splits are spread over
+    many programs or all walked by one (the program count follows the batch and the GPU)."""
+    from minivllm.kernels.triton import paged_attention as pa
+
+    seq_lens = [300, 5, 64, 65, 17, 128, 200, 1]
+    k, v, tables, _ = _batch(seq_lens=seq_lens, page_size=16, kvh=4, dtype=torch.float16, device=device, seed=21,
+                             head_dim=128, width=24)
+    q = torch.randn(8, 28, 128, generator=torch.Generator().manual_seed(22)).half().float().to(device)
+    pos = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device=device)
+    seq = torch.arange(8, dtype=torch.int32, device=device)
+    batch = paged_attention(q, k, v, tables, seq, pos)
+    for i in (0, 3, 7):
+        alone = paged_attention(q[i:i + 1].contiguous(), k, v, tables, seq[i:i + 1], pos[i:i + 1])
+        assert torch.equal(alone[0], batch[i]), f"row {i} differs alone"
+    assert pa.split_programs(8 * 4, 6, 4 * 132) == 6  # every split its own program here
+    monkeypatch.setitem(pa._SM_COUNTS, torch.device(device), 1)
+    assert pa.split_programs(8 * 4, 6, 4) == 1  # and now one program walks all of a row's splits
+    assert torch.equal(paged_attention(q, k, v, tables, seq, pos), batch)
 
 
 _COMPILE_FOR_SM75 = r"""
