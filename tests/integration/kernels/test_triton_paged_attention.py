@@ -318,51 +318,60 @@ def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
     assert torch.equal(paged_attention(q, k, v, tables, seq, pos), batch)
 
 
-_COMPILE_FOR_SM75 = r"""
+_COMPILE = r"""
 import json
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.kernels.triton import paged_attention as pa
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+# Pointers and the strides a real launch has as multiples of 16 (Triton specialises
+# those, and the vector loads depend on it); stride 1 is a constant, as at run time.
+attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 12, 13, 14, 16, 17, 18]}
 out = {}
-for cache, (g, d) in [("*fp16", (8, 128)), ("*fp32", (8, 64)), ("*fp16", (1, 64))]:
-    sig = {n: "*fp32" for n in ("q_ptr", "part_ptr", "ml_ptr")}
-    sig.update({"k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "row_seq_ptr": "*i32", "row_pos_ptr": "*i32",
-                "scale": "fp32"})
-    for n in ("stride_qt", "stride_qh", "stride_qd", "stride_kp", "stride_ks", "stride_kh", "stride_kd",
-              "stride_vp", "stride_vs", "stride_vh", "stride_vd", "stride_table", "n_splits"):
-        sig[n] = "i32"
-    const = {"GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16, "BLOCK_G": g, "BLOCK_D": d,
-             "BLOCK_N": min(pa._key_block(g, d), pa.SPLIT_TOKENS), "SPLIT": pa.SPLIT_TOKENS}
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs),
-                       target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
-    out[f"split/{cache}/{g}x{d}"] = k.asm["ptx"]
-    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32", "stride_ot": "i32",
-           "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
-    const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa._MERGE_CHUNK}
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(pa._paged_attention_merge_kernel, sig, const, attrs=attrs),
-                       target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
-    out[f"merge/{d}"] = k.asm["ptx"]
-print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+for cc in (75, 90):
+    target = GPUTarget("cuda", cc, 32 if cc < 90 else 128)
+    for cache, (g, d) in [("*fp16", (7, 128)), ("*fp32", (7, 64)), ("*fp16", (1, 64))]:
+        sig = {n: "*fp32" for n in ("q_ptr", "part_ptr", "ml_ptr")}
+        sig.update({"k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "row_seq_ptr": "*i32",
+                    "row_pos_ptr": "*i32", "scale": "fp32"})
+        for n in ("stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+                  "stride_vh", "stride_table", "n_splits"):
+            sig[n] = "i32"
+        const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
+                 "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS}
+        sig.update({k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
+                           options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
+        out[f"sm{cc}/split/{cache}/{g}x{d}"] = k.asm["ptx"]
+        sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32",
+               "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
+        const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(d)}
+        sig.update({k: "constexpr" for k in const})
+        merge_attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+        k = triton.compile(ASTSource(pa._paged_attention_merge_kernel, sig, const, attrs=merge_attrs), target=target,
+                           options={"num_warps": 4})
+        out[f"sm{cc}/merge/{d}"] = k.asm["ptx"]
+print(json.dumps({key: {"target": f".target sm_{key[2:4]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
+                        "vector_loads": "ld.global.v4" in p or "ld.global.nc.v4" in p}
                   for key, p in out.items()}))
 """
 
 
-def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
-    """Both flash-decoding kernels compile to sm_75 PTX (a Kaggle T4) with no bf16 and no
-    tensor-core instructions; the real compiler in a subprocess, no GPU needed."""
+def test_kernels_compile_for_t4_sm75_and_h100_sm90_without_bf16_or_mma():
+    """Both flash-decoding kernels compile to sm_75 PTX (a Kaggle T4) and sm_90 (H100)
+    with no bf16 and no tensor-core instructions, and the split kernel reads K/V with
+    128-bit loads; the real compiler in a subprocess, no GPU needed."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM75], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 5
+    assert len(result) == 10
     for key, r in result.items():
-        assert r == {"target": True, "bf16": False, "mma": False}, key
+        assert r["target"] and not r["bf16"] and not r["mma"], (key, r)
+        if "/split/" in key:
+            assert r["vector_loads"], key
