@@ -16,7 +16,9 @@ Design choices, and why:
 - One split is one 2-D tile: its SPLIT keys × head_dim of K and of V are loaded once
   (rows of head_dim contiguous elements: vector loads), and the GROUP = H / KVH query
   heads of the KV head are walked by a static loop, each with 2-D products reduced by
-  `tl.sum` (scores over head_dim, then p · V over keys). The first version held a
+  `tl.sum` (scores over head_dim, then p · V over keys); the heads' scores sit side by
+  side in one (SPLIT, GROUP) tile, so one max and one sum serve the group (each
+  cross-warp reduction costs shared memory and barriers). The first version held a
   3-D (heads × 8 keys × head_dim) broadcast product and walked a split in 8 serial
   trips: 49.5 µs per 7B layer at 512 tokens on an H100, for ~1 MB of KV.
 - A row's splits are spread over a fixed number of programs per (row, KV head),
@@ -31,7 +33,8 @@ Design choices, and why:
   load, and refused below sm_80 where Triton cannot load them.
 - CUDA-graph friendly: no host syncs; everything per step (block tables, row_seq,
   row_pos) lives in device tensors a caller may pre-allocate and refill in place, and
-  the launch shape depends only on T (rows), the model and the block table's width.
+  the launch shape depends only on T (rows), the model, the block table's width and
+  the GPU's SM count.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ from minivllm.errors import ConfigError, DeviceError
 # page size (16): a split reads whole pages. 64 keys × 128 dims is 16 KB of f16 K (and
 # as much V) per program, a few hundred programs at 4096 tokens for a 7B layer.
 SPLIT_TOKENS = 64
-# Programs per SM the split kernel aims for (its third grid axis is sized from it).
-_PROGRAMS_PER_SM = 4
+# Programs per SM the split kernel aims for (its third grid axis is sized from it). At
+# batch 1 most of a graph-wide grid has no split to do; 2 per SM keeps those to about
+# one wave beside the working ones (8 warps at ~180 registers: 1 resident per SM) while
+# a 7B row alone still gets a program per split up to 4224 tokens (66 × 64).
+_PROGRAMS_PER_SM = 2
 # Upper bound on the (splits × head_dim) float32 tile one merge trip holds.
 _MERGE_TILE = 8192
 
@@ -80,6 +86,7 @@ def _paged_attention_split_kernel(
     kv_head = tl.program_id(1)
     first = tl.program_id(2)
     pos = tl.load(row_pos_ptr + row)
+    seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
     used = pos // SPLIT + 1  # the row's own splits
     if first < used:  # programs past the row's last split have nothing to do
         # 64-bit offsets: a large pool (pages × page stride) overflows int32.
@@ -91,7 +98,7 @@ def _paged_attention_split_kernel(
         offs_g = tl.arange(0, BLOCK_G)
         d_mask = offs_d < HEAD_DIM
         g_mask = offs_g < GROUP
-        table = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * stride_table
+        table = tables_ptr + seq.to(tl.int64) * stride_table
         for split in range(first, used, tl.num_programs(2)):
             keys = split * SPLIT + offs_n
             k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
