@@ -11,9 +11,10 @@ replays of a graph holding one call per layer, divided by the layers), the effec
 of KV read, and each kernel's largest error against float64 softmax attention.
 
 The old kernel (the paged_attention.py of commit b738059) is timed in the same run: from
-`git show` when this is a git checkout, else from --baseline-module PATH (write it
-with `git show b738059:minivllm/kernels/triton/paged_attention.py > PATH` anywhere git
-is at hand); without either the baseline rows are skipped and the JSON says why.
+--baseline-module PATH, else .gpu/paged_attention_b738059.py when staged there (write it
+with `git show b738059:minivllm/kernels/triton/paged_attention.py > PATH` where git is
+at hand), else from `git show` in a git checkout; without any of them the baseline rows
+are skipped and the JSON says why.
 
 K/V write rows: torch's two index_copy_ per layer (the old path), the one-launch
 `store_kv`, rope_qk alone, and rope_qk storing K and V itself (the new path), with a
@@ -39,6 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 BASELINE_COMMIT = "b738059"
+# Where a copy without git (an offline GPU machine) finds the old kernel when it was
+# staged: `git show b738059:minivllm/kernels/triton/paged_attention.py > .gpu/...` (.gpu/
+# is git-ignored; carry it to the machine).
+STAGED_BASELINE = REPO / ".gpu" / "paged_attention_b738059.py"
 SHAPES = {"7B": dict(heads=28, kv_heads=4, head_dim=128, layers=28),
           "0.5B": dict(heads=14, kv_heads=2, head_dim=64, layers=24)}
 PAGE_SIZE = 16
@@ -58,6 +63,8 @@ def parse_args(argv=None):
 
 def load_baseline(path: str | None):
     """(module or None, where it came from or why it is missing)."""
+    if path is None and STAGED_BASELINE.is_file():
+        path = str(STAGED_BASELINE)
     if path is None:
         try:
             src = subprocess.run(["git", "-C", str(REPO), "show",
