@@ -57,6 +57,10 @@ SPLIT_TOKENS = 64
 # one wave beside the working ones (8 warps at ~180 registers: 1 resident per SM) while
 # a 7B row alone still gets a program per split up to 4224 tokens (66 × 64).
 _PROGRAMS_PER_SM = 2
+# Splits whose K/V one program has in flight when it walks several (batch 8 and 32): the
+# loop is software-pipelined through shared memory (sm_80+; 2 stages of a 64 × 128 f16
+# K and V tile are ~64 KB). A program with one split just loads it.
+_SPLIT_STAGES = 2
 # Upper bound on the (splits × head_dim) float32 tile one merge trip holds.
 _MERGE_TILE = 8192
 
@@ -65,11 +69,12 @@ _MERGE_TILE = 8192
 class SplitLaunch:
     """How the split kernel is launched. The engine always uses the defaults; a
     benchmark may sweep them. split_tokens changes the bits (keep it fixed within one
-    engine); num_warps and programs_per_sm never do."""
+    engine); num_warps, programs_per_sm and num_stages never do."""
 
     split_tokens: int = SPLIT_TOKENS
     num_warps: int | None = None  # None: from the tile size (split_warps)
     programs_per_sm: int = _PROGRAMS_PER_SM
+    num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
 
 
 @triton.jit
@@ -80,7 +85,7 @@ def _paged_attention_split_kernel(
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_table, n_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,7 +104,9 @@ def _paged_attention_split_kernel(
         d_mask = offs_d < HEAD_DIM
         g_mask = offs_g < GROUP
         table = tables_ptr + seq.to(tl.int64) * stride_table
-        for split in range(first, used, tl.num_programs(2)):
+        # Pipelined (sm_80+: cp.async into shared memory): a program that walks several
+        # splits (large batches) loads the next ones' K/V while it computes this one.
+        for split in tl.range(first, used, tl.num_programs(2), num_stages=NUM_STAGES):
             keys = split * SPLIT + offs_n
             k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
             page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
@@ -209,7 +216,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         q, k_pages, v_pages, part, ml, block_tables, row_seq, row_pos, float(d ** -0.5 if scale is None else scale),
         *q.stride(), *k_pages.stride(), *v_pages.stride(), block_tables.stride(0), n_splits,
         GROUP=h // kvh, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(h // kvh),
-        BLOCK_D=block_d, SPLIT=split,
+        BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
         num_warps=launch.num_warps or split_warps(split, block_d),
     )
     _paged_attention_merge_kernel[(t, h)](

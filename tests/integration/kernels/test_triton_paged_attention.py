@@ -320,7 +320,7 @@ def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
 
 _COMPILE = r"""
 import json
-import sys
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -339,7 +339,8 @@ for cc in (75, 90):
                   "stride_vh", "stride_table", "n_splits"):
             sig[n] = "i32"
         const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
-                 "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS}
+                 "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS,
+                 "NUM_STAGES": pa.SplitLaunch().num_stages}
         sig.update({k: "constexpr" for k in const})
         k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
                            options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
@@ -353,7 +354,9 @@ for cc in (75, 90):
                            options={"num_warps": 4})
         out[f"sm{cc}/merge/{d}"] = k.asm["ptx"]
 print(json.dumps({key: {"target": f".target sm_{key[2:4]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
-                        "vector_loads": "ld.global.v4" in p or "ld.global.nc.v4" in p}
+                        # 16-byte loads, direct or (pipelined, sm_80+) through cp.async
+                        "vector_loads": "ld.global.v4" in p or "ld.global.nc.v4" in p
+                        or re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", p) is not None}
                   for key, p in out.items()}))
 """
 
@@ -361,7 +364,8 @@ print(json.dumps({key: {"target": f".target sm_{key[2:4]}" in p, "bf16": "bf16" 
 def test_kernels_compile_for_t4_sm75_and_h100_sm90_without_bf16_or_mma():
     """Both flash-decoding kernels compile to sm_75 PTX (a Kaggle T4) and sm_90 (H100)
     with no bf16 and no tensor-core instructions, and the split kernel reads K/V with
-    128-bit loads; the real compiler in a subprocess, no GPU needed."""
+    128-bit loads (sm_90: cp.async into its pipeline's shared memory); the real compiler
+    in a subprocess, no GPU needed."""
     import json
     import subprocess
     import sys
