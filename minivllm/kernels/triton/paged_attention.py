@@ -71,7 +71,7 @@ class SplitLaunch:
     benchmark may sweep them. split_tokens changes the bits (keep it fixed within one
     engine); num_warps, programs_per_sm and num_stages never do."""
 
-    split_tokens: int = SPLIT_TOKENS
+    split_tokens: int | None = None  # None: SPLIT_TOKENS
     num_warps: int | None = None  # None: from the tile size (split_warps)
     programs_per_sm: int = _PROGRAMS_PER_SM
     num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
@@ -192,8 +192,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     launch: the split kernel's launch (benchmarks only; default SplitLaunch()).
     Returns (T, H, D) in q's dtype.
 
-    Two launches whose shapes depend only on T, the model and block_tables' width (a
-    CUDA graph's static buffers fix all three): the splits, then the merge. No host syncs.
+    Two launches whose shapes depend only on T, the model, block_tables' width (a CUDA
+    graph's static buffers fix these) and the GPU: the splits, then the merge. No host
+    syncs.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos)
     launch = launch or SplitLaunch()
@@ -206,7 +207,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                           f"must match q: {tuple(q.shape)} {q.dtype} on {q.device}")
     if t == 0:
         return out
-    split = launch.split_tokens
+    split = launch.split_tokens or SPLIT_TOKENS
     block_d = triton.next_power_of_2(d)
     n_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
     programs = split_programs(t * kvh, n_splits, _sm_count(q.device) * launch.programs_per_sm)

@@ -246,6 +246,8 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
 
     if split is not None:
         monkeypatch.setattr(pa, "SPLIT_TOKENS", split)
+        monkeypatch.setattr(pa, "_MERGE_TILE", 1024)  # 16 splits a merge trip: 300 keys take two
+        assert pa.merge_chunk(HEAD_DIM) == 16
     seq_lens = [300, 45, 129]
     k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=torch.float32, device=device,
                                        seed=17)
