@@ -198,6 +198,8 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                      for s in (32, 64, 128) for w in (2, 4, 8)]
         variants += [(f"new programs_per_sm={n}", pa.SplitLaunch(programs_per_sm=n)) for n in (1, 4, 8, 16)]
         variants += [(f"new num_stages={n}", pa.SplitLaunch(num_stages=n)) for n in (1, 3)]
+        variants += [("new maxnreg=128", pa.SplitLaunch(maxnreg=128)),
+                     ("new maxnreg=128 programs_per_sm=4", pa.SplitLaunch(maxnreg=128, programs_per_sm=4))]
     for name, shape in SHAPES.items():
         layers = min(shape["layers"], layer_limit)
         for ctx in contexts:

@@ -59,7 +59,7 @@ SPLIT_TOKENS = 64
 _PROGRAMS_PER_SM = 2
 # Splits whose K/V one program has in flight when it walks several (batch 8 and 32): the
 # loop is software-pipelined through shared memory (sm_80+; 2 stages of a 64 × 128 f16
-# K and V tile are ~64 KB). A program with one split just loads it.
+# K and V tile take ~40 KB on sm_90). A program with one split just loads it.
 _SPLIT_STAGES = 2
 # Upper bound on the (splits × head_dim) float32 tile one merge trip holds.
 _MERGE_TILE = 8192
@@ -69,12 +69,13 @@ _MERGE_TILE = 8192
 class SplitLaunch:
     """How the split kernel is launched. The engine always uses the defaults; a
     benchmark may sweep them. split_tokens changes the bits (keep it fixed within one
-    engine); num_warps, programs_per_sm and num_stages never do."""
+    engine); the other fields never do."""
 
     split_tokens: int | None = None  # None: SPLIT_TOKENS
     num_warps: int | None = None  # None: from the tile size (split_warps)
     programs_per_sm: int = _PROGRAMS_PER_SM
     num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
+    maxnreg: int | None = None  # a register cap (2 resident programs per SM at 8 warps: 128)
 
 
 @triton.jit
@@ -219,6 +220,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         GROUP=h // kvh, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(h // kvh),
         BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
         num_warps=launch.num_warps or split_warps(split, block_d),
+        **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
