@@ -190,16 +190,20 @@ class Timer:
         return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
-def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, sweep):
-    rows = []
-    variants = [("new", pa.SplitLaunch())]
-    if sweep:
-        variants += [(f"new split={s} warps={w}", pa.SplitLaunch(split_tokens=s, num_warps=w))
-                     for s in (32, 64, 128) for w in (2, 4, 8)]
-        variants += [(f"new programs_per_sm={n}", pa.SplitLaunch(programs_per_sm=n)) for n in (1, 4, 8, 16)]
-        variants += [(f"new num_stages={n}", pa.SplitLaunch(num_stages=n)) for n in (1, 3)]
-        variants += [("new maxnreg=128", pa.SplitLaunch(maxnreg=128)),
-                     ("new maxnreg=128 programs_per_sm=4", pa.SplitLaunch(maxnreg=128, programs_per_sm=4))]
+def sweep_launches(pa) -> list[tuple[str, object]]:
+    """The new kernel's other launches (--sweep): split length × warps, programs per SM,
+    pipeline stages, a register cap."""
+    out = [(f"new split={s} warps={w}", pa.SplitLaunch(split_tokens=s, num_warps=w))
+           for s in (32, 64, 128) for w in (2, 4, 8)]
+    out += [(f"new programs_per_sm={n}", pa.SplitLaunch(programs_per_sm=n)) for n in (1, 4, 8, 16)]
+    out += [(f"new num_stages={n}", pa.SplitLaunch(num_stages=n)) for n in (1, 3)]
+    out += [("new maxnreg=128", pa.SplitLaunch(maxnreg=128)),
+            ("new maxnreg=128 programs_per_sm=4", pa.SplitLaunch(maxnreg=128, programs_per_sm=4))]
+    return out
+
+
+def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, variants, rows, save):
+    """Every case for each (label, launch) in `variants`; launch "old" is the baseline."""
     for name, shape in SHAPES.items():
         layers = min(shape["layers"], layer_limit)
         for ctx in contexts:
@@ -210,8 +214,8 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                 ref = reference_rows(torch, case, last, check)
                 kernels = [(label, lambda layer, c=case, ln=launch: pa.paged_attention(
                     c["q"], c["k"][layer], c["v"][layer], c["tables"], c["row_seq"], c["row_pos"], out=c["out"],
-                    launch=ln)) for label, launch in variants]
-                if old is not None:
+                    launch=ln)) for label, launch in variants if launch != "old"]
+                if any(launch == "old" for _, launch in variants):
                     kernels.append(("old", lambda layer, c=case: old.paged_attention(
                         c["q"], c["k"][layer], c["v"][layer], c["tables"], c["row_seq"], c["row_pos"], out=c["out"])))
                 for label, fn in kernels:
@@ -234,15 +238,14 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                     print(f"attention {name:5s} ctx {ctx:5d} batch {batch:3d} {label:28s} {us:9.2f} µs/call "
                           f"{row['kv_gb_per_s']:8.1f} GB/s  err {err:.1e}", flush=True)
                 del case
-    return rows
+                save()  # what is measured survives a run cut short
 
 
-def kv_write_rows(torch, timer, device, batches, layer_limit):
-    rows = []
+def kv_write_rows(torch, timer, device, batches, layer_limit, rows, save):
     for name, shape in SHAPES.items():
         for batch in batches:
             rows += kv_write_case(torch, timer, device, name, shape, batch, min(shape["layers"], layer_limit))
-    return rows
+            save()
 
 
 def kv_write_case(torch, timer, device, name: str, shape: dict, batch: int, layers: int) -> list[dict]:
@@ -327,20 +330,33 @@ def main(argv=None) -> int:
         contexts, batches, width, layer_limit = [512, 4096], [1, 8, 32], MAX_MODEL_LEN // PAGE_SIZE, 99
     timer = Timer(torch, device, args.replays)
     started = time.time()
-    attn = attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, args.sweep)
-    kv = kv_write_rows(torch, timer, device, batches, layer_limit)
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=30).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
+    attn, kv = [], []
     result = dict(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
         torch=torch.__version__, triton=triton.__version__, commit=commit, baseline=origin,
         page_size=PAGE_SIZE, block_table_pages=width, split_tokens=pa.SPLIT_TOKENS, replays=args.replays,
-        seconds=round(time.time() - started, 1), summary=summary(attn, kv), attention=attn, kv_write=kv,
+        complete=False, attention=attn, kv_write=kv,
     )
-    Path(args.out_json).write_text(json.dumps(result, indent=1))
+
+    def save() -> None:
+        result.update(seconds=round(time.time() - started, 1), summary=summary(attn, kv))
+        Path(args.out_json).write_text(json.dumps(result, indent=1))
+
+    # The new kernel beside the old one first, then the K/V writes, the sweep last: a
+    # run cut short keeps the main table.
+    main_pair = [("new", pa.SplitLaunch())] + ([("old", "old")] if old is not None else [])
+    attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, main_pair, attn, save)
+    kv_write_rows(torch, timer, device, batches, layer_limit, kv, save)
+    if args.sweep:
+        attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, sweep_launches(pa),
+                       attn, save)
+    result["complete"] = True
+    save()
     print(json.dumps(result["summary"], indent=1))
     bad = [r for r in attn if r["max_abs_err_vs_f64"] > 1e-3 or r.get("row_alone_bitwise_equal") is False]
     bad += [r for r in kv if r.get("exact") is False]
