@@ -22,7 +22,8 @@ prefill), and released ids move to one flat set until they end, so an unknown id
 still an error; a leader that ends before its prompt is ready promotes its oldest
 follower. The `contiguous` KV mode is the same pool with `page_size == max_model_len`,
 so each request holds one page. `PagedBatchKV` is one step's KV view: index tensors are
-built once per step, K/V are written with a single `index_copy_` per layer, and each
+built once per step, K/V are written once per layer (one Triton launch on CUDA, or by the
+fused RoPE kernel; `index_copy_` on CPU), and each
 request attends to its own pages (on CPU, SDPA over slices of consecutive pages; on
 CUDA, decode rows go to the Triton paged-attention kernel, prefill chunks to SDPA;
 `invariant=True` sends every row through a per-row path). `PagedBatchKV.static_decode`

@@ -8,7 +8,9 @@ Reading: attention reads K/V where they lie in the pool, never concatenating a
 request's pages into a new tensor (a gather copy per step costs a paged decode about
 40% of its speed on a T4: 0.61× contiguous).
 
-- On CUDA, decode rows (segments with n == 1) go to the Triton `paged_attention`
+- On CUDA, a step's K and V are stored with one Triton launch (`kv_store.py`), or by
+  the fused RoPE kernel itself through `store_target`/`attend_stored`; on CPU with two
+  `index_copy_`. Decode rows (segments with n == 1) go to the Triton `paged_attention`
   kernel, which follows each row's block table page by page. Its metadata
   (`block_tables`, `row_seq`, `row_pos`, and `write_slots` for storing K/V) are device
   tensors built once here, so a CUDA-graph runner can supply the same tensors from
@@ -88,6 +90,7 @@ class PagedBatchKV:
             self.row_seq = torch.tensor(row_seq, dtype=torch.int32).to(device)
             self.row_pos = torch.tensor(row_pos, dtype=torch.int32).to(device)
         self._paged_attention = triton_paged_attention(pool, invariant)
+        self._triton_store = triton_store(pool, self._paged_attention)
         # Rows the kernel handles in a mixed step (decode rows), when not all rows are.
         self._kernel_rows = None
         self._all_rows_in_kernel = self._paged_attention is not None and (
@@ -116,16 +119,30 @@ class PagedBatchKV:
         self.n_rows = write_slots.shape[0]
         self.write_slots, self.block_tables, self.row_seq, self.row_pos = write_slots, block_tables, row_seq, row_pos
         self._paged_attention = attention
+        self._triton_store = triton_store(pool, attention)
         self._all_rows_in_kernel = True
         self._kernel_rows = None
         return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k/v (rows, KVH, D) in the pool and attend; returns (rows, H, D)."""
-        kf = self.pool.k[layer].view(-1, *self.pool.k.shape[-2:])
-        vf = self.pool.v[layer].view(-1, *self.pool.v.shape[-2:])
-        kf.index_copy_(0, self.write_slots, k.to(kf.dtype))
-        vf.index_copy_(0, self.write_slots, v.to(vf.dtype))
+        kf, vf = self._flat(layer)
+        if self._triton_store is not None:  # both in one launch
+            self._triton_store(k, v, kf, vf, self.write_slots)
+        else:
+            kf.index_copy_(0, self.write_slots, k.to(kf.dtype))
+            vf.index_copy_(0, self.write_slots, v.to(vf.dtype))
+        return self.attend_stored(layer, q)
+
+    def store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, write_slots): where a Triton kernel that holds this step's
+        keys (fused RoPE) may store K and V itself, the same values `attend` would
+        store, and then call `attend_stored`. None where only torch writes (CPU)."""
+        return (*self._flat(layer), self.write_slots) if self._triton_store is not None else None
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attend with this step's K/V already in the pool (see `store_target`)."""
+        kf, vf = self._flat(layer)
         if self._all_rows_in_kernel:
             return self._paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.block_tables,
                                          self.row_seq, self.row_pos)
@@ -143,6 +160,11 @@ class PagedBatchKV:
                 q[self._kernel_rows], self.pool.k[layer], self.pool.v[layer], self.block_tables,
                 self._kernel_seq, self._kernel_pos)
         return out
+
+    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V pages as flat (slots, KVH, D) views of the pool."""
+        return (self.pool.k[layer].view(-1, *self.pool.k.shape[-2:]),
+                self.pool.v[layer].view(-1, *self.pool.v.shape[-2:]))
 
     def _per_row(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor) -> torch.Tensor:
         """Each query row alone over keys 0..pos: its result depends only on its own keys,
@@ -202,6 +224,22 @@ def triton_paged_attention(pool: PagePool, invariant: bool):
                               f"(it ships with torch's CUDA wheels) or drop invariant mode") from exc
         return None
     return paged_attention
+
+
+def triton_store(pool: PagePool, attention):
+    """The Triton one-launch K/V store where the Triton attention runs and Triton can
+    write the cache's dtype, else None (torch's index_copy_). Below sm_80 a bf16 cache is
+    left to the attention kernel, which refuses it in invariant mode with a clear error.
+    Imported lazily, as the attention kernel."""
+    if attention is None:
+        return None
+    from minivllm.kernels.gpu_profile import gpu_profile
+
+    if pool.k.dtype == torch.bfloat16 and not gpu_profile(pool.k.device).bf16:
+        return None
+    from minivllm.kernels.triton.kv_store import store_kv
+
+    return store_kv
 
 
 def _runs(block_table: list[int], page_size: int, n_tokens: int) -> list[slice]:

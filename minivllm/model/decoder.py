@@ -202,8 +202,11 @@ class DecoderModel:
                     q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
                     k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
                     v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
-                    q, k = rope_qk(q, k, cos, sin, self.rope.style)  # q float32, k in its dtype
-                    attn = kv.attend(i, q, k, v).reshape(t, cfg.n_heads * cfg.head_dim)
+                    # q float32, k in its dtype; where the pool allows, RoPE stores K and V too
+                    target = kv.store_target(i) if hasattr(kv, "store_target") else None
+                    q, k = rope_qk(q, k, cos, sin, self.rope.style, store=None if target is None else (*target, v))
+                    attn = kv.attend(i, q, k, v) if target is None else kv.attend_stored(i, q)
+                    attn = attn.reshape(t, cfg.n_heads * cfg.head_dim)
                     h, x = add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, self.dtype)
                 with trace_scope("mlp"):
                     pending = layer.down(swiglu(layer.gate(x), layer.up(x), self.dtype))

@@ -7,7 +7,8 @@ microseconds even inside a CUDA graph; on Qwen2.5-0.5B that was most of the step
 * `add_rms_norm`: h + delta (the residual add, float32) and RMSNorm of the sum, written
   in the matmul dtype, in one pass over the row;
 * `rope_qk`: RoPE on a row's query and key heads (both GGUF layouts), queries out in
-  float32, keys in their own dtype (the cache's);
+  float32, keys in their own dtype (the cache's); given the step's page slots, it also
+  writes the keys and values into the KV cache (no separate store launch);
 * `swiglu`: silu(gate) * up in float32, rounded once to the matmul dtype.
 
 Same formulas and operation order as the torch references (`kernels/rmsnorm.py`,
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.triton.kv_store import store_row_heads
 from minivllm.kernels.triton.paged_attention import require_triton_device
 
 _MAX_BLOCK = 1 << 15
@@ -64,7 +66,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 @triton.jit
 def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-                N_HEADS: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr, BLOCK_H: tl.constexpr):
+                N_HEADS: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr, BLOCK_H: tl.constexpr,
+                cache_ptr, slot, stride_cs, stride_ch, STORE: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     mask = heads < N_HEADS
@@ -81,8 +84,13 @@ def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, strid
     sin = tl.load(sin_ptr + row * stride_c + j)
     orow = o_ptr + row * stride_ot + heads * stride_oh
     ty = o_ptr.dtype.element_ty
-    tl.store(orow + ia, (a * cos - b * sin).to(ty), mask=mask)
-    tl.store(orow + ib, (a * sin + b * cos).to(ty), mask=mask)
+    ra = (a * cos - b * sin).to(ty)
+    rb = (a * sin + b * cos).to(ty)
+    tl.store(orow + ia, ra, mask=mask)
+    tl.store(orow + ib, rb, mask=mask)
+    if STORE:  # the keys' page slot too, rounded from k's dtype to the cache's as attend would
+        store_row_heads(cache_ptr, slot, stride_cs, stride_ch, heads, ia, ra, mask)
+        store_row_heads(cache_ptr, slot, stride_cs, stride_ch, heads, ib, rb, mask)
 
 
 @triton.jit
@@ -102,26 +110,48 @@ def _rope_qk_kernel(
     stride_kot,
     stride_koh,
     stride_c,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    stride_vt,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
     H: tl.constexpr,
     KVH: tl.constexpr,
     HALF: tl.constexpr,
     ADJACENT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c,
-                    H, HALF, ADJACENT, BLOCK_H)
+                    H, HALF, ADJACENT, BLOCK_H, qo_ptr, row, 0, 0, False)
     else:
+        slot = tl.load(slots_ptr + row).to(tl.int64) if STORE else row
         _rope_heads(k_ptr, ko_ptr, cos_ptr, sin_ptr, row, stride_kt, stride_kh, stride_kot, stride_koh, stride_c,
-                    KVH, HALF, ADJACENT, BLOCK_KVH)
+                    KVH, HALF, ADJACENT, BLOCK_KVH, kc_ptr, slot, stride_kcs, stride_kch, STORE)
+        if STORE:  # and the values, unchanged but for the cache dtype
+            heads = tl.arange(0, BLOCK_KVH)[:, None]
+            dims = tl.arange(0, 2 * HALF)[None, :]
+            mask = heads < KVH
+            v = tl.load(v_ptr + row * stride_vt + heads * stride_vh + dims, mask=mask)
+            store_row_heads(vc_ptr, slot, stride_vcs, stride_vch, heads, dims, v, mask)
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
-            q_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+            q_dtype: torch.dtype = torch.float32, store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE over every dimension of q (T, H, D) and k (T, KVH, D) (last dim contiguous);
-    cos/sin (T, D/2) float32. Returns q in `q_dtype` and k in k's dtype."""
+    cos/sin (T, D/2) float32. Returns q in `q_dtype` and k in k's dtype.
+
+    store: (k_cache, v_cache, slots, v), from `PagedBatchKV.store_target` and this
+    step's values v (T, KVH, D): the same launch also writes the rotated keys and v into
+    their page slots, the values `attend` would write (then call `attend_stored`)."""
     t, h, d = q.shape
     kvh = k.shape[1]
     half = d // 2
@@ -131,11 +161,20 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos, sin = cos.contiguous(), sin.contiguous()
     qo = torch.empty((t, h, d), dtype=q_dtype, device=q.device)
     ko = torch.empty_like(k)
+    if store is not None:
+        k_cache, v_cache, slots, v = store
+        if v.shape != k.shape or v.stride(-1) != 1 or k_cache.shape[1:] != k.shape[1:] or slots.shape != (t,):
+            raise ValueError("rope_qk store: v like k, caches (slots, KVH, D), one slot per row, contiguous last dims")
+        cache_args = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+                      v_cache.stride(0), v_cache.stride(1))
+    else:
+        cache_args = (k, ko, ko, q, 0, 0, 0, 0, 0, 0)  # placeholders, never touched (STORE=False)
     if t:
         _rope_qk_kernel[(t, 2)](q, k, qo, ko, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0),
+                                qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), *cache_args,
                                 H=h, KVH=kvh, HALF=half, ADJACENT=style == "adjacent",
-                                BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh))
+                                BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
+                                STORE=store is not None)
     return qo, ko
 
 

@@ -1,35 +1,46 @@
-"""Paged attention in one Triton kernel, for any mix of decode rows and prefill chunks.
+"""Paged attention in Triton, for any mix of decode rows and prefill chunks.
 
 Every query row names its sequence (`row_seq`) and its absolute position (`row_pos`);
 it attends to keys 0..row_pos of that sequence, read page by page where they lie in
 the pool through the sequence's block table. So one launch serves decode (one row per
-sequence), a prefill chunk that starts after cached prefix pages, and mixed batches.
+sequence), a prefill chunk that starts after cached prefix pages, and mixed batches:
+a prefill row is just another row.
 
 Design choices, and why:
-- Flash-decoding: one program per (query row, KV head, split of SPLIT_TOKENS keys),
-  then a merge kernel per (row, head) that combines the splits' partial softmaxes in
-  split order. One program per (row, KV head) walked a row's keys serially and took
-  202 µs per layer at a 520-token context on an H200 (7B, 4 KV heads); with splits the
-  work per program is a few unrolled key blocks whatever the context. The split is a
-  fixed length in tokens, so a row's arithmetic depends only on its own position.
-- Each program handles the G = H / KVH query heads of its KV head together: each K/V
-  block is loaded once for the whole group and GQA never repeats K/V heads in memory.
-- Keys are visited in fixed-size blocks in page order with an online (running max)
-  softmax in float32. A row's reduction order depends only on its own position and the
-  model's shape, never on how many other rows share the launch: a row's output is
-  bitwise the same alone or in any batch (the batch-invariance the engine relies on).
-- T4 (sm_75) runs it: no `tl.dot` (tensor-core MMA shapes would need padding the group
-  to 16 rows and differ per architecture), only broadcast-multiply + `tl.sum`; all
-  arithmetic is float32; bf16 caches are only converted on load, and refused below
-  sm_80 where Triton cannot load them.
+- Flash-decoding: a row's keys are cut into splits of SPLIT_TOKENS keys; a split
+  kernel computes each (row, KV head, split)'s partial softmax, and a merge kernel per
+  (row, head) combines the splits in split order. The split is a fixed length in
+  tokens (never a count), so a row's arithmetic depends only on its own position and
+  the model's shape: bitwise the same alone or in any batch (the batch invariance the
+  engine relies on), whatever the block table's width.
+- One split is one 2-D tile: its SPLIT keys × head_dim of K and of V are loaded once
+  (rows of head_dim contiguous elements: vector loads), and the GROUP = H / KVH query
+  heads of the KV head are walked by a static loop, each with 2-D products reduced by
+  `tl.sum` (scores over head_dim, then p · V over keys); the heads' scores sit side by
+  side in one (SPLIT, GROUP) tile, so one max and one sum serve the group (each
+  cross-warp reduction costs shared memory and barriers). The first version held a
+  3-D (heads × 8 keys × head_dim) broadcast product and walked a split in 8 serial
+  trips: 49.5 µs per 7B layer at 512 tokens on an H100, for ~1 MB of KV.
+- A row's splits are spread over a fixed number of programs per (row, KV head),
+  sized from the batch and the GPU's SM count, each looping over every P-th split.
+  Under a CUDA graph the block table is as wide as max_model_len, and one program per
+  possible split left hundreds of programs per layer that only exit. How many
+  programs share the splits never changes a split's arithmetic, so the bits stay
+  batch invariant.
+- Softmax in float32 with each split's own max; the merge rescales the splits in
+  order. T4 (sm_75) runs it: no `tl.dot` (tensor-core MMA shapes would need padding
+  the group to 16 rows and differ per architecture); bf16 caches are only converted on
+  load, and refused below sm_80 where Triton cannot load them.
 - CUDA-graph friendly: no host syncs; everything per step (block tables, row_seq,
   row_pos) lives in device tensors a caller may pre-allocate and refill in place, and
-  the launch shape depends only on T (rows) and the model.
+  the launch shape depends only on T (rows), the model, the block table's width and
+  the GPU's SM count.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,19 +48,34 @@ import triton.language as tl
 
 from minivllm.errors import ConfigError, DeviceError
 
-# Upper bound on the (group × key block × head_dim) product each program holds at once:
-# larger blocks mean fewer loop trips, but the broadcast product lives in registers.
-# ptxas for sm_75, G=8 (padded), D=64: 8 keys → 126 registers, 16 keys → 231, 32 keys
-# spill; 4096 keeps the common shapes near 128 registers without spilling.
-_PRODUCT_ELEMENTS = 4096
-# Flash-decoding: each (row, KV head) is split into fixed runs of SPLIT_TOKENS keys, one
-# program each, and a second kernel merges the runs' partial softmaxes in split order.
-# The split is a length in tokens (never a count), so a row's arithmetic depends only on
-# its own position: bitwise the same alone or in any batch. 64 keys keep each program to
-# a few unrolled key blocks (latency, not bandwidth, bounds one decode row's attention).
+# Keys per split, one tile per split. A length in tokens, a multiple of the default
+# page size (16): a split reads whole pages. 64 keys × 128 dims is 16 KB of f16 K (and
+# as much V) per program, a few hundred programs at 4096 tokens for a 7B layer.
 SPLIT_TOKENS = 64
-# Splits merged per trip of the merge kernel's loop (a constant, for the same reason).
-_MERGE_CHUNK = 16
+# Programs per SM the split kernel aims for (its third grid axis is sized from it). At
+# batch 1 most of a graph-wide grid has no split to do; 2 per SM keeps those to about
+# one wave beside the working ones (8 warps at ~180 registers: 1 resident per SM) while
+# a 7B row alone still gets a program per split up to 4224 tokens (66 × 64).
+_PROGRAMS_PER_SM = 2
+# Splits whose K/V one program has in flight when it walks several (batch 8 and 32): the
+# loop is software-pipelined through shared memory (sm_80+; 2 stages of a 64 × 128 f16
+# K and V tile take ~40 KB on sm_90). A program with one split just loads it.
+_SPLIT_STAGES = 2
+# Upper bound on the (splits × head_dim) float32 tile one merge trip holds.
+_MERGE_TILE = 8192
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """How the split kernel is launched. The engine always uses the defaults; a
+    benchmark may sweep them. split_tokens changes the bits (keep it fixed within one
+    engine); the other fields never do."""
+
+    split_tokens: int | None = None  # None: SPLIT_TOKENS
+    num_warps: int | None = None  # None: from the tile size (split_warps)
+    programs_per_sm: int = _PROGRAMS_PER_SM
+    num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
+    maxnreg: int | None = None  # a register cap (2 resident programs per SM at 8 warps: 128)
 
 
 @triton.jit
@@ -59,64 +85,61 @@ def _paged_attention_split_kernel(
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_table, n_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = tl.load(row_seq_ptr + row)
+    first = tl.program_id(2)
     pos = tl.load(row_pos_ptr + row)
-    split_start = split * SPLIT
-    if split_start <= pos:  # splits past the row's position have nothing to do
+    seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
+    used = pos // SPLIT + 1  # the row's own splits
+    if first < used:  # programs past the row's last split have nothing to do
         # 64-bit offsets: a large pool (pages × page stride) overflows int32.
         row64 = row.to(tl.int64)
         kv_head64 = kv_head.to(tl.int64)
-        offs_g = tl.arange(0, BLOCK_G)
+        n_heads = tl.num_programs(1) * GROUP
+        offs_n = tl.arange(0, SPLIT)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        g_mask = offs_g < GROUP
+        offs_g = tl.arange(0, BLOCK_G)
         d_mask = offs_d < HEAD_DIM
-        heads = kv_head * GROUP + offs_g
-
-        q_offs = row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        q = q * scale  # (G, D); scaling q once is cheaper than scaling every score block
-
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max per query head
-        l_i = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of p · V
+        g_mask = offs_g < GROUP
         table = tables_ptr + seq.to(tl.int64) * stride_table
-        # A fixed trip count (unrolled): the first block holds key split_start <= pos, so
-        # m_i is finite after it, and a later block with no key <= pos adds p = 0.
-        for start in tl.static_range(0, SPLIT, BLOCK_N):
-            keys = split_start + start + offs_n
-            k_mask = keys <= pos
+        # Pipelined (sm_80+: cp.async into shared memory): a program that walks several
+        # splits (large batches) loads the next ones' K/V while it computes this one.
+        for split in tl.range(first, used, tl.num_programs(2), num_stages=NUM_STAGES):
+            keys = split * SPLIT + offs_n
+            k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
             page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
-            slot = keys % PAGE_SIZE
+            row_k = page * stride_kp + (keys % PAGE_SIZE) * stride_ks + kv_head64 * stride_kh
+            row_v = page * stride_vp + (keys % PAGE_SIZE) * stride_vs + kv_head64 * stride_vh
             kv_mask = k_mask[:, None] & d_mask[None, :]
-            k_offs = (page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head64 * stride_kh
-                      + offs_d[None, :] * stride_kd)
-            k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
-            v_offs = (page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head64 * stride_vh
-                      + offs_d[None, :] * stride_vd)
-            v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
-
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, N)
-            scores = tl.where(k_mask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
-
-        # Partial results: unnormalised acc (T, H, splits, D) and (m, l) (T, H, splits, 2).
-        part = (row64 * (tl.num_programs(1) * GROUP) + heads[:, None]) * n_splits + split
-        tl.store(part_ptr + part * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
-        ml = ((row64 * (tl.num_programs(1) * GROUP) + heads) * n_splits + split) * 2
-        tl.store(ml_ptr + ml, m_i, mask=g_mask)
-        tl.store(ml_ptr + ml + 1, l_i, mask=g_mask)
+            k = tl.load(k_ptr + row_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            k = k.to(tl.float32)  # (SPLIT, D)
+            v = v.to(tl.float32)
+            # The group's scores side by side, (SPLIT, G): one max and one sum over the
+            # keys serve every head (each head a column of its own; padding columns stay 0,
+            # finite, and are never stored).
+            scores = tl.zeros([SPLIT, BLOCK_G], tl.float32)
+            for g in tl.static_range(GROUP):  # the KV head's query heads share the tile
+                q = tl.load(q_ptr + row64 * stride_qt + (kv_head * GROUP + g) * stride_qh + offs_d * stride_qd,
+                            mask=d_mask, other=0.0)
+                q = q.to(tl.float32) * scale  # scaling q once is cheaper than scaling every score
+                s = tl.sum(k * q[None, :], axis=1)  # (SPLIT,)
+                scores = tl.where(offs_g[None, :] == g, s[:, None], scores)
+            scores = tl.where(k_mask[:, None], scores, float("-inf"))
+            m = tl.max(scores, axis=0)  # (G,); the split's first key is <= pos, so finite
+            p = tl.exp(scores - m[None, :])
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # unnormalised p · V per head
+            for g in tl.static_range(GROUP):
+                p_g = tl.sum(tl.where(offs_g[None, :] == g, p, 0.0), axis=1)  # column g, exactly
+                acc = tl.where(offs_g[:, None] == g, tl.sum(p_g[:, None] * v, axis=0)[None, :], acc)
+            # Partial results: acc (T, H, splits, BLOCK_D) and (m, l) (T, H, splits, 2).
+            part = (row64 * n_heads + kv_head * GROUP + offs_g) * n_splits + split
+            tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+            tl.store(ml_ptr + part * 2, m, mask=g_mask)
+            tl.store(ml_ptr + part * 2 + 1, tl.sum(p, axis=0), mask=g_mask)
 
 
 @triton.jit
@@ -157,7 +180,7 @@ def _paged_attention_merge_kernel(
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *, launch: SplitLaunch | None = None) -> torch.Tensor:
     """Causal attention of each query row over its own sequence's paged keys.
 
     q: (T, H, D) float32 (or float16) queries after RoPE. k_pages, v_pages: one layer's
@@ -167,16 +190,17 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     absolute position of each row; the row attends to keys 0..row_pos. The caller must
     already have written the row's own K/V into the pages. scale defaults to D ** -0.5.
     out: optional preallocated (T, H, D) output in q's dtype (for CUDA graphs).
+    launch: the split kernel's launch (benchmarks only; default SplitLaunch()).
     Returns (T, H, D) in q's dtype.
 
-    Two launches whose shapes depend only on T, the model and block_tables' width (a
-    CUDA graph's static buffers fix all three): splits of SPLIT_TOKENS keys, then the
-    merge. No host syncs.
+    Two launches whose shapes depend only on T, the model, block_tables' width (a CUDA
+    graph's static buffers fix these) and the GPU: the splits, then the merge. No host
+    syncs.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos)
+    launch = launch or SplitLaunch()
     t, h, d = q.shape
     _, page_size, kvh, _ = k_pages.shape
-    group = h // kvh
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
@@ -184,29 +208,57 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                           f"must match q: {tuple(q.shape)} {q.dtype} on {q.device}")
     if t == 0:
         return out
-    block_g = triton.next_power_of_2(group)
+    split = launch.split_tokens or SPLIT_TOKENS
     block_d = triton.next_power_of_2(d)
-    block_n = min(_key_block(block_g, block_d), SPLIT_TOKENS)
-    n_splits = triton.cdiv(block_tables.shape[1] * page_size, SPLIT_TOKENS)
+    n_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
+    programs = split_programs(t * kvh, n_splits, _sm_count(q.device) * launch.programs_per_sm)
     part = torch.empty((t, h, n_splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((t, h, n_splits, 2), dtype=torch.float32, device=q.device)
-    _paged_attention_split_kernel[(t, kvh, n_splits)](
+    _paged_attention_split_kernel[(t, kvh, programs)](
         q, k_pages, v_pages, part, ml, block_tables, row_seq, row_pos, float(d ** -0.5 if scale is None else scale),
         *q.stride(), *k_pages.stride(), *v_pages.stride(), block_tables.stride(0), n_splits,
-        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=SPLIT_TOKENS,
+        GROUP=h // kvh, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(h // kvh),
+        BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
+        num_warps=launch.num_warps or split_warps(split, block_d),
+        **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
-        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=SPLIT_TOKENS, CHUNK=_MERGE_CHUNK,
+        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=merge_chunk(block_d),
     )
     return out
 
 
-def _key_block(block_g: int, block_d: int) -> int:
-    """Keys per loop trip: a power of two in [8, 64] chosen from the model's shape only,
-    so it (and with it every row's summation order) never depends on the batch."""
-    return max(8, min(64, _PRODUCT_ELEMENTS // (block_g * block_d)))
+def split_programs(rows_x_kv_heads: int, n_splits: int, target_programs: int) -> int:
+    """Programs per (row, KV head) of the split kernel: enough for about
+    `target_programs` in all, never more than the splits. Each program takes every
+    P-th split of its row, so P never changes the arithmetic (only who does it)."""
+    return max(1, min(n_splits, -(-target_programs // rows_x_kv_heads)))
+
+
+def split_warps(split: int, block_d: int) -> int:
+    """Warps of the split kernel: its K and V tiles (split × head_dim float32 each) at
+    about 32 registers per thread apiece."""
+    return max(1, min(8, split * block_d // 1024))
+
+
+def merge_chunk(block_d: int) -> int:
+    """Splits merged per trip of the merge kernel: a function of the model's head_dim
+    only (the merge's summation order follows it), at most _MERGE_TILE floats a trip."""
+    return max(16, min(128, _MERGE_TILE // block_d))
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The profile's SM count, looked up once per device (a host-side number; the
+    launch shape it sizes never changes a row's bits)."""
+    if device not in _SM_COUNTS:
+        from minivllm.kernels.gpu_profile import gpu_profile
+
+        _SM_COUNTS[device] = gpu_profile(device).sm_count
+    return _SM_COUNTS[device]
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos) -> None:

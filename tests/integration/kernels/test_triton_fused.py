@@ -89,11 +89,14 @@ out["add_rms_norm"] = k.asm["ptx"]
 sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "qo_ptr": "*fp32", "ko_ptr": "*fp16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_qot", "stride_qoh",
                                "stride_kot", "stride_koh", "stride_c")})
-const = {"H": 28, "KVH": 4, "HALF": 64, "ADJACENT": False, "BLOCK_H": 32, "BLOCK_KVH": 4}
-sig.update({n: "constexpr" for n in const})
-k = triton.compile(ASTSource(f._rope_qk_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
-                   options={"num_warps": 4})
-out["rope_qk"] = k.asm["ptx"]
+sig.update({"v_ptr": "*fp16", "kc_ptr": "*fp16", "vc_ptr": "*fp16", "slots_ptr": "*i64"})
+sig.update({n: "i32" for n in ("stride_vt", "stride_vh", "stride_kcs", "stride_kch", "stride_vcs", "stride_vch")})
+for store in (False, True):  # RoPE alone, and RoPE storing K and V into their page slots
+    const = {"H": 28, "KVH": 4, "HALF": 64, "ADJACENT": False, "BLOCK_H": 32, "BLOCK_KVH": 4, "STORE": store}
+    sig.update({n: "constexpr" for n in const})
+    k = triton.compile(ASTSource(f._rope_qk_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
+                       options={"num_warps": 4})
+    out[f"rope_qk/store={store}"] = k.asm["ptx"]
 sig = {"g_ptr": "*fp16", "u_ptr": "*fp16", "out_ptr": "*fp16", "n_cols": "i32", "stride_g": "i32", "stride_u": "i32",
        "stride_o": "i32", "BLOCK": "constexpr"}
 k = triton.compile(ASTSource(f._swiglu_kernel, sig, {"BLOCK": 1024}, attrs=attrs), target=GPUTarget("cuda", 75, 32),
@@ -114,7 +117,7 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 3
+    assert len(result) == 4
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False}, key
 

@@ -33,20 +33,22 @@ def device(request) -> torch.device:
     return torch.device(name)
 
 
-def _batch(*, seq_lens: list[int], page_size: int, kvh: int, dtype: torch.dtype, device, seed: int):
+def _batch(*, seq_lens: list[int], page_size: int, kvh: int, dtype: torch.dtype, device, seed: int,
+           head_dim: int = HEAD_DIM, width: int | None = None):
     """Random K/V pages and block tables whose pages are scattered and out of order
-    (a permutation of the pool), padded to the longest table with a junk page id."""
+    (a permutation of the pool), padded with a junk page id to `width` pages (default:
+    one more than the longest table; a CUDA graph's tables are max_model_len wide)."""
     gen = torch.Generator().manual_seed(seed)
     n_pages = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(n_pages) + 3  # a few pages nobody owns
-    k = torch.randn(num_pages, page_size, kvh, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(num_pages, page_size, kvh, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_pages, page_size, kvh, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_pages, page_size, kvh, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables, used = [], 0
     for n in n_pages:
         tables.append(order[used:used + n])
         used += n
-    width = max(n_pages) + 1
+    width = width or max(n_pages) + 1
     padded = [t + [order[-1]] * (width - len(t)) for t in tables]
     block_tables = torch.tensor(padded, dtype=torch.int32)
     return k.to(device), v.to(device), block_tables.to(device), tables
@@ -244,6 +246,8 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
 
     if split is not None:
         monkeypatch.setattr(pa, "SPLIT_TOKENS", split)
+        monkeypatch.setattr(pa, "_MERGE_TILE", 1024)  # 16 splits a merge trip: 300 keys take two
+        assert pa.merge_chunk(HEAD_DIM) == 16
     seq_lens = [300, 45, 129]
     k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=torch.float32, device=device,
                                        seed=17)
@@ -269,51 +273,111 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
     assert torch.equal(narrow[0], full[1])
 
 
-_COMPILE_FOR_SM75 = r"""
+# (n_heads, n_kv_heads, head_dim) of Qwen2.5-7B and Qwen2.5-0.5B: group 7.
+MODEL_SHAPES = [pytest.param(28, 4, 128, id="7B"), pytest.param(14, 2, 64, id="0.5B")]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
+def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim, cache_dtype):
+    """The real models' shapes (group 7, head_dim 128 and 64) with a CUDA graph's wide
+    block table (most programs have no split to do): decode rows whose keys end on both
+    sides of page and split boundaries, beside a prefill chunk that crosses both, each
+    against softmax attention in float64 over its sequence's dense keys."""
+    seq_lens = [150, 70, 16, 129, 1]
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=cache_dtype,
+                                       device=device, seed=heads + head_dim, head_dim=head_dim, width=24)
+    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (3, 63)] + [(1, p) for p in range(61, 67)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(4)).to(device)
+    out = paged_attention(q, k, v, tables, torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device),
+                          torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device))
+    for i, (s, p) in enumerate(rows):
+        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(out[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
+    """7B shape, f16 cache, graph-wide tables: each decode row gives the same bits alone
+    as among 7 other rows at other positions, and whether its splits are spread over
+    many programs or all walked by one (the program count follows the batch and the GPU)."""
+    from minivllm.kernels.triton import paged_attention as pa
+
+    seq_lens = [300, 5, 64, 65, 17, 128, 200, 1]
+    k, v, tables, _ = _batch(seq_lens=seq_lens, page_size=16, kvh=4, dtype=torch.float16, device=device, seed=21,
+                             head_dim=128, width=24)
+    q = torch.randn(8, 28, 128, generator=torch.Generator().manual_seed(22)).half().float().to(device)
+    pos = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device=device)
+    seq = torch.arange(8, dtype=torch.int32, device=device)
+    batch = paged_attention(q, k, v, tables, seq, pos)
+    for i in (0, 7):
+        alone = paged_attention(q[i:i + 1].contiguous(), k, v, tables, seq[i:i + 1], pos[i:i + 1])
+        assert torch.equal(alone[0], batch[i]), f"row {i} differs alone"
+    assert pa.split_programs(8 * 4, 6, 4 * 132) == 6  # every split its own program here
+    monkeypatch.setitem(pa._SM_COUNTS, torch.device(device), 1)
+    assert pa.split_programs(8 * 4, 6, 4) == 1  # and now one program walks all of a row's splits
+    assert torch.equal(paged_attention(q, k, v, tables, seq, pos), batch)
+
+
+_COMPILE = r"""
 import json
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.kernels.triton import paged_attention as pa
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+# Pointers and the strides a real launch has as multiples of 16 (Triton specialises
+# those, and the vector loads depend on it); stride 1 is a constant, as at run time.
+attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 12, 13, 14, 16, 17, 18]}
 out = {}
-for cache, (g, d) in [("*fp16", (8, 128)), ("*fp32", (8, 64)), ("*fp16", (1, 64))]:
-    sig = {n: "*fp32" for n in ("q_ptr", "part_ptr", "ml_ptr")}
-    sig.update({"k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "row_seq_ptr": "*i32", "row_pos_ptr": "*i32",
-                "scale": "fp32"})
-    for n in ("stride_qt", "stride_qh", "stride_qd", "stride_kp", "stride_ks", "stride_kh", "stride_kd",
-              "stride_vp", "stride_vs", "stride_vh", "stride_vd", "stride_table", "n_splits"):
-        sig[n] = "i32"
-    const = {"GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16, "BLOCK_G": g, "BLOCK_D": d,
-             "BLOCK_N": min(pa._key_block(g, d), pa.SPLIT_TOKENS), "SPLIT": pa.SPLIT_TOKENS}
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs),
-                       target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
-    out[f"split/{cache}/{g}x{d}"] = k.asm["ptx"]
-    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32", "stride_ot": "i32",
-           "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
-    const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa._MERGE_CHUNK}
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(pa._paged_attention_merge_kernel, sig, const, attrs=attrs),
-                       target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
-    out[f"merge/{d}"] = k.asm["ptx"]
-print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+for cc in (75, 90):
+    target = GPUTarget("cuda", cc, 32 if cc < 90 else 128)
+    for cache, (g, d) in [("*fp16", (7, 128)), ("*fp32", (7, 64)), ("*fp16", (1, 64))]:
+        sig = {n: "*fp32" for n in ("q_ptr", "part_ptr", "ml_ptr")}
+        sig.update({"k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "row_seq_ptr": "*i32",
+                    "row_pos_ptr": "*i32", "scale": "fp32"})
+        for n in ("stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+                  "stride_vh", "stride_table", "n_splits"):
+            sig[n] = "i32"
+        const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
+                 "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS,
+                 "NUM_STAGES": pa.SplitLaunch().num_stages}
+        sig.update({k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
+                           options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
+        out[f"sm{cc}/split/{cache}/{g}x{d}"] = k.asm["ptx"]
+        sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32",
+               "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
+        const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(d)}
+        sig.update({k: "constexpr" for k in const})
+        merge_attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+        k = triton.compile(ASTSource(pa._paged_attention_merge_kernel, sig, const, attrs=merge_attrs), target=target,
+                           options={"num_warps": 4})
+        out[f"sm{cc}/merge/{d}"] = k.asm["ptx"]
+print(json.dumps({key: {"target": f".target sm_{key[2:4]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
+                        # 16-byte loads, direct or (pipelined, sm_80+) through cp.async
+                        "vector_loads": "ld.global.v4" in p or "ld.global.nc.v4" in p
+                        or re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", p) is not None}
                   for key, p in out.items()}))
 """
 
 
-def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
-    """Both flash-decoding kernels compile to sm_75 PTX (a Kaggle T4) with no bf16 and no
-    tensor-core instructions; the real compiler in a subprocess, no GPU needed."""
+def test_kernels_compile_for_t4_sm75_and_h100_sm90_without_bf16_or_mma():
+    """Both flash-decoding kernels compile to sm_75 PTX (a Kaggle T4) and sm_90 (H100)
+    with no bf16 and no tensor-core instructions, and the split kernel reads K/V with
+    128-bit loads (sm_90: cp.async into its pipeline's shared memory); the real compiler
+    in a subprocess, no GPU needed."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM75], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 5
+    assert len(result) == 10
     for key, r in result.items():
-        assert r == {"target": True, "bf16": False, "mma": False}, key
+        assert r["target"] and not r["bf16"] and not r["mma"], (key, r)
+        if "/split/" in key:
+            assert r["vector_loads"], key
