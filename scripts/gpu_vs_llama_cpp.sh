@@ -142,8 +142,8 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
     cp "$W"/sweep/* "$R/" 2>/dev/null
   fi
   RESERVE=${RESERVE:-150} run_pytest
-  [ -f scripts/attention_bench.py ] && step "attention bench" "$R/attention-bench.log" \
-    python3 scripts/attention_bench.py "$R/attention-bench.json"
+  BASE=""; [ -f ../paged_attention_b738059.py ] && BASE="--baseline-module ../paged_attention_b738059.py"
+  step "attention bench" "$R/attention-bench.log" python3 scripts/attention_bench.py "$R/attention-bench.json" $BASE
   stamp "llama build: $(tail -n 2 "$W/llama-build.log" | tr '\n' ' ')"
   stamp "synthetic: $(tr '\n' ' ' < "$W/synthetic.log" | tail -c 300)"
 else
