@@ -4,7 +4,8 @@ For each weight type and Qwen2.5-7B shape (the attention, K/V, FFN up/gate, FFN 
 LM-head matrices) this times, at M = 1 from CUDA-graph replays over weight copies larger
 than the L2 (`bench/kernels.graph_us`), every candidate (row groups per program, groups
 per trip, warps, pipeline stages, K slices) of `kernels/triton/tiled_gemv.py`, the older
-one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the same candidates of the
+one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the fused projections' shapes
+(Q|K|V, Q|K and gate|up, the last with its SwiGLU epilogue, as the decoder launches it), the same candidates of the
 int8-activation kernel (`q8_gemv.py`; activations quantized once beforehand, as a layer's
 Q/K/V share one quantization; the quantize kernel is timed on its own) and f16 cuBLAS on the dense
 matrix, against the measured copy bandwidth (bytes read + written).
@@ -29,7 +30,16 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-SHAPES = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584)]
+SHAPES = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584),
+          # The fused projections of the 7B (kernels/fused_projection.py): Q|K|V, Q|K (V in
+          # Q6_K), gate|up; and the 0.5B's (K = 896: legacy types only, 896 is not whole
+          # 256-element super-blocks) separate and fused shapes.
+          (4608, 3584), (4096, 3584), (37888, 3584),
+          (896, 896), (128, 896), (1152, 896), (1024, 896), (4864, 896), (9728, 896), (896, 4864)]
+# Fused gate|up weights: the float kernel is timed with its SwiGLU epilogue (`tiled_gemv_swiglu`),
+# the launch the decoder makes for them at one row.
+PAIRED_SHAPES = {(37888, 3584), (9728, 896)}
+K_QUANTS = {"Q4_K", "Q6_K"}  # rows must be whole 256-element super-blocks
 LM_HEAD_TYPES = {"Q4_K", "Q6_K", "Q8_0"}  # the big matrix only for the types an LM head has
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"]
 # (block_nb, block_g, num_warps, num_stages): the tile a program reads per trip is
@@ -82,7 +92,8 @@ def _precompile_all(types: list[str], quick: set[str], workers: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = [(t, k, kern, QUICK if t in quick else CANDIDATES, [1, 2])
-            for t in types for k in sorted({k for _, k in SHAPES}) for kern in ("float", "int8")]
+            for t in types for k in sorted({k for _, k in SHAPES if not (t in K_QUANTS and k % 256)})
+            for kern in ("float", "int8")]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for done in pool.map(_precompile, *zip(*jobs)):
             print(f"compiled {done}", flush=True)
@@ -103,7 +114,8 @@ def main() -> int:
     from minivllm.kernels.repacked_layout import repack
     from minivllm.kernels.triton import q8_gemv as q8
     from minivllm.kernels.triton.repacked_gemv import repacked_gemv
-    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+    from minivllm.kernels.triton.fused import swiglu
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv, tiled_gemv_swiglu
 
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,8 +136,9 @@ def main() -> int:
     for tname in args.types.split(","):
         gt = GGMLQuantizationType[tname]
         for n, k in SHAPES:
-            if n > 100_000 and tname not in LM_HEAD_TYPES:
+            if (n > 100_000 and tname not in LM_HEAD_TYPES) or (tname in K_QUANTS and k % 256):
                 continue
+            paired = (n, k) in PAIRED_SHAPES
             copies = max(2, -(-(160 << 20) // int(n * k * 0.6)))
             ws = [repack(random_weight(gt, n, k, device=dev, seed=i)) for i in range(copies)]
             nbytes = ws[0].nbytes
@@ -145,8 +158,9 @@ def main() -> int:
             cands = QUICK if tname in args.quick.split(",") else CANDIDATES
             xq = q8.quantize_q8(x)
             kernels = {
-                "float": lambda cfg, i, x=x, ws=ws, copies=copies: lambda: tiled_gemv(
-                    x, ws[i % copies], cfg, out_dtype=torch.float16),
+                "float": lambda cfg, i, x=x, ws=ws, copies=copies, paired=paired: (lambda: tiled_gemv_swiglu(
+                    x, ws[i % copies], cfg, mid_dtype=torch.float16, out_dtype=torch.float16)) if paired else (
+                    lambda: tiled_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16)),
                 "int8": lambda cfg, i, x=x, ws=ws, copies=copies, xq=xq: lambda: q8.q8_gemv(
                     x, ws[i % copies], cfg, out_dtype=torch.float16, xq=xq),
             }
@@ -179,10 +193,15 @@ def main() -> int:
             row["legacy_frac_of_copy"] = frac(row["legacy_us"])
             # Correctness of the winner against the legacy kernel (same arithmetic per weight,
             # another sum order): a wrong config must not win on speed.
-            y = tiled_gemv(x, ws[0], best[0])
             os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
             y_legacy = repacked_gemv(x, ws[0], autotune=False)
             os.environ.pop("MINIVLLM_GEMV_KERNEL")
+            if paired:  # the epilogue against the legacy GEMV's halves through the swiglu kernel
+                row["epilogue"] = "swiglu"
+                y = tiled_gemv_swiglu(x, ws[0], best[0], mid_dtype=torch.float32, out_dtype=torch.float32)
+                y_legacy = swiglu(y_legacy[:, :n // 2], y_legacy[:, n // 2:], torch.float32)
+            else:
+                y = tiled_gemv(x, ws[0], best[0])
             row["best_max_rel_diff_vs_legacy"] = float((y - y_legacy).abs().max() / y_legacy.abs().max())
             # The int8 winner against the float reference of its quantized activations.
             xw, dxs = xq
