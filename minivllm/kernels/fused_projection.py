@@ -118,8 +118,9 @@ class FusedProjection:
         lin.options.path_counts[path] += 1
         with trace_scope("qmatmul", self.name, path=path, epilogue="swiglu"):
             try:
-                return tiled_gemv_swiglu(x.to(lin.compute_dtype), lin.repacked, config, mid_dtype=lin.compute_dtype,
-                                         out_dtype=out_dtype, bias=lin.bias)
+                # x as the separate GEMVs take it (the kernel reads any float dtype)
+                return tiled_gemv_swiglu(x, lin.repacked, config, mid_dtype=lin.compute_dtype, out_dtype=out_dtype,
+                                         bias=lin.bias)
             except Exception as exc:  # a Triton compile/launch failure on this GPU
                 import warnings
 

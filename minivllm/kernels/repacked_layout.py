@@ -281,8 +281,8 @@ def _unpack_raw(rw: RepackedWeight) -> torch.Tensor:
     codes = _unpack_fields(_deinterleave(rw.qs, n).reshape(-1, 32 // (32 // bits)), bits)
     codes = codes.reshape(-1, 32)
 
-    def f16(name):
-        return pl[name].reshape(-1, 1).contiguous().view(torch.uint8).reshape(-1, 2)
+    def f16(name):  # 1-D first: an (n, 1) plane (K = 256, one super-block a row) may keep a stride of R
+        return pl[name].reshape(-1).contiguous().view(torch.uint8).reshape(-1, 2)
 
     if t == _T.Q4_0:
         blocks = torch.cat([f16("d"), _nib_bytes(codes)], dim=1)

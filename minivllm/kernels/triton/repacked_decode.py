@@ -114,3 +114,33 @@ def scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND: tl.constexpr):
     else:  # Q4_0, Q5_0, Q8_0: d * (q - offset), the offset already subtracted
         y = ps * d
     return y
+
+
+# --- the tiled kernels' shared steps (tiled_gemv.py, q8_gemv.py) ----------------------------
+
+
+@triton.jit
+def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr):
+    """(words, mask, per-(group, row) offsets) of a [NB, G, T, R] tile: row groups `nb`,
+    groups `gg` below g_hi. 16-byte loads (ld.global.v4 in the sm_90 PTX), evict-first:
+    each weight byte is read once per call."""
+    ok = nb_ok & (gg < g_hi)
+    gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
+    w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0, eviction_policy="evict_first")
+    return w, ok, gr
+
+
+@triton.jit
+def store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR: tl.constexpr,
+               BLOCK_NB: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A program's [NB, R] row sums: + bias and rounded once into out[M, N], or, split, as
+    float32 partials into the workspace [SPLIT, M, N] (summed in slice order afterwards)."""
+    nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
+    rows = nb2 * RR + tl.arange(0, RR)[None, :]
+    r_ok = rows < N
+    if not IS_SPLIT:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
+        tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
+    else:
+        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)

@@ -83,6 +83,10 @@ def _repacked_gemv_kernel(
         for p in tl.static_range(32 // T):
             xp = tl.load(x_row + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
             f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+            if KIND == 1:
+                sx += xp
+            elif KIND == 4:
+                sx += xp
             if KIND == 5:  # two 16-element scales per group
                 if p < 4:
                     ps += f * xp[:, :, None]
@@ -90,10 +94,6 @@ def _repacked_gemv_kernel(
                     ps_hi += f * xp[:, :, None]
             else:
                 ps += f * xp[:, :, None]
-            if KIND == 1:
-                sx += xp
-            elif KIND == 4:
-                sx += xp
         sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0  # per-(super-block, row) planes
         d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, g_ok, KIND)
         acc += scaled_sum(ps, ps_hi, sx[:, :, None], d, m, s_lo, s_hi, KIND)
@@ -149,6 +149,10 @@ def _repacked_gemv_rows_kernel(
         for p in tl.static_range(32 // T):
             xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
             f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+            if KIND == 1:
+                sx += xp
+            elif KIND == 4:
+                sx += xp
             if KIND == 5:
                 if p < 4:
                     ps += f[None] * xp[:, :, :, None]
@@ -156,10 +160,6 @@ def _repacked_gemv_rows_kernel(
                     ps_hi += f[None] * xp[:, :, :, None]
             else:
                 ps += f[None] * xp[:, :, :, None]
-            if KIND == 1:
-                sx += xp
-            elif KIND == 4:
-                sx += xp
         sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
         d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, g_ok, KIND)
         acc += scaled_sum(ps, ps_hi, sx[:, :, :, None], d[None], m[None], s_lo[None], s_hi[None], KIND)

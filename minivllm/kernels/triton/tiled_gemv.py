@@ -33,7 +33,14 @@ import triton.language as tl
 from minivllm.kernels.gemv_configs import GemvConfig
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.fused import silu_mul
-from minivllm.kernels.triton.repacked_decode import decode_field, group_scales, high_fields, scaled_sum
+from minivllm.kernels.triton.repacked_decode import (
+    decode_field,
+    group_scales,
+    high_fields,
+    scaled_sum,
+    store_rows,
+    word_tile,
+)
 
 
 @triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB"])
@@ -70,10 +77,7 @@ def _tiled_gemv_kernel(
     acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
     for i in range(0, G_PER_SPLIT, BLOCK_G):
         gg = g_lo + i + g4
-        ok = nb_ok & (gg < g_hi)
-        gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
-                    eviction_policy="evict_first")  # 16-byte loads (ld.global.v4 in the sm_90 PTX)
+        w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR)
         w_hi = w >> 16
         h_lo = w  # unused by the types without a high-bit plane
         h_hi = w
@@ -114,15 +118,7 @@ def _tiled_gemv_kernel(
         _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT,
                       HAS_BIAS, ROUND)
     else:
-        nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
-        rows = nb2 * RR + tl.arange(0, RR)[None, :]
-        r_ok = rows < N
-        if not IS_SPLIT:
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
-            tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
-        else:  # a float32 partial: the workspace [SPLIT, M, N]
-            tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)
+        store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit

@@ -114,6 +114,9 @@ def test_swiglu_epilogue_equals_swiglu_of_the_separate_gemvs(ggml_type, gpu_path
         ref = _swiglu_reference(x[:m], gate, up, wg, wu)
         torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
         epilogue = m == 1 or inv
+        if inv:  # batch-invariant: a row alone gives the bits it gave in the batch
+            with kernel_options_for_call(KernelOptions(gemv_max_rows=8, dequant_cache=False, batch_invariant=True)):
+                assert torch.equal(project_swiglu(gate, up, x[1:2], torch.float16)[0], y[1])
         assert launches.counts == ({"_tiled_gemv_kernel": 1} if epilogue
                                    else {"_repacked_gemv_rows_kernel": 1, "_swiglu_kernel": 1}), (m, inv)
 
@@ -152,6 +155,22 @@ def test_runs_of_one_type_fuse_and_the_switch_turns_fusion_off(gpu_path_on_cpu, 
     assert group.parts == (q, kk) and group.name == "p0+p1" and v.fused is None
     monkeypatch.setenv(FUSED_PROJECTIONS_ENV, "0")
     assert fuse_projections(tuple(_linears([T.Q4_K] * 2, [16, 16], 256, opts)), "g") == []
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_concatenated_rows_and_their_views_unpack_to_the_file_bytes(ggml_type):
+    """The fused weight gives back the parts' GGUF bytes (the GEMM path dequantizes it),
+    and so does each part's view, at K = 256 too (one super-block per row)."""
+    from minivllm.kernels.repacked_layout import concat_rows, repack, row_range, unpack_raw
+
+    for k in (256, 512):
+        ws = [random_weight(ggml_type, n, k, seed=n) for n in (8, 12, 4)]
+        fused = concat_rows([repack(w) for w in ws], "qkv")
+        assert torch.equal(unpack_raw(fused), torch.cat([w.raw for w in ws]))
+        row = 0
+        for w in ws:
+            assert torch.equal(unpack_raw(row_range(fused, row, w.shape[0], "part")), w.raw)
+            row += w.shape[0]
 
 
 def test_unmeasured_fused_shapes_take_the_nearest_measured_row():
@@ -237,8 +256,30 @@ def _tiny_model(dtype):
     return DecoderModel(cfg, embedding, layers, torch.ones(d), head, rope, dtype, torch.device("cpu"), opts)
 
 
+@pytest.fixture
+def few_programs(tmp_path, monkeypatch):
+    """A launch table with 8 row groups and the whole K per program for the tiny model's
+    shapes (the nearest-N rule covers the fused ones): the interpreter runs each program
+    in Python, so fewer of them keep the test fast. Both runs use the same table."""
+    import json
+
+    from minivllm.kernels import gemv_configs
+
+    big = {"block_nb": 8, "block_g": 8, "split": 1, "num_warps": 4, "num_stages": 2}
+    path = tmp_path / "gemv_configs.json"
+    path.write_text(json.dumps({"sm90": {"configs": {"Q4_K:256x256": big, "Q6_K:128x256": big,
+                                                     "Q8_0:256x128": big}}}))
+    monkeypatch.setenv(gemv_configs.TABLE_ENV, str(path))
+    gemv_configs._table.cache_clear()
+    gemv_configs.lookup.cache_clear()
+    yield
+    monkeypatch.undo()
+    gemv_configs._table.cache_clear()
+    gemv_configs.lookup.cache_clear()
+
+
 @cpu_only
-def test_greedy_decode_is_unchanged_by_fusion_and_launches_fewer_gemvs(gpu_path_on_cpu, monkeypatch):
+def test_greedy_decode_is_unchanged_by_fusion_and_launches_fewer_gemvs(gpu_path_on_cpu, few_programs, monkeypatch):
     """The GPU code path (fused layer kernels, repacked GEMVs) on CPU tensors: the same
     logits, bit for bit, and so the same greedy tokens, with fusion on and off; a decode
     step's GEMV launches go from 7 per layer to 4 (Q|K|V, o, gate|up+SwiGLU, down), 5
@@ -246,7 +287,12 @@ def test_greedy_decode_is_unchanged_by_fusion_and_launches_fewer_gemvs(gpu_path_
     from minivllm.cache.contiguous import ContiguousKVCache
     from minivllm.kernels.fused_projection import FUSED_PROJECTIONS_ENV
 
+    import warnings
+
     runs = {}
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     for fusion in ("0", "1"):
         monkeypatch.setenv(FUSED_PROJECTIONS_ENV, fusion)
         model = _tiny_model(torch.float16)
@@ -254,7 +300,8 @@ def test_greedy_decode_is_unchanged_by_fusion_and_launches_fewer_gemvs(gpu_path_
         bytes_held = model.weight_bytes()
         cache = ContiguousKVCache(2, 16, 1, 64, torch.float16, "cpu")
         ids, logits_seen = [3, 17, 5, 30], []
-        logits = model.forward(torch.tensor(ids), 0, cache)  # prefill: 4 rows, the several-rows kernel
+        with model.using(KernelOptions(gemv_max_rows=1, dequant_cache=False)):  # prefill: 4 rows, GEMM
+            logits = model.forward(torch.tensor(ids), 0, cache)
         counter = _count_launches()
         for step in range(3):
             logits_seen.append(logits)
@@ -262,6 +309,8 @@ def test_greedy_decode_is_unchanged_by_fusion_and_launches_fewer_gemvs(gpu_path_
             with counter if step == 0 else _nothing():
                 logits = model.forward(torch.tensor(ids[-1:]), len(ids) - 1, cache)
         runs[fusion] = (ids, logits_seen, counter.counts, bytes_held)
+    caught.__exit__(None, None, None)
+    assert not [w for w in seen if "could not run" in str(w.message)]  # no fallback to the torch steps
     (ids0, logits0, launches0, bytes0), (ids1, logits1, launches1, bytes1) = runs["0"], runs["1"]
     assert ids0 == ids1
     for a, b in zip(logits0, logits1):
