@@ -78,6 +78,10 @@ def test_fused_qkv_equals_the_separate_gemvs_bit_for_bit(ggml_type, gpu_path_on_
         for a, b, c in zip(fused, separate[m, inv], alone):
             assert torch.equal(a, b) and torch.equal(c, b), (m, inv)
         assert fused[0].untyped_storage().data_ptr() == fused[2].untyped_storage().data_ptr()  # views of one output
+        if inv:  # batch-invariant: a row alone gives the bits it gave in the batch
+            with kernel_options_for_call(opts_call):
+                alone_row = project_many((q, kk, v), xs[m][1:2])
+            assert all(torch.equal(a[0], b[1]) for a, b in zip(alone_row, fused))
 
 
 def _swiglu_reference(x, gate, up, wg, wu):
@@ -221,6 +225,41 @@ def _sane_linear(t, n, k, opts, dtype, seed, bias=False):
     w = QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1), t, (n, k), f"w{seed}")
     b = 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(seed)) if bias else None
     return QuantLinear(w, b, options=opts, compute_dtype=dtype, name=f"w{seed}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_0], ids=lambda t: t.name)
+def test_fused_7b_shapes_on_cuda(ggml_type):
+    """Qwen2.5-7B shapes, compiled kernels: Q|K|V in one weight with the table's launch
+    shape against the torch reference; with one launch shape for fused and parts, bit for
+    bit; gate|up with the SwiGLU epilogue bit for bit against the separate GEMVs of the same
+    shape then the swiglu kernel (the same tile, so the same sums)."""
+    from minivllm.kernels.gemv_configs import lookup
+    from minivllm.kernels.repacked_layout import concat_rows, repack
+    from minivllm.kernels.triton.fused import swiglu
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv, tiled_gemv_swiglu
+
+    from test_triton_gemv import reference  # noqa: E402
+
+    k = 3584
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(1, k, generator=gen) * 0.5).half().cuda()
+    parts = [random_weight(ggml_type, n, k, device="cuda", seed=n) for n in (3584, 512, 512)]
+    fused = concat_rows([repack(w) for w in parts], "qkv")
+    ref = torch.cat([reference(x, w) for w in parts], dim=1)
+    y = tiled_gemv(x, fused, lookup("sm90", ggml_type.name, 4608, k), out_dtype=torch.float16)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+    cfg = lookup("sm90", ggml_type.name, 3584, k)
+    y1 = tiled_gemv(x, fused, cfg, out_dtype=torch.float16)
+    assert torch.equal(y1, torch.cat([tiled_gemv(x, repack(w), cfg, out_dtype=torch.float16) for w in parts], 1))
+    gate, up = (random_weight(ggml_type, 18944, k, device="cuda", seed=s) for s in (1, 2))
+    gu = concat_rows([repack(gate), repack(up)], "gate_up")
+    for cfg in (lookup("sm90", ggml_type.name, 37888, k), GemvConfig(block_nb=4, block_g=32, split=4)):
+        y = tiled_gemv_swiglu(x, gu, cfg, mid_dtype=torch.float16, out_dtype=torch.float16)
+        sep = GemvConfig(max(2, cfg.block_nb), cfg.block_g, cfg.split, cfg.num_warps, cfg.num_stages)
+        ref = swiglu(tiled_gemv(x, repack(gate), sep, out_dtype=torch.float16),
+                     tiled_gemv(x, repack(up), sep, out_dtype=torch.float16), torch.float16)
+        assert torch.equal(y, ref), cfg
 
 
 def _tiny_model(dtype):
