@@ -124,8 +124,8 @@ def main() -> int:
     from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.repacked_layout import repack
     from minivllm.kernels.triton import q8_gemv as q8
-    from minivllm.kernels.triton.repacked_gemv import repacked_gemv
     from minivllm.kernels.triton.fused import swiglu
+    from minivllm.kernels.triton.repacked_gemv import repacked_gemv
     from minivllm.kernels.triton.tiled_gemv import tiled_gemv, tiled_gemv_swiglu
 
     out = Path(args.outdir)
@@ -259,7 +259,8 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             try:
                 n, k = (int(v) for v in part.lower().split("x"))
             except ValueError:
-                raise SystemExit(f"--shapes: {part!r} is neither a set ({', '.join(SHAPE_SETS)}, all) nor NxK") from None
+                sets = ", ".join(SHAPE_SETS)
+                raise SystemExit(f"--shapes: {part!r} is neither a set ({sets}, all) nor NxK") from None
             found = [(n, k)]
         out += [shape for shape in found if shape not in out]
     return out

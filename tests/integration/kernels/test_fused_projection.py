@@ -234,12 +234,12 @@ def test_fused_7b_shapes_on_cuda(ggml_type):
     shape against the torch reference; with one launch shape for fused and parts, bit for
     bit; gate|up with the SwiGLU epilogue bit for bit against the separate GEMVs of the same
     shape then the swiglu kernel (the same tile, so the same sums)."""
+    from test_triton_gemv import reference  # noqa: E402
+
     from minivllm.kernels.gemv_configs import lookup
     from minivllm.kernels.repacked_layout import concat_rows, repack
     from minivllm.kernels.triton.fused import swiglu
     from minivllm.kernels.triton.tiled_gemv import tiled_gemv, tiled_gemv_swiglu
-
-    from test_triton_gemv import reference  # noqa: E402
 
     k = 3584
     gen = torch.Generator().manual_seed(11)
@@ -323,10 +323,10 @@ def test_greedy_decode_is_unchanged_by_fusion_and_launches_fewer_gemvs(gpu_path_
     logits, bit for bit, and so the same greedy tokens, with fusion on and off; a decode
     step's GEMV launches go from 7 per layer to 4 (Q|K|V, o, gate|up+SwiGLU, down), 5
     where V has another type, and the swiglu kernel's launches go."""
+    import warnings
+
     from minivllm.cache.contiguous import ContiguousKVCache
     from minivllm.kernels.fused_projection import FUSED_PROJECTIONS_ENV
-
-    import warnings
 
     runs = {}
     caught = warnings.catch_warnings(record=True)
@@ -366,3 +366,40 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.cuda
+def test_fusion_on_and_off_agree_on_cuda(tmp_path, monkeypatch):
+    """A small synthetic Qwen2 file (Q5_0 rows of 896, Q8_0 V in the extra-bits layers) on
+    CUDA, loaded with fusion on and off: logits within the f16 tolerance of each other
+    (the launch shapes differ, so the sums may round differently), greedy tokens mostly
+    the same, one copy of the weights either way."""
+    from conftest import REPO_ROOT
+    from synthetic_gguf import minivllm_logits
+
+    from minivllm.bench.synthetic_model import scaled_down, write_synthetic_model
+    from minivllm.engine.llm import LLM
+    from minivllm.kernels.fused_projection import FUSED_PROJECTIONS_ENV
+    from minivllm.sampling.sampling_params import SamplingParams
+
+    source = REPO_ROOT / ".gpu19" / "qwen2.5-tokenizer-fields.json.xz"
+    if not source.is_file():
+        pytest.skip("needs the Qwen2.5 tokenizer fields (.gpu19/qwen2.5-tokenizer-fields.json.xz)")
+    spec = scaled_down(name="tiny", n_layers=4, d_model=896, n_heads=14, n_kv_heads=2, d_ff=1024,
+                       kquant_fallback=True)
+    path = write_synthetic_model(tmp_path / "tiny.gguf", spec, tokenizer_source=source)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The quick brown fox", "def fib(n):", "Once upon a time, in a land far away, there"]
+    runs = {}
+    for fusion in ("1", "0"):
+        monkeypatch.setenv(FUSED_PROJECTIONS_ENV, fusion)
+        llm = LLM(str(path), progress=False, max_model_len=128, device="cuda", dtype="f16")
+        ids = llm.tokenizer.encode(prompts[2])
+        runs[fusion] = (minivllm_logits(llm.model, ids), [o.token_ids for o in llm.generate(prompts, params)],
+                        llm.model.weight_bytes())
+        del llm
+        torch.cuda.empty_cache()
+    (a, toks, bytes_on), (b, plain, bytes_off) = runs["1"], runs["0"]
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+    assert sum(x == y for t1, t2 in zip(toks, plain) for x, y in zip(t1, t2)) >= 0.8 * sum(map(len, toks))
+    assert bytes_on == bytes_off
