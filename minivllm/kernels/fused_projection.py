@@ -54,7 +54,7 @@ def fusable_runs(linears) -> list[tuple[QuantLinear, ...]]:
     for lin in linears:
         rw = lin.repacked
         whole = rw is not None and rw.shape[0] % 4 == 0
-        if runs and whole and runs[-1][-1].repacked.shape[0] % 4 == 0 and _can_share(runs[-1][-1], lin):
+        if runs and whole and _can_share(runs[-1][-1], lin) and runs[-1][-1].repacked.shape[0] % 4 == 0:
             runs[-1].append(lin)
         else:
             runs.append([lin])

@@ -157,6 +157,11 @@ def test_runs_of_one_type_fuse_and_the_switch_turns_fusion_off(gpu_path_on_cpu, 
     q, kk, v = _linears([T.Q4_K, T.Q4_K, T.Q6_K], [32, 16, 16], 256, opts)
     (group,) = fuse_projections((q, kk, v), "attn_qkv")
     assert group.parts == (q, kk) and group.name == "p0+p1" and v.fused is None
+    # A weight without the GPU layout (a type the repacked kernels lack) breaks a run.
+    a, b, c = _linears([T.Q4_K, T.Q5_1, T.Q4_K], [16, 16, 16], 256, opts)
+    assert b.repacked is None and fuse_projections((a, b, c), "x") == []
+    (after,) = fuse_projections((b, c, a), "y")
+    assert after.parts == (c, a)
     monkeypatch.setenv(FUSED_PROJECTIONS_ENV, "0")
     assert fuse_projections(tuple(_linears([T.Q4_K] * 2, [16, 16], 256, opts)), "g") == []
 
