@@ -311,7 +311,9 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     gate/up): on a CPU whose weights all take the float32 kernel's GEMV path, one kernel
     call over all their rows (one parallel region and one Python round trip instead of
     several). The arithmetic is each projection's own, so the results are the same bits
-    as separate calls; anything else falls back to separate calls."""
+    as separate calls; anything else falls back to separate calls. On the GPU path,
+    linears that share a fused weight (`kernels/fused_projection.py`) take one GEMV per
+    fused run, their outputs views of one tensor."""
     first = linears[0]
     opts = first.options
     rows = x.shape[0]
@@ -319,14 +321,13 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     fused = (mode in ("f32", "q8") and not opts.batch_invariant and 0 < rows <= (opts.gemv_max_rows or 0)
              and all(lin._cpu_quant and lin.cpu_gemv_mode() == mode and lin.options is opts for lin in linears))
     if not fused:
-        if any(lin.fused is not None for lin in linears):
-            return _through_fused(linears, x)
+        call = _through_fused if any(lin.fused is not None for lin in linears) else _each
         if x.is_cuda and first._repacked is not None:
             from minivllm.kernels.triton.q8_gemv import sharing_quantization
 
             with sharing_quantization(x):  # the int8 GEMVs of x quantize it once
-                return [lin(x) for lin in linears]
-        return [lin(x) for lin in linears]
+                return call(linears, x)
+        return call(linears, x)
     from minivllm.kernels import cpu_gemv
 
     cached = first._many_args  # (linears, mode, kernel arguments, trace name), made on the first call
@@ -344,6 +345,10 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
                 y = y.add_(lin.bias)
             out.append(y if lin.out_dtype == torch.float32 else y.to(lin.out_dtype))
         return out
+
+
+def _each(linears, x: torch.Tensor) -> list[torch.Tensor]:
+    return [lin(x) for lin in linears]
 
 
 def _through_fused(linears, x: torch.Tensor) -> list[torch.Tensor]:
