@@ -4,12 +4,16 @@ For each weight type and Qwen2.5-7B shape (the attention, K/V, FFN up/gate, FFN 
 LM-head matrices) this times, at M = 1 from CUDA-graph replays over weight copies larger
 than the L2 (`bench/kernels.graph_us`), every candidate (row groups per program, groups
 per trip, warps, pipeline stages, K slices) of `kernels/triton/tiled_gemv.py`, the older
-one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the same candidates of the
+one-row-group kernel (`MINIVLLM_GEMV_KERNEL=legacy`), the fused projections' shapes
+(Q|K|V, Q|K and gate|up, the last with its SwiGLU epilogue, as the decoder launches it), the same candidates of the
 int8-activation kernel (`q8_gemv.py`; activations quantized once beforehand, as a layer's
 Q/K/V share one quantization; the quantize kernel is timed on its own) and f16 cuBLAS on the dense
 matrix, against the measured copy bandwidth (bytes read + written).
 
-    python3 scripts/gemv_sweep.py OUTDIR [--types Q4_K,Q6_K] [--quick Q4_0,Q4_1]
+    python3 scripts/gemv_sweep.py OUTDIR [--types Q4_K,Q6_K] [--quick Q4_0,Q4_1] [--shapes fused,0.5b]
+
+`--shapes` (sets 7b, fused, 0.5b, or NxK entries; default all) sweeps a part: the shapes it
+does not measure keep the committed table's rows in the written config table.
 
 Writes OUTDIR/gemv-sweep-<key>.json (every timing, the device, the winners),
 OUTDIR/gemv-sweep-<key>.md and OUTDIR/gemv_configs.json: the committed table
@@ -29,7 +33,19 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-SHAPES = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584)]
+# The Qwen2.5-7B matrices; the fused projections of the 7B (kernels/fused_projection.py):
+# Q|K|V, Q|K (V in Q6_K), gate|up; the 0.5B's separate and fused shapes (K = 896: legacy
+# types only, 896 is not whole 256-element super-blocks).
+SHAPE_SETS = {
+    "7b": [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584)],
+    "fused": [(4608, 3584), (4096, 3584), (37888, 3584)],
+    "0.5b": [(896, 896), (128, 896), (1152, 896), (1024, 896), (4864, 896), (9728, 896), (896, 4864)],
+}
+SHAPES = [shape for shapes in SHAPE_SETS.values() for shape in shapes]
+# Fused gate|up weights: the float kernel is timed with its SwiGLU epilogue (`tiled_gemv_swiglu`),
+# the launch the decoder makes for them at one row.
+PAIRED_SHAPES = {(37888, 3584), (9728, 896)}
+K_QUANTS = {"Q4_K", "Q6_K"}  # rows must be whole 256-element super-blocks
 LM_HEAD_TYPES = {"Q4_K", "Q6_K", "Q8_0"}  # the big matrix only for the types an LM head has
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"]
 # (block_nb, block_g, num_warps, num_stages): the tile a program reads per trip is
@@ -57,7 +73,7 @@ def _precompile(tname: str, k: int, kernel: str, cands: list, splits: list[int])
     from minivllm.kernels.gemv_configs import GemvConfig
     from minivllm.kernels.repacked_layout import repack
     from minivllm.kernels.triton import q8_gemv as q8
-    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv, tiled_gemv_swiglu
 
     dev = torch.device("cuda")
     w = repack(random_weight(GGMLQuantizationType[tname], 64, k, device=dev, seed=0))
@@ -69,6 +85,8 @@ def _precompile(tname: str, k: int, kernel: str, cands: list, splits: list[int])
             try:
                 if kernel == "float":
                     tiled_gemv(x, w, cfg, out_dtype=torch.float16)
+                    if any(pk == k for _, pk in PAIRED_SHAPES):  # the gate+up launch with its epilogue
+                        tiled_gemv_swiglu(x, w, cfg, mid_dtype=torch.float16, out_dtype=torch.float16)
                 else:
                     q8.q8_gemv(x, w, cfg, out_dtype=torch.float16, xq=xq)
             except Exception:  # the timing loop records it
@@ -82,7 +100,8 @@ def _precompile_all(types: list[str], quick: set[str], workers: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = [(t, k, kern, QUICK if t in quick else CANDIDATES, [1, 2])
-            for t in types for k in sorted({k for _, k in SHAPES}) for kern in ("float", "int8")]
+            for t in types for k in sorted({k for _, k in SHAPES if not (t in K_QUANTS and k % 256)})
+            for kern in ("float", "int8")]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for done in pool.map(_precompile, *zip(*jobs)):
             print(f"compiled {done}", flush=True)
@@ -96,14 +115,18 @@ def main() -> int:
     ap.add_argument(
         "--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)"
     )
+    ap.add_argument("--shapes", default="all", help="comma-separated shape sets (7b, fused, 0.5b) or NxK entries")
     args = ap.parse_args()
+    global SHAPES
+    SHAPES = parse_shapes(args.shapes)
     from minivllm.bench.kernels import copy_bandwidth_gbs, graph_us, random_weight
     from minivllm.kernels.gemv_configs import GemvConfig, default_config, shape_key
     from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.repacked_layout import repack
     from minivllm.kernels.triton import q8_gemv as q8
+    from minivllm.kernels.triton.fused import swiglu
     from minivllm.kernels.triton.repacked_gemv import repacked_gemv
-    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv, tiled_gemv_swiglu
 
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,8 +147,9 @@ def main() -> int:
     for tname in args.types.split(","):
         gt = GGMLQuantizationType[tname]
         for n, k in SHAPES:
-            if n > 100_000 and tname not in LM_HEAD_TYPES:
+            if (n > 100_000 and tname not in LM_HEAD_TYPES) or (tname in K_QUANTS and k % 256):
                 continue
+            paired = (n, k) in PAIRED_SHAPES
             copies = max(2, -(-(160 << 20) // int(n * k * 0.6)))
             ws = [repack(random_weight(gt, n, k, device=dev, seed=i)) for i in range(copies)]
             nbytes = ws[0].nbytes
@@ -145,8 +169,9 @@ def main() -> int:
             cands = QUICK if tname in args.quick.split(",") else CANDIDATES
             xq = q8.quantize_q8(x)
             kernels = {
-                "float": lambda cfg, i, x=x, ws=ws, copies=copies: lambda: tiled_gemv(
-                    x, ws[i % copies], cfg, out_dtype=torch.float16),
+                "float": lambda cfg, i, x=x, ws=ws, copies=copies, paired=paired: (lambda: tiled_gemv_swiglu(
+                    x, ws[i % copies], cfg, mid_dtype=torch.float16, out_dtype=torch.float16)) if paired else (
+                    lambda: tiled_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16)),
                 "int8": lambda cfg, i, x=x, ws=ws, copies=copies, xq=xq: lambda: q8.q8_gemv(
                     x, ws[i % copies], cfg, out_dtype=torch.float16, xq=xq),
             }
@@ -179,10 +204,15 @@ def main() -> int:
             row["legacy_frac_of_copy"] = frac(row["legacy_us"])
             # Correctness of the winner against the legacy kernel (same arithmetic per weight,
             # another sum order): a wrong config must not win on speed.
-            y = tiled_gemv(x, ws[0], best[0])
             os.environ["MINIVLLM_GEMV_KERNEL"] = "legacy"
             y_legacy = repacked_gemv(x, ws[0], autotune=False)
             os.environ.pop("MINIVLLM_GEMV_KERNEL")
+            if paired:  # the epilogue against the legacy GEMV's halves through the swiglu kernel
+                row["epilogue"] = "swiglu"
+                y = tiled_gemv_swiglu(x, ws[0], best[0], mid_dtype=torch.float32, out_dtype=torch.float32)
+                y_legacy = swiglu(y_legacy[:, :n // 2], y_legacy[:, n // 2:], torch.float32)
+            else:
+                y = tiled_gemv(x, ws[0], best[0])
             row["best_max_rel_diff_vs_legacy"] = float((y - y_legacy).abs().max() / y_legacy.abs().max())
             # The int8 winner against the float reference of its quantized activations.
             xw, dxs = xq
@@ -216,6 +246,26 @@ def main() -> int:
     return 0
 
 
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    """'all', set names of SHAPE_SETS and NxK entries, comma-separated, in order, once each."""
+    out: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if part == "all":
+            found = SHAPES
+        elif part in SHAPE_SETS:
+            found = SHAPE_SETS[part]
+        else:
+            try:
+                n, k = (int(v) for v in part.lower().split("x"))
+            except ValueError:
+                sets = ", ".join(SHAPE_SETS)
+                raise SystemExit(f"--shapes: {part!r} is neither a set ({sets}, all) nor NxK") from None
+            found = [(n, k)]
+        out += [shape for shape in found if shape not in out]
+    return out
+
+
 def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, prof, copy_gbs: float) -> None:
     """The JSON, the Markdown table and the config table so far (rewritten after every row,
     so a run stopped early keeps what it measured)."""
@@ -229,8 +279,10 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
                       "weight copies > 160 MB (from DRAM); M = 1, f16 activations and output"}
     (out / f"gemv-sweep-{prof.table_key}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = json.loads(TABLE_PATH.read_text()) if TABLE_PATH.is_file() else {}
+    kept = table.get(prof.table_key, {})  # rows of shapes this run did not measure stay
     table[prof.table_key] = {"device": name, "source": f"scripts/gemv_sweep.py, {meta['date']}, copy "
-                             f"{copy_gbs:.0f} GB/s", "configs": winners, "configs_int8": winners_int8}
+                             f"{copy_gbs:.0f} GB/s", "configs": {**kept.get("configs", {}), **winners},
+                             "configs_int8": {**kept.get("configs_int8", {}), **winners_int8}}
     (out / "gemv_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     md = [
         f"# GEMV sweep on {name} ({prof.table_key}), M = 1",
@@ -247,7 +299,8 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         q8s = (f"{r['best_int8_us']:.1f} | {r['best_int8_frac_of_copy']:.0%} | {b8['block_nb']}, {b8['block_g']}, "
                f"{b8['split']}, {b8['num_warps']}, {b8['num_stages']}")
         md.append(
-            f"| {r['type']} | {r['n']}x{r['k']} | {r['mbytes']:.1f} | {r['best_us']:.1f} "
+            f"| {r['type']} | {r['n']}x{r['k']}{' gate+up, SwiGLU epilogue' if r.get('epilogue') else ''} "
+            f"| {r['mbytes']:.1f} | {r['best_us']:.1f} "
             f"| {r['best_frac_of_copy']:.0%} "
             f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "

@@ -23,7 +23,11 @@ path); the bias is added inside that kernel. One activation row (decode) and
 batch-invariant mode take `tiled_gemv.py` (row groups x K slices per program, split-K
 summed in slice order, no atomics), whose launch shape per (type, N, K) comes from a
 per-GPU table (`gemv_configs.json`, written by `scripts/gemv_sweep.py` on that GPU);
-several rows share one decode of each weight field (up to 8 per program); `q8_gemv.py`
+several rows share one decode of each weight field (up to 8 per program); the kernels decode
+the layout through one set of helpers (`repacked_decode.py`). A layer's Q/K/V and gate/up
+are one repacked weight per run of one type (`fused_projection.py`: one launch, outputs
+as views, the separate linears views of its rows; gate+up with SwiGLU in the tiled
+GEMV's epilogue; `MINIVLLM_FUSED_PROJECTIONS=0` keeps them apart); `q8_gemv.py`
 (int8 activations per group of 32 and `dp4a`, same tiling, every repacked type) serves
 f16/bf16 activations only when asked for by name (`MINIVLLM_Q8_GEMV=1`, on any GPU). Every
 capability-based choice (bf16, the int8 path, the table row) reads `gpu_profile.py`, and

@@ -4,8 +4,9 @@
 `gpu_profile.py`), the configuration that `scripts/gemv_sweep.py` measured fastest for
 each (type, N, K) on that GPU, for the float kernel ("configs") and the int8-activation
 one ("configs_int8"), with the device and date it ran on. A shape that is not in
-the table gets `default_config`: enough programs for every SM, split-K for narrow
-matrices.
+the table takes the row of the nearest measured N of its type and K (within a factor of
+4: fused projections, `kernels/fused_projection.py`), else `default_config`: enough
+programs for every SM, split-K for narrow matrices.
 
 A configuration depends on (profile, type, N, K) only, never on the number of activation
 rows: that is what keeps batch-invariant mode bit-identical with one launch shape.
@@ -14,6 +15,7 @@ rows: that is what keeps batch-invariant mode bit-identical with one launch shap
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -62,12 +64,37 @@ def default_config(n: int, k: int, sm_count: int = 132) -> GemvConfig:
     return GemvConfig(block_nb=nb, block_g=block_g, split=split)
 
 
+# How far (as a ratio of N) a measured shape's configuration still stands in for an
+# unmeasured one of the same type and K: a fused QKV (4608 x 3584) takes the 3584 x 3584
+# row's, a fused gate+up (37888 x 3584) the 18944 x 3584 row's.
+NEAREST_N_RATIO = 4.0
+
+
+def nearest_entry(section: dict, type_name: str, n: int, k: int) -> tuple[str, dict] | None:
+    """The measured (key, entry) of this type and K whose N is nearest to `n` on a log
+    scale (ties: the larger N), if within NEAREST_N_RATIO; else None."""
+    best = None
+    for key, entry in section.items():
+        t, shape = key.split(":")
+        rows, cols = (int(v) for v in shape.split("x"))
+        if t != type_name or cols != k or not (1 / NEAREST_N_RATIO <= rows / n <= NEAREST_N_RATIO):
+            continue
+        distance = (abs(math.log(rows / n)), -rows)
+        if best is None or distance < best[0]:
+            best = (distance, key, entry)
+    return None if best is None else (best[1], best[2])
+
+
 @lru_cache(maxsize=None)
 def lookup(table_key: str, type_name: str, n: int, k: int, sm_count: int = 132, *, int8: bool = False) -> GemvConfig:
-    """The table's configuration for the float kernel (or the int8 one: `int8=True`),
-    else `default_config`."""
-    section = "configs_int8" if int8 else "configs"
-    entry = _table().get(table_key, {}).get(section, {}).get(shape_key(type_name, n, k))
+    """The table's configuration for the float kernel (or the int8 one: `int8=True`): the
+    shape's own row, else the nearest measured N of that type and K (fused projections
+    the sweep has not measured yet), else `default_config`."""
+    section = _table().get(table_key, {}).get("configs_int8" if int8 else "configs", {})
+    entry = section.get(shape_key(type_name, n, k))
     if entry is None:
-        return default_config(n, k, sm_count)
+        near = nearest_entry(section, type_name, n, k)
+        if near is None:
+            return default_config(n, k, sm_count)
+        entry = near[1]
     return GemvConfig(**entry)

@@ -79,3 +79,20 @@ def gpu_profile(device=None) -> GpuProfile:
     except (RuntimeError, AssertionError):  # a patched capability on a machine without CUDA (tests)
         sms = 132
     return GpuProfile("native", cap, f"sm{cap[0]}{cap[1]}", sms)
+
+
+# The GPU code path on CPU tensors: with Triton's interpreter (TRITON_INTERPRET=1) and
+# MINIVLLM_TRITON_CPU=1, a model on the CPU runs what it would run on CUDA (repacked
+# GEMVs, fused projections, the fused layer kernels), slowly, so that path can be tested
+# on a machine without a GPU.
+TRITON_CPU_ENV = "MINIVLLM_TRITON_CPU"
+
+
+def runs_gpu_path(device) -> bool:
+    """Whether a model on `device` takes the GPU code path: CUDA, or the CPU under the
+    interpreter when MINIVLLM_TRITON_CPU=1."""
+    kind = getattr(device, "type", str(device))
+    if kind == "cuda":
+        return True
+    return (kind == "cpu" and os.environ.get(TRITON_CPU_ENV) == "1"
+            and os.environ.get("TRITON_INTERPRET") == "1")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.kernels.gpu_profile import runs_gpu_path
 from minivllm.kernels.kernel_options import KernelOptions, options_in_effect
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.obs.trace import trace_scope
@@ -50,8 +51,11 @@ class QuantLinear:
         self._many_args = None  # project_many's prepared kernel arguments when this is the first linear
         self._triton_ok = False
         self._repacked = None  # CUDA: the GPU layout of the blocks (kernels/triton/repacked_gemv.py)
+        # The fused projection (kernels/fused_projection.py) whose weight holds this one's
+        # rows, if any: then `_repacked` is a view of that weight's planes.
+        self.fused = None
         device = weight.device
-        if device.type == "cuda":
+        if runs_gpu_path(device):
             from minivllm.kernels.triton.dequant_gemv import SUPPORTED_GEMV_TYPES
 
             self._triton_ok = weight.ggml_type in SUPPORTED_GEMV_TYPES
@@ -135,16 +139,18 @@ class QuantLinear:
 
     # -- dispatch -----------------------------------------------------------------------
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
+    def path(self, rows: int) -> str:
+        """The path a call with `rows` activation rows takes under the options in effect."""
         opts = self.options
         if opts.batch_invariant:
-            path = "gemv-invariant"
-        elif 0 < rows <= (opts.gemv_max_rows or 0):
-            path = "gemv"
-        else:
-            path = "gemm"
-        opts.path_counts[path] += 1
+            return "gemv-invariant"
+        if 0 < rows <= (opts.gemv_max_rows or 0):
+            return "gemv"
+        return "gemm"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        path = self.path(x.shape[0])
+        self.options.path_counts[path] += 1
         with trace_scope("qmatmul", self.name, path=path):  # which path ran, in the trace
             if path == "gemm" and self.weight.device.type == "cpu":
                 from minivllm.kernels.cpu_gemm import matmul_nt
@@ -216,13 +222,40 @@ class QuantLinear:
             from minivllm.kernels.triton.repacked_gemv import RepackedQuantizedWeight
         except ImportError:  # no Triton: the dense path below serves every call
             return
+        if isinstance(weight, RepackedQuantizedWeight):  # already in the GPU layout (a fused projection's)
+            self._repacked = weight.repacked
+            return
         if weight.ggml_type not in REPACKED_TYPES:
             return
         self._repacked = repack(weight)
         self.weight = RepackedQuantizedWeight(self._repacked)
 
+    @property
+    def repacked(self):
+        """The weight in the GPU layout (`repacked_layout.RepackedWeight`), or None."""
+        return self._repacked
+
+    def take_rows_of(self, fused, row0: int, group) -> None:
+        """Hold rows row0.. of the fused weight `fused` as views instead of a copy of one's
+        own (the fused projection `group` replaces this weight on the device)."""
+        from minivllm.kernels.repacked_layout import row_range
+        from minivllm.kernels.triton.repacked_gemv import RepackedQuantizedWeight
+
+        self._repacked = row_range(fused, row0, self.out_features, self.name)
+        self.weight = RepackedQuantizedWeight(self._repacked)
+        self._dense = None
+        self.fused = group
+
     def _repacked_key(self) -> tuple:
         return (self.weight.type_name, self.weight.shape[1], self.compute_dtype)
+
+    def kernel_key(self) -> tuple:
+        """(type, K, compute dtype): what a repacked kernel's compile success depends on."""
+        return self._repacked_key()
+
+    def kernel_usable(self) -> bool:
+        """Whether the repacked GEMV has not failed to compile for this weight's key here."""
+        return _cuda_kernel_usable(self._repacked_key())
 
     def _repacked_gemv(self, x: torch.Tensor, *, invariant: bool) -> torch.Tensor | None:
         """The repacked GEMV, or None where Triton cannot compile it for this device
@@ -278,7 +311,9 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     gate/up): on a CPU whose weights all take the float32 kernel's GEMV path, one kernel
     call over all their rows (one parallel region and one Python round trip instead of
     several). The arithmetic is each projection's own, so the results are the same bits
-    as separate calls; anything else falls back to separate calls."""
+    as separate calls; anything else falls back to separate calls. On the GPU path,
+    linears that share a fused weight (`kernels/fused_projection.py`) take one GEMV per
+    fused run, their outputs views of one tensor."""
     first = linears[0]
     opts = first.options
     rows = x.shape[0]
@@ -286,12 +321,13 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
     fused = (mode in ("f32", "q8") and not opts.batch_invariant and 0 < rows <= (opts.gemv_max_rows or 0)
              and all(lin._cpu_quant and lin.cpu_gemv_mode() == mode and lin.options is opts for lin in linears))
     if not fused:
+        call = _through_fused if any(lin.fused is not None for lin in linears) else _each
         if x.is_cuda and first._repacked is not None:
             from minivllm.kernels.triton.q8_gemv import sharing_quantization
 
             with sharing_quantization(x):  # the int8 GEMVs of x quantize it once
-                return [lin(x) for lin in linears]
-        return [lin(x) for lin in linears]
+                return call(linears, x)
+        return call(linears, x)
     from minivllm.kernels import cpu_gemv
 
     cached = first._many_args  # (linears, mode, kernel arguments, trace name), made on the first call
@@ -309,6 +345,25 @@ def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:
                 y = y.add_(lin.bias)
             out.append(y if lin.out_dtype == torch.float32 else y.to(lin.out_dtype))
         return out
+
+
+def _each(linears, x: torch.Tensor) -> list[torch.Tensor]:
+    return [lin(x) for lin in linears]
+
+
+def _through_fused(linears, x: torch.Tensor) -> list[torch.Tensor]:
+    """project_many where runs of the linears share a fused weight: one GEMV per run
+    (its outputs are views of one tensor), one per linear elsewhere."""
+    out, i = [], 0
+    while i < len(linears):
+        group = linears[i].fused
+        if group is not None and tuple(linears[i:i + len(group.parts)]) == group.parts:
+            out.extend(group(x))
+            i += len(group.parts)
+        else:
+            out.append(linears[i](x))
+            i += 1
+    return out
 
 
 class QuantEmbedding:

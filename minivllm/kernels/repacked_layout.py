@@ -84,6 +84,32 @@ class RepackedWeight:
         return QuantizedWeight(unpack_raw(self), self.ggml_type, self.shape, self.name)
 
 
+# --- row ranges: one weight for several projections of one input --------------------------
+
+
+def concat_rows(parts: list[RepackedWeight], name: str) -> RepackedWeight:
+    """The parts' rows one after another, as one weight (a layer's Q/K/V, its gate/up):
+    same type and K, each part a whole number of row groups, so no padding row sits
+    between them and `row_range` can give each part back as a view."""
+    first = parts[0]
+    k = first.shape[1]
+    for p in parts:
+        if p.ggml_type != first.ggml_type or p.shape[1] != k or p.shape[0] % R:
+            raise ConfigError("concat_rows", p.name, f"parts must share type and K and have a multiple of {R} rows")
+    n = sum(p.shape[0] for p in parts)
+    planes = {nm: torch.cat([p.planes[nm] for p in parts]) for nm in first.planes}
+    return RepackedWeight(first.ggml_type, (n, k), name, torch.cat([p.qs for p in parts]), planes)
+
+
+def row_range(w: RepackedWeight, row0: int, n: int, name: str) -> RepackedWeight:
+    """Rows row0 .. row0 + n of `w` as views of its planes (no copy); row0 and n whole row groups."""
+    if row0 % R or n % R or row0 + n > w.shape[0]:
+        raise ConfigError("row_range", (row0, n), f"rows must be whole groups of {R} inside {w.shape[0]}")
+    nb0, nb = row0 // R, n // R
+    return RepackedWeight(w.ggml_type, (n, w.shape[1]), name, w.qs[nb0:nb0 + nb],
+                          {nm: a[nb0:nb0 + nb] for nm, a in w.planes.items()})
+
+
 # --- repacking (torch, on the weight's device) -------------------------------------------
 
 
@@ -255,8 +281,8 @@ def _unpack_raw(rw: RepackedWeight) -> torch.Tensor:
     codes = _unpack_fields(_deinterleave(rw.qs, n).reshape(-1, 32 // (32 // bits)), bits)
     codes = codes.reshape(-1, 32)
 
-    def f16(name):
-        return pl[name].reshape(-1, 1).contiguous().view(torch.uint8).reshape(-1, 2)
+    def f16(name):  # 1-D first: an (n, 1) plane (K = 256, one super-block a row) may keep a stride of R
+        return pl[name].reshape(-1).contiguous().view(torch.uint8).reshape(-1, 2)
 
     if t == _T.Q4_0:
         blocks = torch.cat([f16("d"), _nib_bytes(codes)], dim=1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.kernels.gpu_profile import runs_gpu_path
 from minivllm.kernels.kernel_options import KernelOptions, kernel_options_for_call, options_in_effect
 from minivllm.kernels.linear import QuantEmbedding, QuantLinear, project_many
 from minivllm.kernels.rmsnorm import rms_norm
@@ -66,6 +67,18 @@ class DecoderModel:
         `options`, resolved for this device; nothing shared changes."""
         with kernel_options_for_call(options.resolved(self.device)):
             yield self
+
+    def fuse_projections(self) -> int:
+        """On the GPU path, give each layer's Q/K/V and gate/up one weight per run of the
+        same type (`kernels/fused_projection.py`; the separate linears become views of
+        it, so memory and `weight_bytes` stay the same). Returns the fused weights made."""
+        from minivllm.kernels.fused_projection import fuse_projections
+
+        made = 0
+        for layer in self.layers:
+            made += len(fuse_projections((layer.q, layer.k, layer.v), "attn_qkv"))
+            made += len(fuse_projections((layer.gate, layer.up), "ffn_gate_up"))
+        return made
 
     def dense_bytes(self) -> int:
         """Bytes that dequantized copies of every projection (and the LM head) would take
@@ -159,7 +172,8 @@ class DecoderModel:
     def _fused_ok(self, h: torch.Tensor) -> bool:
         """Fused residual+RMSNorm, RoPE and SwiGLU kernels on CUDA (full-width RoPE), unless
         Triton is missing or failed to compile them here (then the torch steps, warned once)."""
-        if not h.is_cuda or self.rope.rope_dim != self.config.head_dim or os.environ.get("MINIVLLM_FUSED") == "0":
+        if (not runs_gpu_path(h.device) or self.rope.rope_dim != self.config.head_dim
+                or os.environ.get("MINIVLLM_FUSED") == "0"):
             return False
         if getattr(self, "_fused_state", None) is None:
             try:
@@ -188,8 +202,11 @@ class DecoderModel:
     def _fused_layers(self, h, cos, sin, kv, logits_rows):
         """forward_batch's layers with three fused kernels per step: h + delta and its
         RMSNorm in one pass (the residual add of the previous sublayer folded into the
-        next norm), RoPE on q and k in one launch, SwiGLU in one launch."""
-        from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, swiglu
+        next norm), RoPE on q and k in one launch, SwiGLU in one launch (or in the fused
+        gate+up GEMV's epilogue); Q/K/V and gate/up one GEMV each where fused
+        (`fuse_projections`)."""
+        from minivllm.kernels.fused_projection import project_swiglu
+        from minivllm.kernels.triton.fused import add_rms_norm, rope_qk
 
         cfg = self.config
         t = h.shape[0]
@@ -199,9 +216,10 @@ class DecoderModel:
             with trace_scope("layer", i):
                 with trace_scope("attn"):
                     h, x = add_rms_norm(h, pending, layer.attn_norm, eps, self.dtype)
-                    q = layer.q(x).view(t, cfg.n_heads, cfg.head_dim)
-                    k = layer.k(x).view(t, cfg.n_kv_heads, cfg.head_dim)
-                    v = layer.v(x).view(t, cfg.n_kv_heads, cfg.head_dim)
+                    q, k, v = project_many((layer.q, layer.k, layer.v), x)  # one launch where fused
+                    q = q.view(t, cfg.n_heads, cfg.head_dim)
+                    k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
+                    v = v.view(t, cfg.n_kv_heads, cfg.head_dim)
                     # q float32, k in its dtype; where the pool allows, RoPE stores K and V too
                     target = kv.store_target(i) if hasattr(kv, "store_target") else None
                     q, k = rope_qk(q, k, cos, sin, self.rope.style, store=None if target is None else (*target, v))
@@ -209,7 +227,7 @@ class DecoderModel:
                     attn = attn.reshape(t, cfg.n_heads * cfg.head_dim)
                     h, x = add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, self.dtype)
                 with trace_scope("mlp"):
-                    pending = layer.down(swiglu(layer.gate(x), layer.up(x), self.dtype))
+                    pending = layer.down(project_swiglu(layer.gate, layer.up, x, self.dtype))
         _, x = add_rms_norm(h, pending, self.output_norm, eps, torch.float32)
         if logits_rows is not None:
             x = x[logits_rows]

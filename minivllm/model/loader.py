@@ -112,5 +112,6 @@ def load_model(gf: GGUFFile, device: torch.device, dtype: torch.dtype, *, progre
     model = DecoderModel(cfg, embedding, layers, ld.get("output_norm.weight", f32, (cfg.d_model,)),
                          output, rope, model_dtype, device, options)
     model.matmul_dtype = dtype  # what the user asked for: the matmuls' precision
+    model.fuse_projections()  # GPU path: Q/K/V and gate/up one weight each (MINIVLLM_FUSED_PROJECTIONS=0: not)
     bar.close()
     return model

@@ -179,13 +179,20 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 @triton.jit
+def silu_mul(g, u):
+    """silu(g) * u for float32 g, u: the one home of the formula and its operation order
+    (this file's SwiGLU kernel and the gate+up GEMV's epilogue, `tiled_gemv.py`)."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u in float32
+    y = silu_mul(g, u)  # in float32
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

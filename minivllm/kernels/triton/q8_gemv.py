@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 
 from minivllm.kernels.gemv_configs import GemvConfig, default_config
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
+from minivllm.kernels.triton.repacked_decode import store_rows, word_tile
 
 _T = GGMLQuantizationType
 Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
@@ -167,10 +168,7 @@ def _q8_gemv_kernel(
     acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
     for i in range(0, G_PER_SPLIT, BLOCK_G):
         gg = g_lo + i + g4
-        ok = nb_ok & (gg < g_hi)
-        gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
-                    eviction_policy="evict_first")
+        w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR)
         # Activation words and scales per (g, t), from [G, T] offsets (the tile's slice layout).
         g2 = g_lo + i + offs_g[:, None]
         x_ok = g2 < g_hi
@@ -235,15 +233,8 @@ def _q8_gemv_kernel(
                     acc += (_small_int_to_f32(isum) * (d * _small_int_to_f32(sc))
                             - _small_int_to_f32(xs) * (dmin * _small_int_to_f32(mn))) * dx
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
-    nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
-    rows = nb2 * RR + tl.arange(0, RR)[None, :]
-    r_ok = rows < N
-    if not IS_SPLIT:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
-        tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
-    else:  # a float32 partial: the workspace [SPLIT, M, N], summed in order by tiled_gemv.sum_splits
-        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)
+    # split: float32 partials, summed in order by tiled_gemv.sum_splits
+    store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT, HAS_BIAS)
 
 
 _KIND = {_T.Q4_0: 0, _T.Q4_1: 1, _T.Q5_0: 2, _T.Q8_0: 3, _T.Q4_K: 4, _T.Q6_K: 5}

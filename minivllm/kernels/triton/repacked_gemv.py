@@ -29,18 +29,7 @@ from gguf import GGMLQuantizationType
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.kernels.repacked_layout import PLANE_ORDER, REPACKED_TYPES, R, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
-from minivllm.kernels.triton.quant_fields import (
-    field as _field,
-)
-from minivllm.kernels.triton.quant_fields import (
-    field_hi as _field_hi,
-)
-from minivllm.kernels.triton.quant_fields import (
-    i8_to_f32 as _i8_to_f32,
-)
-from minivllm.kernels.triton.quant_fields import (
-    u8_to_f32 as _u8_to_f32,
-)
+from minivllm.kernels.triton.repacked_decode import decode_field, group_scales, high_fields, scaled_sum
 
 _T = GGMLQuantizationType
 
@@ -80,78 +69,34 @@ def _repacked_gemv_kernel(
         g2 = g0 + offs_g[:, None]
         x_off = (g2 * 32 + offs_t[None, :]) * stride_xk
         x_ok = g2 < N_GROUPS
-        if KIND == 3:  # Q8_0: 4 bytes per word, stored as q + 128
-            ps = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
-            w_hi = w >> 16
-            for p in tl.static_range(4):
-                xp = tl.load(x_row + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
-                if p < 2:
-                    f = _field(w, p, 8, 128)
-                else:
-                    f = _field(w_hi, p - 2, 8, 128)
-                ps += f * xp[:, :, None]
-            d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-            acc += ps * d
-        elif KIND == 5:  # Q6_K: nibble plane + 2-bit plane, two 16-element scales per group
+        w_hi = w >> 16
+        h_lo = w  # unused by the types without a high-bit plane
+        h_hi = w
+        if KIND == 5:  # Q6_K: 2-bit plane, word-shaped
             h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t3) * RR + r3, mask=g_ok, other=0).to(tl.int32)
-            h_lo = h << 4
-            h_hi = h << 2
-            w_hi = w >> 16
-            ps_lo = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
-            ps_hi = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
-            for p in tl.static_range(8):
-                xp = tl.load(x_row + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+            h_lo, h_hi = high_fields(h, KIND)
+        elif KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
+            h_lo, h_hi = high_fields(tl.load(b_ptr + gr, mask=g_ok, other=0) >> t3, KIND)
+        ps = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
+        ps_hi = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
+        sx = tl.zeros([BLOCK_G, T], dtype=tl.float32)
+        for p in tl.static_range(32 // T):
+            xp = tl.load(x_row + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+            f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+            if KIND == 1:
+                sx += xp
+            elif KIND == 4:
+                sx += xp
+            if KIND == 5:  # two 16-element scales per group
                 if p < 4:
-                    ps_lo += _field_hi(w, h_lo, p, 2, 32) * xp[:, :, None]
+                    ps += f * xp[:, :, None]
                 else:
-                    ps_hi += _field_hi(w_hi, h_hi, p - 4, 2, 32) * xp[:, :, None]
-            s_lo = _i8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
-            s_hi = _i8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
-            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(
-                tl.float32
-            )
-            acc += (ps_lo * s_lo + ps_hi * s_hi) * d
-        else:  # 4-bit codes: Q4_0, Q4_1, Q5_0, Q4_K
-            w_hi = w >> 16
-            if KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
-                h = tl.load(b_ptr + gr, mask=g_ok, other=0) >> t3
-                h_lo = h << 4
-                h_hi = h >> 12
-            ps = tl.zeros([BLOCK_G, T, RR], dtype=tl.float32)
-            sx = tl.zeros([BLOCK_G, T], dtype=tl.float32)
-            for p in tl.static_range(8):
-                xp = tl.load(x_row + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
-                if KIND == 2:
-                    if p < 4:
-                        f = _field_hi(w, h_lo, p, 1, 16)
-                    else:
-                        f = _field_hi(w_hi, h_hi, p - 4, 1, 16)
-                elif KIND == 0:
-                    if p < 4:
-                        f = _field(w, p, 4, 8)
-                    else:
-                        f = _field(w_hi, p - 4, 4, 8)
-                else:
-                    if p < 4:
-                        f = _field(w, p, 4, 0)
-                    else:
-                        f = _field(w_hi, p - 4, 4, 0)
-                    sx += xp
+                    ps_hi += f * xp[:, :, None]
+            else:
                 ps += f * xp[:, :, None]
-            if KIND == 1:  # Q4_1: d * q + m
-                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                m = tl.load(b_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                acc += ps * d + m * sx[:, :, None]
-            elif KIND == 4:  # Q4_K: (d * sc) * q - (dmin * m)
-                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
-                d = tl.load(a_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                dmin = tl.load(b_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                sc = _u8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
-                mn = _u8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
-                acc += ps * (d * sc) - (dmin * mn) * sx[:, :, None]
-            else:  # Q4_0, Q5_0: d * (q - offset), the offset already subtracted
-                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                acc += ps * d
+        sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0  # per-(super-block, row) planes
+        d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, g_ok, KIND)
+        acc += scaled_sum(ps, ps_hi, sx[:, :, None], d, m, s_lo, s_hi, KIND)
     y = tl.sum(tl.sum(acc, axis=1), axis=0)  # [R]
     rows = nb * RR + offs_r
     r_ok = rows < N
@@ -191,75 +136,33 @@ def _repacked_gemv_rows_kernel(
         x_off = (g2 * 32 + tl.arange(0, T)[None, None, :]) * stride_xk  # [1, G, T]
         x_ok = m_ok[:, None, None] & (g2 < N_GROUPS)
         w_hi = w >> 16
-        if KIND == 3:  # Q8_0
-            ps = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
-            for p in tl.static_range(4):
-                xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
-                if p < 2:
-                    f = _field(w, p, 8, 128)
-                else:
-                    f = _field(w_hi, p - 2, 8, 128)
-                ps += f[None] * xp[:, :, :, None]
-            d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-            acc += ps * d[None]
-        elif KIND == 5:  # Q6_K
+        h_lo = w  # unused by the types without a high-bit plane
+        h_hi = w
+        if KIND == 5:
             h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t3) * RR + r3, mask=g_ok, other=0).to(tl.int32)
-            h_lo = h << 4
-            h_hi = h << 2
-            ps_lo = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
-            ps_hi = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
-            for p in tl.static_range(8):
-                xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
-                if p < 4:
-                    ps_lo += _field_hi(w, h_lo, p, 2, 32)[None] * xp[:, :, :, None]
-                else:
-                    ps_hi += _field_hi(w_hi, h_hi, p - 4, 2, 32)[None] * xp[:, :, :, None]
-            s_lo = _i8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
-            s_hi = _i8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
-            d = tl.load(a_ptr + (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0, mask=g_ok, other=0.0).to(
-                tl.float32
-            )
-            acc += (ps_lo * s_lo[None] + ps_hi * s_hi[None]) * d[None]
-        else:  # 4-bit codes
-            if KIND == 2:
-                h = tl.load(b_ptr + gr, mask=g_ok, other=0) >> t3
-                h_lo = h << 4
-                h_hi = h >> 12
-            ps = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
-            sx = tl.zeros([BLOCK_M, BLOCK_G, T], dtype=tl.float32)
-            for p in tl.static_range(8):
-                xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
-                if KIND == 2:
-                    if p < 4:
-                        f = _field_hi(w, h_lo, p, 1, 16)
-                    else:
-                        f = _field_hi(w_hi, h_hi, p - 4, 1, 16)
-                elif KIND == 0:
-                    if p < 4:
-                        f = _field(w, p, 4, 8)
-                    else:
-                        f = _field(w_hi, p - 4, 4, 8)
-                else:
-                    if p < 4:
-                        f = _field(w, p, 4, 0)
-                    else:
-                        f = _field(w_hi, p - 4, 4, 0)
-                    sx += xp
-                ps += f[None] * xp[:, :, :, None]
+            h_lo, h_hi = high_fields(h, KIND)
+        elif KIND == 2:
+            h_lo, h_hi = high_fields(tl.load(b_ptr + gr, mask=g_ok, other=0) >> t3, KIND)
+        ps = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+        ps_hi = tl.zeros([BLOCK_M, BLOCK_G, T, RR], dtype=tl.float32)
+        sx = tl.zeros([BLOCK_M, BLOCK_G, T], dtype=tl.float32)
+        for p in tl.static_range(32 // T):
+            xp = tl.load(x_rows + x_off + p * T * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+            f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
             if KIND == 1:
-                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                m = tl.load(b_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                acc += ps * d[None] + m[None] * sx[:, :, :, None]
+                sx += xp
             elif KIND == 4:
-                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
-                d = tl.load(a_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                dmin = tl.load(b_ptr + sb, mask=g_ok, other=0.0).to(tl.float32)
-                sc = _u8_to_f32(tl.load(c_ptr + gr, mask=g_ok, other=0))
-                mn = _u8_to_f32(tl.load(e_ptr + gr, mask=g_ok, other=0))
-                acc += ps * (d * sc)[None] - (dmin * mn)[None] * sx[:, :, :, None]
+                sx += xp
+            if KIND == 5:
+                if p < 4:
+                    ps += f[None] * xp[:, :, :, None]
+                else:
+                    ps_hi += f[None] * xp[:, :, :, None]
             else:
-                d = tl.load(a_ptr + gr, mask=g_ok, other=0.0).to(tl.float32)
-                acc += ps * d[None]
+                ps += f[None] * xp[:, :, :, None]
+        sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r3 + t3 * 0
+        d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, g_ok, KIND)
+        acc += scaled_sum(ps, ps_hi, sx[:, :, :, None], d[None], m[None], s_lo[None], s_hi[None], KIND)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BM, R]
     rows = nb * RR + tl.arange(0, RR)
     r_ok = rows < N
@@ -309,15 +212,13 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     profile = gpu_profile(x.device)
     # Launch shapes come from the GPU's table and depend on the weight's type and shape
     # only, so these kernels are also the batch-invariant ones.
-    # int8 activations + dp4a: the T4 path (opt-in elsewhere), for half-precision activations
-    # only: float32 means float32 (the reference path, and what the f32 tests pin).
-    if profile.int8_gemv and x.dtype != torch.float32 and w.ggml_type in q8.Q8_TYPES:
+    if _int8_path(x, w):
         config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count, int8=True)
         return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
-    if (m == 1 or invariant) and os.environ.get("MINIVLLM_GEMV_KERNEL", "tiled") != "legacy":
+    config = tiled_config(x, w, invariant=invariant)
+    if config is not None:
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv
 
-        config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count)
         return tiled_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
@@ -342,6 +243,30 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     else:
         _repacked_gemv_tuned[grid](*args, **common)
     return out
+
+
+def _int8_path(x: torch.Tensor, w: RepackedWeight) -> bool:
+    """int8 activations + dp4a: opt-in (gpu_profile.int8_gemv), for half-precision
+    activations only: float32 means float32 (the reference path, and what the f32 tests pin)."""
+    from minivllm.kernels.gpu_profile import gpu_profile
+    from minivllm.kernels.triton import q8_gemv as q8
+
+    return gpu_profile(x.device).int8_gemv and x.dtype != torch.float32 and w.ggml_type in q8.Q8_TYPES
+
+
+def tiled_config(x: torch.Tensor, w: RepackedWeight, *, invariant: bool):
+    """The tiled kernel's launch shape (`gemv_configs.GemvConfig`) where `repacked_gemv`
+    runs the tiled kernel for x (one row, or batch-invariant mode, not the int8 path),
+    else None."""
+    if _int8_path(x, w) or not (x.shape[0] == 1 or invariant):
+        return None
+    if os.environ.get("MINIVLLM_GEMV_KERNEL", "tiled") == "legacy":
+        return None
+    from minivllm.kernels.gemv_configs import lookup
+    from minivllm.kernels.gpu_profile import gpu_profile
+
+    profile = gpu_profile(x.device)
+    return lookup(profile.table_key, w.ggml_type.name, w.shape[0], w.shape[1], profile.sm_count)
 
 
 class RepackedQuantizedWeight(QuantizedWeight):

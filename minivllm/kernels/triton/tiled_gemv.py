@@ -32,21 +32,40 @@ import triton.language as tl
 
 from minivllm.kernels.gemv_configs import GemvConfig
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
-from minivllm.kernels.triton.quant_fields import field, field_hi, i8_to_f32, u8_to_f32
+from minivllm.kernels.triton.fused import silu_mul
+from minivllm.kernels.triton.repacked_decode import (
+    decode_field,
+    group_scales,
+    high_fields,
+    scaled_sum,
+    store_rows,
+    word_tile,
+)
 
 
-@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB"])
 def _tiled_gemv_kernel(
     x_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
-    M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB,
+    M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB, PAIR_RB,
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PAIRED: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
+    """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
+    N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
+    each) and the epilogue writes silu(g) * u, g and u first rounded to the matmul dtype
+    (ROUND: 16 = f16, 17 = bf16, 0 = none) as the separate GEMVs would have returned them."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
-    nb = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None, None, None]  # [NB, 1, 1, 1]
-    nb_ok = nb < N_RB
+    if PAIRED:
+        tile = tl.arange(0, BLOCK_NB)[:, None, None, None]
+        nb_own = pid_n * (BLOCK_NB // 2) + tile // 2  # this gate/up pair's row group of the gate half
+        nb_ok = nb_own < N_RB
+        nb = nb_own + (tile % 2) * PAIR_RB
+    else:
+        nb = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None, None, None]  # [NB, 1, 1, 1]
+        nb_ok = nb < N_RB
     offs_g = tl.arange(0, BLOCK_G)
     offs_t = tl.arange(0, T)
     g4 = offs_g[None, :, None, None]
@@ -58,116 +77,114 @@ def _tiled_gemv_kernel(
     acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
     for i in range(0, G_PER_SPLIT, BLOCK_G):
         gg = g_lo + i + g4
-        ok = nb_ok & (gg < g_hi)
-        gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-        w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
-                    eviction_policy="evict_first")  # 16-byte loads (ld.global.v4 in the sm_90 PTX)
+        w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR)
+        w_hi = w >> 16
+        h_lo = w  # unused by the types without a high-bit plane
+        h_hi = w
+        if KIND == 5:  # Q6_K: 2-bit plane, word-shaped
+            h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
+                        eviction_policy="evict_first").to(tl.int32)
+            h_lo, h_hi = high_fields(h, KIND)
+        elif KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
+            h_lo, h_hi = high_fields(tl.load(b_ptr + gr, mask=ok, other=0) >> t4, KIND)
         # x[g*32 + p*T + t]: one value per (g, t), shared by every row of the tile. Built
         # from [G, T] offsets (the weight tile's slice layout: no layout conversion).
         g2 = g_lo + i + offs_g[:, None]
         x_off = g2 * 32 + offs_t[None, :]
         x_ok = g2 < g_hi
-        if KIND == 3:  # Q8_0: 4 bytes per word, stored as q + 128
-            ps = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-            w_hi = w >> 16
-            for p in tl.static_range(4):
-                xp = tl.load(x_row + x_off + p * T, mask=x_ok, other=0.0, eviction_policy="evict_last")
-                xp = xp.to(tl.float32)[None, :, :, None]
-                if p < 2:
-                    ps += field(w, p, 8, 128) * xp
-                else:
-                    ps += field(w_hi, p - 2, 8, 128) * xp
-            d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
-            acc += ps * d
-        elif KIND == 5:  # Q6_K: nibble plane + 2-bit plane, two 16-element scales per group
-            h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
-                        eviction_policy="evict_first").to(tl.int32)
-            h_lo = h << 4
-            h_hi = h << 2
-            w_hi = w >> 16
-            ps_lo = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-            ps_hi = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-            for p in tl.static_range(8):
-                xp = tl.load(x_row + x_off + p * T, mask=x_ok, other=0.0, eviction_policy="evict_last")
-                xp = xp.to(tl.float32)[None, :, :, None]
+        ps = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
+        ps_hi = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
+        sx = tl.zeros([1, BLOCK_G, T, 1], dtype=tl.float32)
+        for p in tl.static_range(32 // T):
+            xp = tl.load(x_row + x_off + p * T, mask=x_ok, other=0.0, eviction_policy="evict_last")
+            xp = xp.to(tl.float32)[None, :, :, None]
+            f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+            if KIND == 5:  # two 16-element scales per group
                 if p < 4:
-                    ps_lo += field_hi(w, h_lo, p, 2, 32) * xp
+                    ps += f * xp
                 else:
-                    ps_hi += field_hi(w_hi, h_hi, p - 4, 2, 32) * xp
-            s_lo = i8_to_f32(tl.load(c_ptr + gr, mask=ok, other=0))
-            s_hi = i8_to_f32(tl.load(e_ptr + gr, mask=ok, other=0))
-            sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0
-            d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
-            acc += (ps_lo * s_lo + ps_hi * s_hi) * d
-        else:  # 4-bit codes: Q4_0, Q4_1, Q5_0, Q4_K
-            w_hi = w >> 16
-            if KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
-                h = tl.load(b_ptr + gr, mask=ok, other=0) >> t4
-                h_lo = h << 4
-                h_hi = h >> 12
-            ps = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-            sx = tl.zeros([1, BLOCK_G, T, 1], dtype=tl.float32)
-            for p in tl.static_range(8):
-                xp = tl.load(x_row + x_off + p * T, mask=x_ok, other=0.0, eviction_policy="evict_last")
-                xp = xp.to(tl.float32)[None, :, :, None]
-                if KIND == 2:
-                    if p < 4:
-                        f = field_hi(w, h_lo, p, 1, 16)
-                    else:
-                        f = field_hi(w_hi, h_hi, p - 4, 1, 16)
-                elif KIND == 0:
-                    if p < 4:
-                        f = field(w, p, 4, 8)
-                    else:
-                        f = field(w_hi, p - 4, 4, 8)
-                else:
-                    if p < 4:
-                        f = field(w, p, 4, 0)
-                    else:
-                        f = field(w_hi, p - 4, 4, 0)
-                    sx += xp
+                    ps_hi += f * xp
+            else:
                 ps += f * xp
-            if KIND == 1:  # Q4_1: d * q + m
-                d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
-                m = tl.load(b_ptr + gr, mask=ok, other=0.0).to(tl.float32)
-                acc += ps * d + m * sx
-            elif KIND == 4:  # Q4_K: (d * sc) * q - (dmin * m)
-                sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0
-                d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
-                dmin = tl.load(b_ptr + sb, mask=ok, other=0.0).to(tl.float32)
-                sc = u8_to_f32(tl.load(c_ptr + gr, mask=ok, other=0))
-                mn = u8_to_f32(tl.load(e_ptr + gr, mask=ok, other=0))
-                acc += ps * (d * sc) - (dmin * mn) * sx
-            else:  # Q4_0, Q5_0: d * (q - offset), the offset already subtracted
-                d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
-                acc += ps * d
+            if KIND == 1:
+                sx += xp
+            elif KIND == 4:
+                sx += xp
+        sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0  # per-(super-block, row) planes
+        d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND)
+        acc += scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
-    nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
+    if PAIRED:
+        _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT,
+                      HAS_BIAS, ROUND)
+    else:
+        store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _rounded(v, ROUND: tl.constexpr):
+    """v as the matmul would have returned it (then float32 again): the separate GEMV's rounding."""
+    if ROUND == 16:
+        v = v.to(tl.float16).to(tl.float32)
+    elif ROUND == 17:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR: tl.constexpr,
+                  BLOCK_NB: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
+    """The paired tile's [NB, R] sums (rows alternating gate, up by row group) as
+    silu(g) * u into out[M, N], or, split, both halves' partials into the workspace
+    [SPLIT, M, 2N] (gate at column n, up at N + n) for `_sum_splits_kernel`."""
+    g, u = tl.split(tl.permute(tl.reshape(y, [BLOCK_NB // 2, 2, RR]), (0, 2, 1)))  # [NB/2, R] each
+    nb2 = pid_n * (BLOCK_NB // 2) + tl.arange(0, BLOCK_NB // 2)[:, None]
     rows = nb2 * RR + tl.arange(0, RR)[None, :]
     r_ok = rows < N
-    if not IS_SPLIT:
+    if IS_SPLIT:
+        ws = out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * (2 * N) + rows
+        tl.store(ws, g, mask=r_ok)
+        tl.store(ws + N, u, mask=r_ok)
+    else:
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
+            g += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
+            u += tl.load(bias_ptr + N + rows, mask=r_ok, other=0.0)
+        y = silu_mul(_rounded(g, ROUND), _rounded(u, ROUND))
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
-    else:  # a float32 partial: the workspace [SPLIT, M, N]
-        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)
 
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, stride_ws, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum of the SPLIT partials, in slice order (+ bias), rounded once."""
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PAIRED: tl.constexpr, ROUND: tl.constexpr):
+    """out = sum of the SPLIT partials, in slice order (+ bias), rounded once. PAIRED: the
+    workspace rows hold gate (columns < N) and up (columns N..2N) partials; out [M, N] gets
+    silu(g) * u of the two sums (each rounded as its GEMV's output would be)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
-    y = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        y += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs % N, mask=ok, other=0.0)
+    if PAIRED:
+        col = offs % N
+        at = (offs // N) * (2 * N) + col
+        g = tl.load(ws_ptr + at, mask=ok, other=0.0)
+        u = tl.load(ws_ptr + at + N, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            g += tl.load(ws_ptr + s * stride_ws + at, mask=ok, other=0.0)
+            u += tl.load(ws_ptr + s * stride_ws + at + N, mask=ok, other=0.0)
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + col, mask=ok, other=0.0)
+            u += tl.load(bias_ptr + N + col, mask=ok, other=0.0)
+        y = silu_mul(_rounded(g, ROUND), _rounded(u, ROUND))
+    else:
+        y = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs % N, mask=ok, other=0.0)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _SUM_BLOCK = 1024
+# ROUND codes of `_rounded`: how the separate GEMV would have rounded gate and up.
+_ROUND = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 0}
 
 
 def launch_shape(n: int, k: int, m: int, config: GemvConfig) -> tuple[tuple[int, int, int], int, int]:
@@ -180,12 +197,20 @@ def launch_shape(n: int, k: int, m: int, config: GemvConfig) -> tuple[tuple[int,
     return (triton.cdiv(triton.cdiv(n, R), config.block_nb), split, m), g_per, split
 
 
-def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """out = the workspace's slices (split, m, n) summed in slice order (+ bias), rounded once."""
+def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, *, paired: bool = False,
+               mid_dtype: torch.dtype = torch.float32) -> None:
+    """out = the workspace's slices (split, m, n) summed in slice order (+ bias), rounded
+    once; `paired`: ws (split, m, 2n) of gate and up partials, out = silu(g) * u."""
     split, m, n = ws.shape
+    n = n // 2 if paired else n
     has_bias = bias is not None
-    _sum_splits_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, bias if has_bias else out, out, m * n, n, m * n,
-                                                          SPLIT=split, HAS_BIAS=has_bias, BLOCK=_SUM_BLOCK, num_warps=4)
+    _sum_splits_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, bias if has_bias else out, out, m * n, n, ws.stride(0),
+                                                          SPLIT=split, HAS_BIAS=has_bias, BLOCK=_SUM_BLOCK,
+                                                          PAIRED=paired, ROUND=_ROUND[mid_dtype], num_warps=4)
+
+
+def _planes(w: RepackedWeight) -> list[torch.Tensor]:
+    return [w.planes[nm] if nm is not None else w.qs for nm in PLANE_ORDER[w.ggml_type.name]]
 
 
 def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dtype: torch.dtype | None = None,
@@ -200,14 +225,45 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     if m == 0:
         return out
     grid, g_per, split = launch_shape(n, k, m, config)
-    ptrs = [w.planes[nm] if nm is not None else w.qs for nm in PLANE_ORDER[w.ggml_type.name]]
     has_bias = bias is not None
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _tiled_gemv_kernel[grid](
-        x, w.qs, *ptrs, bias if has_bias else out, dest, m, n, x.stride(0), n, m * n, g_per, triton.cdiv(n, R),
-        N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
-        BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
+        x, w.qs, *_planes(w), bias if has_bias else out, dest, m, n, x.stride(0), n, m * n, g_per, triton.cdiv(n, R),
+        0, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
+        BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         sum_splits(dest, out, bias)
+    return out
+
+
+def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, mid_dtype: torch.dtype,
+                      out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u for [g | u] = x @ W.T (+ bias), W the gate rows then the up rows (a
+    fused gate+up weight, each half a multiple of 4 rows), in one launch (two when split):
+    g and u rounded to `mid_dtype` first, then the product in float32 rounded once to
+    `out_dtype`, the same bits as `swiglu(gate(x), up(x))` with the same launch shape.
+    `config` is the fused weight's; its row groups per program are rounded up to an even
+    number (half gate, half up)."""
+    n2, k = w.shape
+    half = n2 // 2
+    if half % R or n2 % 2:
+        raise ValueError(f"tiled_gemv_swiglu: {w.name!r} must be two halves of a multiple of {R} rows, got {n2}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty((m, half), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    block_nb = max(2, config.block_nb + config.block_nb % 2)
+    grid, g_per, split = launch_shape(n2, k, m, GemvConfig(block_nb, config.block_g, config.split))
+    has_bias = bias is not None
+    dest = out if split == 1 else torch.empty((split, m, n2), dtype=torch.float32, device=x.device)
+    _tiled_gemv_kernel[grid](
+        x, w.qs, *_planes(w), bias if has_bias else out, dest, m, half, x.stride(0), half, m * n2, g_per, half // R,
+        half // R, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
+        BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=_ROUND[mid_dtype],
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)
     return out

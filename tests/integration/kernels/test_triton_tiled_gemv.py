@@ -114,39 +114,48 @@ from minivllm.kernels.triton.tiled_gemv import _tiled_gemv_kernel, _sum_splits_k
 planes = {0: ("*fp16", "*i32", "*i32", "*i32"), 1: ("*fp16", "*fp16", "*i32", "*i32"),
           2: ("*fp16", "*i32", "*i32", "*i32"), 3: ("*fp16", "*i32", "*i32", "*i32"),
           4: ("*fp16", "*fp16", "*u8", "*u8"), 5: ("*fp16", "*i16", "*i8", "*i8")}
-target = GPUTarget("cuda", 75, 32)
+import sys
+target = GPUTarget("cuda", int(sys.argv[1]), 32)
 out = {}
 for kind, (a, b, c, e) in planes.items():
     for split in (False, True):
-        sig = {"x_ptr": "*fp16", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e, "bias_ptr": "*fp32",
-               "out_ptr": "*fp32" if split else "*fp16", "M": "i32", "N": "i32", "stride_xm": "i32",
-               "stride_om": "i32", "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32"}
-        const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
-                 "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True}
-        sig.update({k: "constexpr" for k in const})
-        k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
-                           options={"num_warps": 4, "num_stages": 2})
-        out[f"tiled/{kind}/{split}"] = k.asm["ptx"]
-sig = {"ws_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp16", "MN": "i32", "N": "i32", "stride_ws": "i32",
-       "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
-k = triton.compile(ASTSource(_sum_splits_kernel, sig, {"SPLIT": 4, "HAS_BIAS": True, "BLOCK": 1024}), target=target)
-out["sum_splits"] = k.asm["ptx"]
-print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+        for paired in (False, True):  # paired: the gate+up launch with its SwiGLU epilogue
+            sig = {"x_ptr": "*fp16", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e,
+                   "bias_ptr": "*fp32", "out_ptr": "*fp32" if split else "*fp16", "M": "i32", "N": "i32",
+                   "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32",
+                   "PAIR_RB": "i32"}
+            const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
+                     "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16}
+            sig.update({k: "constexpr" for k in const})
+            k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
+                               options={"num_warps": 4, "num_stages": 2})
+            out[f"tiled/{kind}/{split}/{paired}"] = k.asm["ptx"]
+for paired in (False, True):
+    sig = {"ws_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp16", "MN": "i32", "N": "i32", "stride_ws": "i32",
+           "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr", "PAIRED": "constexpr",
+           "ROUND": "constexpr"}
+    k = triton.compile(ASTSource(_sum_splits_kernel, sig, {"SPLIT": 4, "HAS_BIAS": True, "BLOCK": 1024,
+                                                          "PAIRED": paired, "ROUND": 16}), target=target)
+    out[f"sum_splits/{paired}"] = k.asm["ptx"]
+print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf16" in p, "mma": "mma." in p}
                   for key, p in out.items()}))
 """
 
 
-def test_tiled_kernels_compile_for_t4_sm75_without_bf16_or_mma():
+@pytest.mark.parametrize("arch", ["75", "90"])
+def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
+    """Every kind, split or not, plain or paired with the SwiGLU epilogue (the gate+up
+    launch), and both split sums, compile for a T4 and an H100 without a device."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM75], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM75, arch], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 12 + 1
+    assert len(result) == 24 + 2
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False}, key

@@ -1,0 +1,158 @@
+"""Projections of one input in one weight: a layer's Q/K/V, its gate/up (GPU path).
+
+Why: a decode step launched one GEMV per projection, 7 per layer; on Qwen2.5-0.5B the
+small ones (896 x 896, 128 x 896) are launch- and latency-bound, so a 0.5B step was
+mostly launches (benchmarks/results/h100-gemv-sweep-sm90-20261205.md, issue 41). Here
+the projections that share a quantization type and K are concatenated along the output
+rows at load, in the repacked layout: one weight, one launch, the outputs handed back
+as views of one tensor, the biases concatenated the same way. The separate
+`QuantLinear`s stay (the model's structure, the CPU-side helpers, debug hooks), their
+planes now views of the fused weight's rows, so the device holds one copy.
+
+Gate and up, fused, also take SwiGLU: at one activation row (decode) and in batch-
+invariant mode the tiled GEMV's epilogue computes silu(g) * u from the same program's
+gate and up rows (`tiled_gemv.tiled_gemv_swiglu`), so the swiglu kernel and the gate/up
+output round trip go; other row counts (the several-rows kernel, cuBLAS) run the fused
+GEMV and the swiglu kernel over its two halves.
+
+In Q4_K_M files V and down are Q6_K in some layers (llama.cpp's `use_more_bits`) and Q4_K
+in the others, so a layer fuses what matches: Q|K|V, or Q|K with V alone. Same
+arithmetic per row as the separate calls with the same launch shape (the rows never meet
+in a sum); the launch shape comes from the fused shape's row of the GPU table
+(`gemv_configs.lookup`, nearest measured N until a sweep measures it).
+
+`MINIVLLM_FUSED_PROJECTIONS=0` (read at load) keeps the separate weights: the A/B switch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minivllm.kernels.linear import QuantLinear
+from minivllm.obs.trace import trace_scope
+
+FUSED_PROJECTIONS_ENV = "MINIVLLM_FUSED_PROJECTIONS"
+
+
+def fusion_enabled() -> bool:
+    return os.environ.get(FUSED_PROJECTIONS_ENV, "1") != "0"
+
+
+def _can_share(a: QuantLinear, b: QuantLinear) -> bool:
+    ra, rb = a.repacked, b.repacked
+    return (ra is not None and rb is not None and ra.ggml_type == rb.ggml_type and ra.shape[1] == rb.shape[1]
+            and a.compute_dtype == b.compute_dtype and a.out_dtype == b.out_dtype and ra.device == rb.device
+            and a._default_options is b._default_options and a.fused is None and b.fused is None)
+
+
+def fusable_runs(linears) -> list[tuple[QuantLinear, ...]]:
+    """The linears in order, as runs that can share one weight (same type, K and dtypes,
+    each a whole number of 4-row groups); a run of one stays alone."""
+    runs: list[list[QuantLinear]] = []
+    for lin in linears:
+        rw = lin.repacked
+        whole = rw is not None and rw.shape[0] % 4 == 0
+        if runs and whole and _can_share(runs[-1][-1], lin) and runs[-1][-1].repacked.shape[0] % 4 == 0:
+            runs[-1].append(lin)
+        else:
+            runs.append([lin])
+    return [tuple(r) for r in runs]
+
+
+class FusedProjection:
+    """Several `QuantLinear`s of one input as one weight (see the module docstring)."""
+
+    def __init__(self, parts: tuple[QuantLinear, ...], name: str):
+        from minivllm.kernels.repacked_layout import concat_rows
+        from minivllm.kernels.triton.repacked_gemv import RepackedQuantizedWeight
+
+        self.parts = parts
+        self.name = name
+        self.sizes = [p.out_features for p in parts]
+        first = parts[0]
+        fused = concat_rows([p.repacked for p in parts], name)
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([p.bias if p.bias is not None else torch.zeros(n, device=fused.device)
+                              for p, n in zip(parts, self.sizes)]).float()
+        self.linear = QuantLinear(RepackedQuantizedWeight(fused), bias, options=first._default_options,
+                                  compute_dtype=first.compute_dtype, name=name, out_dtype=first.out_dtype)
+        row = 0
+        for p, n in zip(parts, self.sizes):  # the parts' own planes go: views of the fused rows
+            p.take_rows_of(fused, row, self)
+            row += n
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[part(x) for part in parts], as views of one (M, sum N) output."""
+        return list(self.linear(x).split(self.sizes, dim=1))
+
+    def swiglu(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """silu(gate(x)) * up(x) in float32, rounded once to `out_dtype` (parts: gate, up)."""
+        lin = self.linear
+        y = self._swiglu_epilogue(x, out_dtype)
+        if y is not None:
+            return y
+        from minivllm.kernels.triton.fused import swiglu
+
+        gu = lin(x)
+        half = self.sizes[0]
+        return swiglu(gu[:, :half], gu[:, half:], out_dtype)
+
+    def _swiglu_epilogue(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """The gate+up GEMV with SwiGLU in its epilogue, where the separate call would run
+        the tiled kernel (one row, or batch-invariant mode); None elsewhere or where the
+        kernel failed to compile here (then the fused GEMV and the swiglu kernel, warned once)."""
+        from minivllm.kernels.triton.repacked_gemv import tiled_config
+
+        lin = self.linear
+        path = lin.path(x.shape[0])
+        if path == "gemm" or x.shape[0] == 0 or self.sizes[0] != self.sizes[1] or lin.kernel_key() in _EPILOGUE_FAILED:
+            return None
+        config = tiled_config(x, lin.repacked, invariant=path == "gemv-invariant")
+        if config is None or not lin.kernel_usable():
+            return None
+        from minivllm.kernels.triton.tiled_gemv import tiled_gemv_swiglu
+
+        lin.options.path_counts[path] += 1
+        with trace_scope("qmatmul", self.name, path=path, epilogue="swiglu"):
+            try:
+                # x as the separate GEMVs take it (the kernel reads any float dtype)
+                return tiled_gemv_swiglu(x, lin.repacked, config, mid_dtype=lin.compute_dtype, out_dtype=out_dtype,
+                                         bias=lin.bias)
+            except Exception as exc:  # a Triton compile/launch failure on this GPU
+                import warnings
+
+                lin.options.path_counts[path] -= 1
+                _EPILOGUE_FAILED.add(lin.kernel_key())
+                warnings.warn(f"Triton kernel tiled_gemv_swiglu[{lin.weight.type_name}] could not run on {x.device} "
+                              f"({type(exc).__name__}: {str(exc)[:200]}); gate+up take the GEMV then the swiglu "
+                              f"kernel", RuntimeWarning, stacklevel=3)
+                return None
+
+
+_EPILOGUE_FAILED: set[tuple] = set()
+
+
+def fuse_projections(linears, name: str) -> list[FusedProjection]:
+    """Fuse each run of `fusable_runs(linears)` longer than one (nothing when
+    MINIVLLM_FUSED_PROJECTIONS=0); the linears of a run then read the fused weight."""
+    if not fusion_enabled():
+        return []
+    groups = []
+    for run in fusable_runs(linears):
+        if len(run) > 1:
+            groups.append(FusedProjection(run, "+".join(p.name for p in run) if len(run) < len(linears) else name))
+    return groups
+
+
+def project_swiglu(gate: QuantLinear, up: QuantLinear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate(x)) * up(x) (float32 math, rounded once to out_dtype) on the GPU path: one
+    launch where gate and up are fused, else the two GEMVs and the swiglu kernel."""
+    group = gate.fused
+    if group is not None and group.parts == (gate, up):
+        return group.swiglu(x, out_dtype)
+    from minivllm.kernels.triton.fused import swiglu
+
+    return swiglu(gate(x), up(x), out_dtype)

@@ -1,0 +1,146 @@
+"""The per-type decoding of the repacked layout, shared by the float GEMV kernels
+(`repacked_gemv.py`'s one-row-group and several-rows kernels, `tiled_gemv.py`): one home
+for how a word tile turns into weights and how a group's scales apply.
+
+The kernels differ in their tile shapes ([G, T, R], [NB, G, T, R], activations of several
+rows in front) and in where the planes' addresses come from, so they load the words and
+compute the addresses; these helpers take loaded tiles of any shape and broadcast like
+the operands they are given. Same expressions in the same order as the kernels had
+inline (the sm_90 PTX of every kernel variant was the same before and after the move).
+
+Per trip, for a word tile `w` (and `w_hi = w >> 16`):
+
+    h_lo, h_hi = high_fields(h, KIND)           # Q5_0 / Q6_K: the high-bit plane
+    for p in range(32 // T):                    # fields of a word: 4 (Q8_0) or 8
+        f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+        ... ps += f * x_p (Q6_K: ps_hi for p >= 4), sx += x_p (Q4_1, Q4_K)
+    d, m, s_lo, s_hi = group_scales(...)
+    acc += scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from minivllm.kernels.triton.quant_fields import field, field_hi, i8_to_f32, u8_to_f32
+
+# Kernel kinds (repacked_layout.K_*): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 0..5.
+
+
+@triton.jit
+def high_fields(h, KIND: tl.constexpr):
+    """The high-bit words placed just above the nibbles of fields 0-3 and 4-7: Q6_K's
+    int16 plane (already int32), Q5_0's group word (already shifted right by t)."""
+    if KIND == 5:
+        h_lo = h << 4
+        h_hi = h << 2
+    else:
+        h_lo = h << 4
+        h_hi = h >> 12
+    return h_lo, h_hi
+
+
+@triton.jit
+def decode_field(w, w_hi, h_lo, h_hi, P: tl.constexpr, KIND: tl.constexpr):
+    """Field P of every word as float32, the type's offset removed, before the group's
+    scale (h_lo / h_hi: `high_fields`, ignored by the types without high bits)."""
+    if KIND == 3:  # Q8_0: 4 bytes per word, stored as q + 128
+        if P < 2:
+            f = field(w, P, 8, 128)
+        else:
+            f = field(w_hi, P - 2, 8, 128)
+    elif KIND == 5:  # Q6_K: a nibble and 2 high bits, q - 32
+        if P < 4:
+            f = field_hi(w, h_lo, P, 2, 32)
+        else:
+            f = field_hi(w_hi, h_hi, P - 4, 2, 32)
+    elif KIND == 2:  # Q5_0: a nibble and 1 high bit, q - 16
+        if P < 4:
+            f = field_hi(w, h_lo, P, 1, 16)
+        else:
+            f = field_hi(w_hi, h_hi, P - 4, 1, 16)
+    elif KIND == 0:  # Q4_0: q - 8
+        if P < 4:
+            f = field(w, P, 4, 8)
+        else:
+            f = field(w_hi, P - 4, 4, 8)
+    else:  # Q4_1, Q4_K: q (the min comes through the activation sum)
+        if P < 4:
+            f = field(w, P, 4, 0)
+        else:
+            f = field(w_hi, P - 4, 4, 0)
+    return f
+
+
+@triton.jit
+def group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND: tl.constexpr):
+    """(d, m, s_lo, s_hi) as float32 for the tile's groups: `gr` addresses the
+    per-(group, row) planes, `sb` the per-(super-block, row) ones (K-quants). Q4_1: d, m;
+    Q4_K: d, dmin, sc, mn; Q6_K: d, -, sc of elements 0-15, sc of 16-31; others: d."""
+    if KIND == 5:
+        s_lo = i8_to_f32(tl.load(c_ptr + gr, mask=ok, other=0))
+        s_hi = i8_to_f32(tl.load(e_ptr + gr, mask=ok, other=0))
+        d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+        m = d
+    elif KIND == 4:
+        d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(b_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+        s_lo = u8_to_f32(tl.load(c_ptr + gr, mask=ok, other=0))
+        s_hi = u8_to_f32(tl.load(e_ptr + gr, mask=ok, other=0))
+    elif KIND == 1:
+        d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(b_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+        s_lo = d
+        s_hi = d
+    else:
+        d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+        m = d
+        s_lo = d
+        s_hi = d
+    return d, m, s_lo, s_hi
+
+
+@triton.jit
+def scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND: tl.constexpr):
+    """A trip's contribution: the field sums `ps` (Q6_K: elements 0-15 in `ps`, 16-31 in
+    `ps_hi`) under the group's scales; `sx` the activations' sum (Q4_1, Q4_K mins)."""
+    if KIND == 5:
+        y = (ps * s_lo + ps_hi * s_hi) * d
+    elif KIND == 4:  # (d * sc) * q - (dmin * mn)
+        y = ps * (d * s_lo) - (m * s_hi) * sx
+    elif KIND == 1:  # d * q + m
+        y = ps * d + m * sx
+    else:  # Q4_0, Q5_0, Q8_0: d * (q - offset), the offset already subtracted
+        y = ps * d
+    return y
+
+
+# --- the tiled kernels' shared steps (tiled_gemv.py, q8_gemv.py) ----------------------------
+
+
+@triton.jit
+def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr):
+    """(words, mask, per-(group, row) offsets) of a [NB, G, T, R] tile: row groups `nb`,
+    groups `gg` below g_hi. 16-byte loads (ld.global.v4 in the sm_90 PTX), evict-first:
+    each weight byte is read once per call."""
+    ok = nb_ok & (gg < g_hi)
+    gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
+    w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0, eviction_policy="evict_first")
+    return w, ok, gr
+
+
+@triton.jit
+def store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR: tl.constexpr,
+               BLOCK_NB: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A program's [NB, R] row sums: + bias and rounded once into out[M, N], or, split, as
+    float32 partials into the workspace [SPLIT, M, N] (summed in slice order afterwards)."""
+    nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
+    rows = nb2 * RR + tl.arange(0, RR)[None, :]
+    r_ok = rows < N
+    if not IS_SPLIT:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
+        tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
+    else:
+        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)
