@@ -90,7 +90,6 @@ if [ "$MODE" = profile ]; then
   wait $sp
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
-  step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "profile eager 7b 512" "$R/profile-eager.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 512 --eager
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
 elif [ "$MODE" = 3 ]; then
@@ -136,14 +135,17 @@ from minivllm.bench.synthetic_model import ensure_synthetic_model as e
 print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
 \"" >> "$W/synthetic.log" 2>&1 < /dev/null &
   stamp "0.5B file written; 7B file started (background)"
-  if [ -n "${SWEEP:-}" ]; then
-    BUDGET=330 step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --quick Q4_0,Q4_1,Q5_0
+  if [ "${SWEEP:-1}" != 0 ]; then  # the fused and 0.5B shapes (the 7B rows are committed); run 2 uses the table
+    T=Q4_K,Q6_K,Q8_0,Q5_0
+    BUDGET=${SWEEP_BUDGET:-150} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
+      --quick $T --shapes 0.5b,fused
     stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
     cp "$W"/sweep/* "$R/" 2>/dev/null
   fi
   RESERVE=${RESERVE:-150} run_pytest
   BASE=""; [ -f ../paged_attention_b738059.py ] && BASE="--baseline-module ../paged_attention_b738059.py"
-  step "attention bench" "$R/attention-bench.log" python3 scripts/attention_bench.py "$R/attention-bench.json" $BASE
+  BUDGET=$(( $(date +%s) - T0 + ${ATTN_BUDGET:-70} )) step "attention bench" "$R/attention-bench.log" \
+    python3 scripts/attention_bench.py "$R/attention-bench.json" $BASE
   stamp "llama build: $(tail -n 2 "$W/llama-build.log" | tr '\n' ' ')"
   stamp "synthetic: $(tr '\n' ' ' < "$W/synthetic.log" | tail -c 300)"
 else
@@ -169,8 +171,8 @@ else
     python3 -m minivllm bench offline --model "$S05" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
   step "batched 7b (bench offline --llama-batched-bench)" "$R/batched-7b.log" \
     python3 -m minivllm bench offline --model "$S7" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
-  # the int8 GEMV (opt-in natively): minivllm only, batch 1
-  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+  # the int8 GEMV (opt-in natively): minivllm only, batch 1 (INT8=1)
+  for s in ${INT8:+qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m}; do
     step "decode int8 $s" "$R/decode-int8-$s.log" env MINIVLLM_Q8_GEMV=1 $DEC $SYN $s --prompt-tokens 512
   done
   # decode after 4096 tokens of context (7B): minivllm, then llama-bench -d 0,512,4096
@@ -195,7 +197,6 @@ else
   # where a step's time goes now (kernels, calls per step, GPU idle between steps)
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
-  step "profile graphs 7b 4096" "$R/profile-4096.log" $P --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
