@@ -137,7 +137,7 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
   stamp "0.5B file written; 7B file started (background)"
   if [ "${SWEEP:-1}" != 0 ]; then  # the fused and 0.5B shapes (the 7B rows are committed); run 2 uses the table
     T=Q4_K,Q6_K,Q8_0,Q5_0
-    BUDGET=${SWEEP_BUDGET:-150} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
+    BUDGET=${SWEEP_BUDGET:-100} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
       --quick $T --shapes 0.5b,fused
     stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
     cp "$W"/sweep/* "$R/" 2>/dev/null
@@ -201,7 +201,7 @@ else
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   # the GEMV/GEMM crossover from batched decode (Deliver 6): GEMV vs dequantize+GEMM per N
-  for f in "$S05" "$S7"; do
+  for f in ${THRESHOLD_FILES:-$S7}; do
     step "gemv threshold $(basename "$f")" "$R/gemv-threshold-$(basename "$f" .gguf).log" python3 -m minivllm bench \
       gemv-threshold --model "$f" --inference-device cuda:0 --activation-dtype f16 --concurrency 1,2,4,8,16,32 \
       --max-tokens 32 --runs 2 --max-runs 2
