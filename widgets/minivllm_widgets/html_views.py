@@ -7,7 +7,7 @@ import html
 
 from minivllm_widgets.chart_data import dashboard_charts
 from minivllm_widgets.page_grid import COLOURS, LEGEND, png_data_uri, render_codes_png
-from minivllm_widgets.static_charts import chart_svg
+from minivllm_widgets.static_charts import chart_html
 
 _TABLE = "border-collapse:collapse;font:12px monospace"
 _CELL = "padding:2px 6px;border-bottom:1px solid #ddd;text-align:left"
@@ -141,5 +141,6 @@ def headline_html(rows: tuple) -> str:
 
 def throughput_static_html(throughput: dict, step_ms: dict) -> str:
     """The dashboard's two time series (decode tok/s, step latency) over their shared
-    window, as static SVG: the same `Chart`s the live plotly figures draw."""
-    return "".join(chart_svg(c) for c in dashboard_charts(throughput, step_ms))
+    window: the live charts' plotly figures as HTML (plotly.js not included: the output
+    that holds them starts with `static_charts.plotlyjs_html()`)."""
+    return "".join(chart_html(c) for c in dashboard_charts(throughput, step_ms))
