@@ -42,7 +42,9 @@ CHART_CHECK = """() => {
     const plots = [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')];
     for (const [i, el] of plots.entries()) {
         const traces = el.data || [];
-        const values = traces.flatMap(t => [...(t.y || [])]).filter(v => v !== null && v !== undefined);
+        // y of lines and bars, z of heatmaps (the static KV page map)
+        const values = traces.flatMap(t => [...(t.y || []), ...[...(t.z || [])].flat()])
+            .filter(v => v !== null && v !== undefined);
         const numeric = values.filter(v => typeof v === 'number');
         if (!numeric.some(v => Number.isFinite(v))) bad.push(`plot ${i}: no finite point (${traces.length} traces)`);
         if (numeric.some(v => !Number.isFinite(v))) bad.push(`plot ${i}: NaN or infinity in its data`);

@@ -368,7 +368,8 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
         page.wait_for_function("() => document.querySelectorAll("
                                "'.jp-Notebook .minivllm-static-chart .js-plotly-plot').length >= 1", timeout=60_000)
         static_plots = page.evaluate("() => [...document.querySelectorAll('.jp-Notebook .minivllm-static-chart "
-                                     ".js-plotly-plot')].map(el => (el.data || []).flatMap(t => [...(t.y || [])]))")
+                                     ".js-plotly-plot')].map(el => (el.data || [])"
+                                     ".flatMap(t => [...(t.y || []), ...[...(t.z || [])].flat()]))")
         # The engine's own final snapshot and the shared requests' ids, from the notebook's kernel.
         engine = json.loads(_kernel_print(jupyter_lab, "quickstart.ipynb", (
             "import json as _json\n"

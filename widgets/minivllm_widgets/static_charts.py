@@ -1,5 +1,6 @@
-"""The static fallback of a `chart_data.Chart`: the live chart's own plotly figure, written
-as HTML that plotly.js draws (nbconvert, a Kaggle "Save & Run All" commit, `show_static()`).
+"""The static fallback of a `chart_data.Chart` (and of the KV page map, `page_map_figure`):
+the live chart's own plotly figure, written as HTML that plotly.js draws (nbconvert, a
+Kaggle "Save & Run All" commit, `show_static()`).
 
 The figure comes from `charts.figure`, built by the same trace and layout code as the live
 `FigureWidget`, so the static chart and the live one cannot disagree; plotly.io.to_html
@@ -42,5 +43,10 @@ def chart_html(chart: Chart) -> str:
         notes = "".join(f"<div style='color:#666'>{html.escape(n)}</div>" for n in chart.notes)
         return (f"<div class='{CSS_CLASS}-empty' style='font:12px sans-serif'><b>{html.escape(chart.title)}</b>"
                 f" ({html.escape(chart.y_title)}): <i>no data</i>{notes}</div>")
-    div = pio.to_html(figure(chart), include_plotlyjs=False, full_html=False, config=CONFIG)
+    return figure_html(figure(chart))
+
+
+def figure_html(fig) -> str:
+    """Any plotly figure as a div and its `Plotly.newPlot` call (plotly.js not included)."""
+    div = pio.to_html(fig, include_plotlyjs=False, full_html=False, config=CONFIG)
     return f"<div class='{CSS_CLASS}'>{div}</div>"

@@ -165,9 +165,9 @@ class Workbench:
         self.publisher.start()
 
     def static_html(self) -> str:
-        """The dashboard as self-contained HTML (page grids inlined as PNG data URIs, the
-        charts as plotly figures with plotly.js inline), for places where widgets cannot
-        render: nbconvert, a Kaggle "Save & Run All" commit."""
+        """The dashboard as self-contained HTML (the page maps and the charts as plotly
+        figures, plotly.js inline), for places where widgets cannot render: nbconvert, a
+        Kaggle "Save & Run All" commit."""
         # fresh: every worker is asked now, so requests that just returned are not shown running
         snapshot = self.runner.snapshot(fresh=True)
         if snapshot is None:
