@@ -465,7 +465,12 @@ def test_views_after_completion_and_after_close(smollm2_path):
         for s in streams:
             s.result(timeout=300)
         static = wb.static_html()  # asks every worker for a fresh snapshot
-        assert "0 running" in static and ">running<" not in static, static[:2000]
+        assert "0 running" in static and ">running<" not in static, static[-3000:]
+        # the page map: a plotly heatmap, one cell per page, the free ones where the engine has them
+        heatmap = next(f["data"][0] for f in plotly_html.figures(static) if f["data"][0]["type"] == "heatmap")
+        cells = [v for row in heatmap["z"] for v in row if v is not None]
+        states = cluster.snapshot(fresh=True)["workers"][0]["snapshot"]["kv"]["page_states"]  # idle: unchanged
+        assert [c == 0 for c in cells] == [s == "free" for s in states]
         wb.publisher.poll_once()  # the latest (possibly older) snapshot: the ledger says they ended
         assert "0 running" in wb.panels[0].widget.value
     finally:
