@@ -120,7 +120,12 @@ def _saved_cells(page, root, notebook: str) -> list[dict]:
     deadline = time.monotonic() + 30
     while (root / notebook).stat().st_mtime_ns == before and time.monotonic() < deadline:
         time.sleep(0.2)
-    return json.loads((root / notebook).read_text())["cells"]
+    while True:  # the save may still be under way (outputs with plotly.js inline are megabytes)
+        try:
+            return json.loads((root / notebook).read_text())["cells"]
+        except json.JSONDecodeError:
+            assert time.monotonic() < deadline, f"{notebook}: the saved file never became whole JSON"
+            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +186,5 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
     source = "".join("".join(c["source"]) for c in cells)
     if any(k in source for k in ("Workbench(", "DivergenceExplorer(", "figure(")):  # it draws charts: plotly ones
         assert charts["plots"] >= 1, f"{notebook}: no plotly chart on the page ({charts})"
+    if any(k in source for k in ("report_html(", "show_static()")):  # static renders: plotly figures too
+        assert charts["static"] >= 1, f"{notebook}: no static plotly chart on the page ({charts})"
