@@ -96,7 +96,7 @@ def test_static_dashboard_charts_are_plotly_figures_over_one_window():
     html = throughput_static_html({"w": [(t0, 10.0, 0.0), (t0 + 1, 20.0, 0.0)]},
                                   {"w": [(t0 + 1, 4.5), (t0 + 30, 5.5)]})  # 29 s apart: a gap between them
     decode, latency = plotly_html.figures(html)
-    assert "svg" not in html.replace("'svg'", "")  # no drawing of ours: plotly.js draws the figure
+    assert "<svg" not in html  # no drawing of ours: plotly.js draws the figure
     clock = [datetime.datetime.fromtimestamp(t).isoformat() for t in (t0 - 90, t0 + 30)]  # the 120 s window
     assert decode["layout"]["xaxis"]["range"] == latency["layout"]["xaxis"]["range"] == clock
     assert decode["data"][0]["y"] == [10.0, 20.0] and plotly_html.finite_points(decode) == [10.0, 20.0]
