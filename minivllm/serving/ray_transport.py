@@ -30,6 +30,7 @@ import collections
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ POLL_WAIT_S = 2.0
 WATCH_EVERY_S = 0.5
 # How long a closed direct link waits for Ray to say why (the error the requests get).
 DEATH_REASON_WAIT_S = 1.0
+# Ray's authentication mode, read from the environment only (docs.ray.io: token-auth).
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
 
 
 class RayUnavailable(MinivllmError):
@@ -64,6 +67,8 @@ def connect(address: str | None) -> bool:
     """Join the Ray cluster at `address` ("auto": the one this machine belongs to or
     RAY_ADDRESS names; "ray://host:10001": through Ray Client; None: start a private local
     instance) unless this process already joined one. True when this call joined it."""
+    if address is None:
+        choose_private_auth_mode()
     ray = import_ray()
     if ray.is_initialized():
         return False
@@ -81,6 +86,24 @@ def connect(address: str | None) -> bool:
                              "(and `ray start --address HEAD:6379` on each other node), or pass ray_address=None "
                              "for a local one") from None
     return True
+
+
+def choose_private_auth_mode() -> None:
+    """Token authentication for the private local instance, chosen explicitly.
+
+    A new local `ray.init()` (Ray 2.59 on) turns token authentication on by itself when
+    RAY_AUTH_MODE is unset, and logs "Token authentication is enabled for this Ray cluster"
+    to stderr each time (the pink line under a notebook cell). RAY_AUTH_MODE is the one
+    setting Ray documents for this (the environment only: Ray refuses it in _system_config),
+    and Ray stays silent when it is set. We set it to the mode Ray would pick itself, token,
+    in this process's environment (which the instance's processes inherit); a value the
+    user set wins. Ray reads the mode once, when it is imported, so this happens only
+    before that: where something imported Ray earlier, Ray chooses, and warns, as before
+    (setting it then would leave this process on "disabled" and its new GCS on "token",
+    which refuses it). Joining an existing cluster leaves the mode alone: that cluster's
+    mode is its operator's choice."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault(RAY_AUTH_MODE, "token")
 
 
 def alive_nodes() -> list[dict]:

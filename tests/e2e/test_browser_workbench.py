@@ -7,7 +7,16 @@ Opens the quickstart notebook, runs every cell, and checks what a user sees:
   counts exactly the states of the final snapshot the notebook prints (the counts the canvas
   computed from the bytes it received, and the caption's);
 - requests that returned are no longer shown as running, and the closed dashboard says so;
-- the divergence explorer's summary sentence is there;
+- hovering a page of the map names its state, request holders, ref count, cached or not and
+  the requests that hold it: every page's hover against the engine's own final snapshot
+  (read from the notebook's kernel through a second client), and while three requests share
+  a prefix, the shared pages' owners against those requests' ids and their ref counts;
+- "open beside the notebook" puts the dashboard in a JupyterLab side panel (sidecar) that
+  holds its plotly figures, with data;
+- the static fallback (`wb.show_static()`) draws plotly figures;
+- the divergence explorer's summary sentence is there; after Run the old report is dimmed
+  within 0.5 s of the click (timed in the browser) and the progress bar advances before the
+  new report lands;
 - the speculative notebook's side-by-side code keeps its indentation (computed style: left
   aligned, whitespace kept), from that notebook's own cell.
 Screenshots land in test-artifacts/ (copies for the README live in docs/screenshots/). The
@@ -178,6 +187,129 @@ def _map_state(page) -> dict:
     }""")
 
 
+def _kernel_print(url: str, notebook: str, code: str, timeout_s: float = 120.0) -> str:
+    """Runs `code` in the notebook's own kernel as a second client over the server's
+    websocket and returns what it printed (the notebook shows nothing of it: JupyterLab
+    routes outputs to the client that asked)."""
+    import datetime
+    import uuid
+
+    import websocket  # websocket-client, a dependency of jupyter_server
+
+    with urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}", timeout=10) as r:
+        kernel = next(s["kernel"]["id"] for s in json.loads(r.read()) if str(s.get("path", "")).endswith(notebook))
+    session, msg_id = uuid.uuid4().hex, uuid.uuid4().hex
+    ws = websocket.create_connection(
+        f"{url.replace('http', 'ws', 1)}/api/kernels/{kernel}/channels?token={TOKEN}&session_id={session}",
+        timeout=timeout_s)
+    try:
+        ws.send(json.dumps({
+            "header": {"msg_id": msg_id, "username": "browser-test", "session": session, "version": "5.3",
+                       "msg_type": "execute_request", "date": datetime.datetime.now(datetime.timezone.utc).isoformat()},
+            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+            "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                        "allow_stdin": False, "stop_on_error": True}}))
+        out, deadline = [], time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            frame = ws.recv()
+            if isinstance(frame, bytes):  # a message with binary buffers (the page map's bytes): not ours
+                continue
+            msg = json.loads(frame)
+            if (msg.get("parent_header") or {}).get("msg_id") != msg_id:
+                continue
+            kind = msg["header"]["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind == "error":
+                raise AssertionError(f"kernel: {msg['content']['ename']}: {msg['content']['evalue']}")
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                return "".join(out)
+        raise AssertionError(f"the kernel did not answer in {timeout_s} s")
+    finally:
+        ws.close()
+
+
+def _wait_for_kernel_idle(url: str, notebook: str, timeout_s: float = 600.0) -> None:
+    """Until the notebook's kernel has been idle for 3 polls running (every queued cell ran)."""
+    deadline, idle = time.monotonic() + timeout_s, 0
+    while idle < 3:
+        with urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}", timeout=10) as r:
+            states = [(s.get("kernel") or {}).get("execution_state") for s in json.loads(r.read())
+                      if str(s.get("path", "")).endswith(notebook)]
+        idle = idle + 1 if states and all(st == "idle" for st in states) else 0
+        assert time.monotonic() < deadline, f"the kernel never went idle: {states}"
+        time.sleep(0.5)
+
+
+HOVER = re.compile(r"page (\d+): ([a-z-]+), (\d+) request holder\(s\), ref count (\d+), "
+                   r"(in the prefix cache|not cached)(?:; requests: (.+))?$")
+
+
+def _hover_every_page(page) -> list[tuple]:
+    """Every page's hover text, read in one go (one frame): a mousemove over each cell's
+    centre, as the mouse would send it, parsed into (page, state, holders, ref count,
+    cached, owners)."""
+    from minivllm_widgets.page_grid import grid_layout
+
+    pages = int(page.get_attribute(".minivllm-kv .minivllm-page-map", "data-pages"))
+    pitch, columns, _ = grid_layout(pages)
+    texts = page.evaluate("""([pitch, columns]) => {
+        const el = document.querySelector('.minivllm-kv .minivllm-page-map');
+        const canvas = el.querySelector('canvas'), rect = canvas.getBoundingClientRect();
+        const out = [];
+        for (let i = 0; i < Number(el.dataset.pages); i++) {
+            const x = rect.left + (i % columns + 0.5) * pitch, y = rect.top + (Math.floor(i / columns) + 0.5) * pitch;
+            canvas.dispatchEvent(new MouseEvent('mousemove', {clientX: x, clientY: y}));
+            out.push(canvas.title);
+        }
+        return out;
+    }""", [pitch, columns])
+    parsed = []
+    for i, text in enumerate(texts):
+        m = HOVER.match(text)
+        assert m and int(m.group(1)) == i, (i, text)
+        owners = tuple(m.group(6).split(", ")) if m.group(6) else ()
+        parsed.append((i, m.group(2), int(m.group(3)), int(m.group(4)), m.group(5) == "in the prefix cache", owners))
+    return parsed
+
+
+def _explorer_run_timed(page) -> dict:
+    """Click the explorer's Run (max tokens 8) and time, in the browser, when the old report
+    is dimmed (or cleared) and every value the progress bar shows until the report is back."""
+    root = page.locator("xpath=//div[contains(@class,'minivllm-divergence-results')]/..").first
+    max_tokens = root.locator("div.widget-inline-hbox", has_text="max tokens").locator("input").first
+    max_tokens.fill("8")
+    max_tokens.press("Tab")  # the widget syncs on change
+    page.wait_for_timeout(500)
+    page.evaluate("""() => {
+        const results = document.querySelector('.minivllm-divergence-results');
+        const root = results.parentElement;
+        const bar = root.querySelector('.widget-hprogress .progress-bar');
+        const t = window.__explorer = {click: null, dimmed: null, back: null, progress: []};
+        const dim = () => parseFloat(getComputedStyle(results).opacity) <= 0.5 || results.innerText.trim() === '';
+        for (const b of root.querySelectorAll('button'))
+            if (b.textContent.trim() === 'Run') b.addEventListener('click', () => { t.click = performance.now(); },
+                                                                   {capture: true});
+        new MutationObserver(() => {
+            if (t.click === null) return;
+            const stale = results.classList.contains('minivllm-stale');
+            if (stale && t.dimmed === null) t.dimmed = performance.now();
+            if (!stale && t.dimmed !== null && t.back === null) t.back = performance.now();
+        }).observe(results, {attributes: true, attributeFilter: ['class'], childList: true, subtree: true});
+        new MutationObserver(() => {
+            if (t.click !== null && t.back === null) t.progress.push(parseFloat(bar.style.width));
+        }).observe(bar, {attributes: true, attributeFilter: ['style']});
+        window.__dimmedNow = dim;
+    }""")
+    root.locator("button", has_text="Run").first.click()
+    # the old report dimmed (opacity at most 0.5: the class, its transition under way) or cleared
+    page.wait_for_function("() => window.__dimmedNow()", timeout=500)
+    dimmed_in = page.evaluate("() => performance.now() - window.__explorer.click")
+    page.wait_for_function("() => window.__explorer.back !== null", timeout=600_000)
+    page.wait_for_function("() => document.querySelector('.minivllm-divergence-summary') !== null", timeout=60_000)
+    return {**page.evaluate("() => window.__explorer"), "dimmed_in": dimmed_in}
+
+
 def _screenshot(page, selector: str, name: str, *, vbox: bool = True, max_height: int = 800) -> None:
     """The top `max_height` px of the widget box around `selector` (or of its parent): small PNGs."""
     inner = page.locator(selector).first
@@ -206,7 +338,7 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
         # The dashboard appears once the worker is up; then the requests run for a while.
         page.wait_for_selector(".minivllm-kv .minivllm-page-map canvas", timeout=600_000)
         queues = page.wait_for_selector(".minivllm-queues", timeout=60_000)
-        frames, queue_texts, shared_seen = set(), set(), []
+        frames, queue_texts, shared_seen, shared_hover = set(), set(), [], []
         final_text = None
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
@@ -215,6 +347,8 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
                 frames.add(json.dumps(state["counts"], sort_keys=True))
                 if state["counts"].get("shared", 0) > 0:
                     shared_seen.append(state)
+                    if not shared_hover:  # every page's hover in one frame while requests share
+                        shared_hover = _hover_every_page(page)
             queue_texts.add(queues.inner_text())
             out = page.locator(".jp-OutputArea-output:has-text('final KV page states')")
             if out.count():
@@ -230,6 +364,43 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
         summary = page.wait_for_selector(".minivllm-divergence-summary", timeout=60_000)
         summary_text = summary.inner_text()
         _screenshot(page, ".minivllm-divergence-summary", "divergence-explorer.png")
+        _wait_for_kernel_idle(jupyter_lab, "quickstart.ipynb")  # every cell ran; clicks are answered at once
+        page.wait_for_function("() => document.querySelectorAll("
+                               "'.jp-Notebook .minivllm-static-chart .js-plotly-plot').length >= 1", timeout=60_000)
+        static_plots = page.evaluate("() => [...document.querySelectorAll('.jp-Notebook .minivllm-static-chart "
+                                     ".js-plotly-plot')].map(el => (el.data || [])"
+                                     ".flatMap(t => [...(t.y || []), ...[...(t.z || [])].flat()]))")
+        # The engine's own final snapshot and the shared requests' ids, from the notebook's kernel.
+        engine = json.loads(_kernel_print(jupyter_lab, "quickstart.ipynb", (
+            "import json as _json\n"
+            "_s = wb.runner.final_snapshot['workers'][0]['snapshot']\n"
+            "print(_json.dumps({'states': _s['kv']['page_states'], 'refs': _s['kv']['ref_counts'],"
+            " 'tables': [(r['id'], r['block_table']) for q in ('running', 'waiting', 'preempted')"
+            " for r in _s['queues'][q]], 'shared_ids': [s.request_id for s in rest]}))")))
+        final_hover = _hover_every_page(page)
+        # one real mouse move over a cached page: the canvas's own tooltip says the same
+        cached_page = next((h for h in final_hover if h[4]), final_hover[0])
+        pages = int(page.get_attribute(".minivllm-kv .minivllm-page-map", "data-pages"))
+        from minivllm_widgets.page_grid import grid_layout
+
+        pitch, columns, _ = grid_layout(pages)
+        box = page.locator(".minivllm-kv .minivllm-page-map canvas").first
+        box.scroll_into_view_if_needed()
+        b = box.bounding_box()
+        page.mouse.move(b["x"] + (cached_page[0] % columns + 0.5) * pitch,
+                        b["y"] + (cached_page[0] // columns + 0.5) * pitch)
+        real_title = box.get_attribute("title")
+        # Open beside: the dashboard in JupyterLab's side panel, with its plotly figures.
+        page.locator(".minivllm-dashboard button", has_text="open beside the notebook").first.click()
+        page.wait_for_selector(".jupyterlab-sidecar .minivllm-dashboard .js-plotly-plot", timeout=60_000)
+        page.wait_for_timeout(500)
+        beside = page.evaluate("""() => ({
+            tabs: [...document.querySelectorAll('.lm-TabBar-tab')].map(t => t.textContent.trim()),
+            in_notebook: !!document.querySelector('.jp-Notebook .jupyterlab-sidecar'),
+            plots: [...document.querySelectorAll('.jupyterlab-sidecar .minivllm-dashboard .js-plotly-plot')]
+                .map(el => (el.data || []).flatMap(t => [...(t.y || [])]).filter(v => typeof v === 'number')),
+            map: !!document.querySelector('.jupyterlab-sidecar .minivllm-page-map canvas')})""")
+        explorer = _explorer_run_timed(page)
 
         # A fresh page on a reset workspace: otherwise JupyterLab restores the quickstart tab
         # next to this one and may leave it active, and "Run All Cells" reruns the quickstart
@@ -260,6 +431,38 @@ def test_quickstart_dashboard_shows_the_truth_in_chromium(jupyter_lab):
     assert "0 running" in final_queues and "\trunning\t" not in final_queues, final_queues
     assert re.search(r"[1-9]\d*/\d+ prefix hits", final_map["text"]), final_map["text"]
     assert summary_text.startswith("The runs agree"), summary_text
+    # KV hover, final frame: every page against the engine's own snapshot (state, ref count,
+    # cached or not, the requests whose block tables hold it).
+    owners = {}
+    for request_id, table in engine["tables"]:
+        for p in table:
+            owners.setdefault(p, []).append(request_id)
+    assert len(final_hover) == len(engine["states"])
+    for i, state, holders, refs, cached, who in final_hover:
+        assert (state, refs) == (engine["states"][i], engine["refs"][i]), (i, final_hover[i])
+        assert cached == (state in ("cached-idle", "cached-in-use", "shared")), final_hover[i]
+        assert holders == refs - cached and sorted(who) == sorted(owners.get(i, [])), final_hover[i]
+    assert HOVER.match(real_title) and real_title.startswith(f"page {cached_page[0]}: cached-idle"), real_title
+    # KV hover while three requests share the prefix: each shared page names its holders, the
+    # prefix cache holds one more reference, and the holders are among those requests.
+    shared_pages = [h for h in shared_hover if h[1] == "shared"]
+    assert shared_pages, "no shared page in the frame that was hovered"
+    for i, _state, holders, refs, cached, who in shared_pages:
+        assert holders >= 2 and refs == holders + 1 and cached, shared_hover[i]
+        assert len(who) == holders and set(who) <= set(engine["shared_ids"]), (shared_hover[i], engine["shared_ids"])
+    # Open beside: a side panel outside the notebook, holding the dashboard's plotly figures.
+    assert "minivllm dashboard" in beside["tabs"] and not beside["in_notebook"], beside
+    assert beside["map"] and beside["plots"] and any(beside["plots"]), beside
+    # The static fallback: plotly figures with finite data.
+    assert static_plots and all(any(isinstance(v, (int, float)) for v in ys) for ys in static_plots), static_plots
+    # The explorer while running: dimmed within 0.5 s of the click, the bar advancing before
+    # the new report lands.
+    assert explorer["click"] is not None and explorer["dimmed_in"] < 500, explorer
+    bar = explorer["progress"]
+    print(f"explorer: report dimmed {explorer['dimmed'] - explorer['click']:.0f} ms after the click (seen by the "
+          f"wait at {explorer['dimmed_in']:.0f} ms), progress {bar}, report back after "
+          f"{explorer['back'] - explorer['click']:.0f} ms")
+    assert any(b > a for a, b in zip(bar, bar[1:])), explorer
     # The speculative notebook's code columns keep their indentation.
     assert style["pre"] in ("left", "start") and style["column"] in ("left", "start"), style
     assert style["ws"] == "pre-wrap" and "\n    if n < 2:\n        return False" in style["text"], style

@@ -1,4 +1,4 @@
-"""Chart series as plain data: what the plotly figures and the static SVG fallback both draw.
+"""Chart series as plain data: what the plotly figures draw, live and static.
 
 Pure functions (no plotly, no widgets), so the numbers a chart shows are tested without a
 browser, and the live figure and the static fallback cannot disagree. Two rules hold here

@@ -3,7 +3,7 @@
 Every position is said as "generated token N" with N from `minivllm.debug.token_number`
 (the report's text and the notebooks use the same function). Magnitudes are computed from
 `chart_data.layer_chart` / `chart_data.margin_chart`, the same series the plotly figures
-and the static SVG draw, and put in words against the rounding of each float format.
+draw (live and static), and put in words against the rounding of each float format.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The divergence explorer's views as HTML: the summary, the token chips, the top-k table,
-and the static (SVG) charts. The widget shows the same HTML around live plotly figures;
-`report_html(report)` is all of it for places without widgets (nbconvert, Kaggle commits).
+and the static charts (the live charts' plotly figures as HTML). The widget shows the same
+HTML around live plotly figures; `report_html(report)` is all of it, plotly.js included once,
+for places without widgets (nbconvert, Kaggle commits).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from minivllm_widgets.divergence_story import (
     summary_sentence,
     tie_words,
 )
-from minivllm_widgets.static_charts import chart_svg
+from minivllm_widgets.static_charts import chart_html, plotlyjs_html
 
 FOLD_AFTER = 40  # shared tokens shown before the rest fold into a count
 KEEP_BEFORE_SPLIT = 12  # shared tokens kept visible just before the split
@@ -112,7 +113,7 @@ def _opts_text(options: dict) -> str:
 
 
 def margins_html(report) -> str:
-    return chart_svg(margin_chart(report))
+    return chart_html(margin_chart(report))
 
 
 def layer_note_html(report) -> str:
@@ -145,11 +146,11 @@ def layer_table_html(report) -> str:
 
 
 def layers_html(report) -> str:
-    """The static layer view: note, chart (SVG) and table."""
+    """The static layer view: note, chart (plotly, plotly.js not included) and table."""
     if not report.layer_diffs:
         return layer_note_html(report) or f"<i>{html.escape(no_layers_words(report))}</i>"
     chart = layer_chart(report)
-    return layer_note_html(report) + (chart_svg(chart) if chart is not None else "") + layer_table_html(report)
+    return layer_note_html(report) + (chart_html(chart) if chart is not None else "") + layer_table_html(report)
 
 
 def topk_html(report, position: int) -> str:
@@ -174,11 +175,13 @@ def topk_html(report, position: int) -> str:
 
 
 def report_html(report, position: int | None = None) -> str:
-    """Every view of one report as static HTML."""
+    """Every view of one report as static HTML that draws its charts offline (plotly.js
+    inline, once: see static_charts)."""
     if position is None:
         position = starting_position(report)
     return (
-        summary_html(report)
+        plotlyjs_html()
+        + summary_html(report)
         + tokens_html(report)
         + margins_html(report)
         + topk_html(report, position)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import html
 
 from minivllm_widgets.chart_data import dashboard_charts
-from minivllm_widgets.page_grid import COLOURS, LEGEND, png_data_uri, render_codes_png
-from minivllm_widgets.static_charts import chart_svg
+from minivllm_widgets.page_grid import COLOURS, LEGEND
+from minivllm_widgets.page_map_figure import page_map_figure
+from minivllm_widgets.static_charts import chart_html, figure_html
 
 _TABLE = "border-collapse:collapse;font:12px monospace"
 _CELL = "padding:2px 6px;border-bottom:1px solid #ddd;text-align:left"
@@ -81,11 +82,12 @@ def kv_legend_html() -> str:
 
 
 def kv_static_html(view: dict) -> str:
+    """Per worker: the caption, then the page map as a plotly heatmap (hover as the live map's)."""
     parts = [kv_legend_html()]
     for name, w in view.items():
         parts.append(f"<div>{kv_caption_html(name, w)}</div>")
         if w is not None:
-            parts.append(f'<img style="image-rendering:pixelated" src="{png_data_uri(render_codes_png(w["codes"]))}"/>')
+            parts.append(figure_html(page_map_figure(w["codes"], w.get("owners"))))
     return "".join(parts)
 
 
@@ -141,5 +143,6 @@ def headline_html(rows: tuple) -> str:
 
 def throughput_static_html(throughput: dict, step_ms: dict) -> str:
     """The dashboard's two time series (decode tok/s, step latency) over their shared
-    window, as static SVG: the same `Chart`s the live plotly figures draw."""
-    return "".join(chart_svg(c) for c in dashboard_charts(throughput, step_ms))
+    window: the live charts' plotly figures as HTML (plotly.js not included: the output
+    that holds them starts with `static_charts.plotlyjs_html()`)."""
+    return "".join(chart_html(c) for c in dashboard_charts(throughput, step_ms))

@@ -17,7 +17,7 @@ import time
 
 import ipywidgets as W
 
-from minivllm_widgets import html_views, panel_state
+from minivllm_widgets import html_views, panel_state, static_charts
 from minivllm_widgets.composer import Composer, composer_html
 from minivllm_widgets.launcher import ClusterRunner, Launcher
 from minivllm_widgets.panels import Panel, default_panels
@@ -165,8 +165,9 @@ class Workbench:
         self.publisher.start()
 
     def static_html(self) -> str:
-        """The dashboard as self-contained HTML (page grids inlined as PNG data URIs), for
-        places where widgets cannot render: nbconvert, a Kaggle "Save & Run All" commit."""
+        """The dashboard as self-contained HTML (the page maps and the charts as plotly
+        figures, plotly.js inline), for places where widgets cannot render: nbconvert, a
+        Kaggle "Save & Run All" commit."""
         # fresh: every worker is asked now, so requests that just returned are not shown running
         snapshot = self.runner.snapshot(fresh=True)
         if snapshot is None:
@@ -177,7 +178,8 @@ class Workbench:
         head = ("<div><b>cluster stopped</b>: its final state</div>" if self.runner.phase == "stopped" else
                 f"<div>cluster state at {time.strftime('%H:%M:%S', time.localtime(snapshot['time']))}</div>")
         return "".join([
-            head, "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
+            static_charts.plotlyjs_html(), head,
+            "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
             "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
             "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
             "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),

@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import plotly_html
 import pytest
 from conftest import REPO_ROOT
 
@@ -239,7 +240,11 @@ def test_divergence_explorer_shows_both_sides_and_topk(llm):
     last = report.records[-1].a
     assert f"chose {last.text!r}".replace("'", "&#x27;") in ex.topk.value
     assert len(ex.margin_figure.data) == 2 and len(ex.margin_figure.data[0].y) == 6  # both sides, live plotly
-    assert "<svg" in report_html(report)  # the static fallback
+    static = report_html(report)  # the static fallback: plotly figures, plotly.js inline once
+    assert static.count("window.Plotly = Plotly") == 1 and "<svg" not in static.split("</script>", 1)[1]
+    margins = plotly_html.figures(static)[0]
+    assert [t["y"] for t in margins["data"]] == [[r.a.margin for r in report.records],
+                                                 [r.b.margin for r in report.records]]
     assert "The runs agree on all 6 generated tokens" in ex.summary.value
     assert ex.model.disabled and Path(llm.info()["model_path"]).name in ex.model.value  # the LLM it runs
     ex.a.value = "gemv_max_rows"
@@ -326,7 +331,9 @@ def test_divergence_explorer_side_form_builds_compares_sides():
     report.layer_diffs[-1].prefix_rel_l2 = float("nan")
     view = layers_html(report)
     assert "no split within 120" in view and "b first leaves a at layer 0, sequence position 3" in view
-    assert "not comparable" in view and "nan" not in view.lower()
+    assert "not comparable" in view and "nan" not in view.split("<table", 1)[1].lower()
+    for fig in plotly_html.figures(view):  # strict JSON: a NaN reaching plotly.js fails the parse
+        assert plotly_html.finite_points(fig)
     assert "b first leaves a at layer 0" in summary_sentence(report)
 
 
@@ -368,7 +375,8 @@ def test_small_views_say_what_they_mean():
     router = router_html({"policy": "cost", "decisions": [decision]})
     assert "123 µs" in router and "2 s" in router and "16 tokens" in router and "0.000122723" not in router
     chart = throughput_static_html({"w": [(0.0, 10.0, 0.0), (30.0, 20.0, 0.0)]}, {})
-    assert "decode throughput" in chart and "tokens/s" in chart and "nan" not in chart
+    (decode,) = plotly_html.figures(chart)  # the latency chart has no point: a line of text, no empty figure
+    assert decode["data"][0]["y"] == [10.0, None, 20.0] and "step latency" in chart and "no data" in chart
     rows = (None, (("r1", "cpu", "", "stop", 0, "completion"), ("r2", "cpu", "a\nb", "length", 2, "chat")))
     shown = composer_html(rows)
     assert "0 tokens: the model ended at once" in shown and "try chat" in shown and "pre-wrap" in shown
@@ -457,7 +465,12 @@ def test_views_after_completion_and_after_close(smollm2_path):
         for s in streams:
             s.result(timeout=300)
         static = wb.static_html()  # asks every worker for a fresh snapshot
-        assert "0 running" in static and ">running<" not in static, static[:2000]
+        assert "0 running" in static and ">running<" not in static, static[-3000:]
+        # the page map: a plotly heatmap, one cell per page, the free ones where the engine has them
+        heatmap = next(f["data"][0] for f in plotly_html.figures(static) if f["data"][0]["type"] == "heatmap")
+        cells = [v for row in heatmap["z"] for v in row if v is not None]
+        states = cluster.snapshot(fresh=True)["workers"][0]["snapshot"]["kv"]["page_states"]  # idle: unchanged
+        assert [c == 0 for c in cells] == [s == "free" for s in states]
         wb.publisher.poll_once()  # the latest (possibly older) snapshot: the ledger says they ended
         assert "0 running" in wb.panels[0].widget.value
     finally:

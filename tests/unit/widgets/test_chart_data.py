@@ -1,11 +1,17 @@
-"""The chart series the plotly figures and the static SVG draw (widgets/chart_data.py),
-against hand-computed values: gaps, no inf/NaN, one shared window, log axes."""
+"""The chart series the plotly figures draw (widgets/chart_data.py), live and static,
+against hand-computed values: gaps, no inf/NaN, one shared window, log axes. The static
+renders are read back from the HTML plotly.io writes (tests/plotly_html.py: the
+`Plotly.newPlot` arguments as strict JSON, so a NaN or Infinity fails the parse)."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
-import re
 from types import SimpleNamespace as NS
+
+import plotly_html
+import pytest
 
 from minivllm_widgets.chart_data import (
     dashboard_charts,
@@ -13,7 +19,10 @@ from minivllm_widgets.chart_data import (
     margin_chart,
     time_chart,
 )
-from minivllm_widgets.static_charts import chart_svg
+from minivllm_widgets.charts import figure_widget
+from minivllm_widgets.divergence_views import layers_html, margins_html
+from minivllm_widgets.html_views import throughput_static_html
+from minivllm_widgets.static_charts import chart_html, plotlyjs_html
 
 
 def _tok(margin, text="x"):
@@ -55,11 +64,12 @@ def test_infinite_margins_never_reach_a_chart():
     assert chart.series[0].x == (1, 2, 3)  # generated tokens numbered from 1
     assert chart.mark_x == 1  # the split (position 0) is generated token 1
     assert chart.series[1].dropped == 3 and "side b: 3 token(s) not drawn" in chart.notes[-1]
-    svg = chart_svg(chart)
-    drawn = svg[svg.index("<svg"):]
-    assert not re.search(r"nan|inf", drawn, re.IGNORECASE), drawn
-    numbers = [float(v) for v in re.findall(r'(?:points|cx|cy)="([^"]+)"', drawn) for v in v.replace(",", " ").split()]
-    assert numbers and all(math.isfinite(v) for v in numbers)
+    (static,) = plotly_html.figures(margins_html(report))  # what plotly.js is handed, strict JSON
+    a, b = static["data"]
+    assert (a["name"], a["x"], a["y"]) == ("side a", [1, 2, 3], [1.5, None, 0.25])
+    assert (b["name"], b["y"]) == ("side b", [None, None, None])
+    assert plotly_html.finite_points(static) == [1.5, 0.25]
+    assert [s["x0"] for s in static["layout"]["shapes"]] == [1]  # the split, marked
 
 
 def test_layer_chart_goes_log_when_values_span_decades():
@@ -73,9 +83,48 @@ def test_layer_chart_goes_log_when_values_span_decades():
     assert not flat.y_log and flat.series[0].y == (1e-3, 2e-3)
 
 
-def test_static_chart_labels_do_not_repeat():
+def test_static_layer_chart_is_the_plotly_figure_on_a_log_axis():
+    report = _report([1.0], [1.0], split=0, layer_values=[("layer 0", 4.6e-6, 1e-5), ("layer 1", 2.6e-2, 3e-2)])
+    (static,) = plotly_html.figures(layers_html(report))
+    assert static["layout"]["yaxis"]["type"] == "log"
+    assert [(t["x"], t["y"]) for t in static["data"]] == [(["layer 0", "layer 1"], [4.6e-6, 2.6e-2]),
+                                                          (["layer 0", "layer 1"], [1e-5, 3e-2])]
+
+
+def test_static_dashboard_charts_are_plotly_figures_over_one_window():
+    t0 = 1_700_000_000.0
+    html = throughput_static_html({"w": [(t0, 10.0, 0.0), (t0 + 1, 20.0, 0.0)]},
+                                  {"w": [(t0 + 1, 4.5), (t0 + 30, 5.5)]})  # 29 s apart: a gap between them
+    decode, latency = plotly_html.figures(html)
+    assert "<svg" not in html  # no drawing of ours: plotly.js draws the figure
+    clock = [datetime.datetime.fromtimestamp(t).isoformat() for t in (t0 - 90, t0 + 30)]  # the 120 s window
+    assert decode["layout"]["xaxis"]["range"] == latency["layout"]["xaxis"]["range"] == clock
+    assert decode["data"][0]["y"] == [10.0, 20.0] and plotly_html.finite_points(decode) == [10.0, 20.0]
+    assert latency["data"][0]["y"] == [4.5, None, 5.5]  # the idle stretch is a gap, not a ramp
+    assert latency["data"][0]["x"][1] == datetime.datetime.fromtimestamp(t0 + 15.5).isoformat()
+    assert decode["layout"]["title"]["text"] == "decode throughput"
+
+
+def test_static_render_is_the_live_figure():
+    """One figure builder: the static HTML holds the traces and axes the FigureWidget shows."""
     chart = time_chart({"w": [(0.0, 84000.0), (1.0, 83000.0)]}, title="t", unit="tok/s", now=1.0, window_s=2.0)
-    svg = chart_svg(chart)
-    labels = re.findall(r'<text x="60"[^>]*>([^<]+)</text>', svg)  # the y labels, right-aligned at the axis
-    assert labels == ["0", "4.2e+04", "8.4e+04"], labels  # the top one whole, not clipped to "84e+03"
-    assert len(set(labels)) == len(labels), labels
+    (static,) = plotly_html.figures(chart_html(chart))
+    live = json.loads(figure_widget(chart).to_json())  # plotly's own encoder: datetimes as ISO text
+    assert static["data"] == [{k: v for k, v in t.items() if k != "uid"} for t in live["data"]]
+    for key in ("xaxis", "yaxis", "title", "shapes", "annotations"):
+        assert static["layout"].get(key) == live["layout"].get(key), key
+
+
+def test_a_chart_without_points_is_text_and_non_finite_json_is_refused():
+    empty = margin_chart(_report([math.inf], [math.inf], split=0))
+    html = chart_html(empty)
+    assert plotly_html.figures(html) == [] and "no data" in html and "not drawn" in html
+    with pytest.raises(ValueError, match="NaN"):  # the reader itself catches what plotly.js must never get
+        plotly_html.figures('<div id="p"></div>Plotly.newPlot("p", [{"y": [NaN]}], {}, {})')
+
+
+def test_plotlyjs_is_plotlys_own_bundle_inline():
+    from plotly.offline import get_plotlyjs
+
+    script = plotlyjs_html()
+    assert get_plotlyjs() in script and "http" not in script[:200]  # inline, no network at view time
