@@ -40,6 +40,7 @@ from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router
+from minivllm.serving.split_request import SplitRequests, check_split
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
 from minivllm.serving.worker_recovery import DEFAULT_MAX_WORKER_RESTARTS, WorkerSupervisor
 
@@ -151,6 +152,7 @@ class Cluster:
         self._prefix = uuid.uuid4().hex[:6]
         self._query_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="minivllm-prefix-query")
         self.accounting = RequestAccounting()
+        self.splits = SplitRequests(self._prefix)
         self.started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -206,6 +208,7 @@ class Cluster:
             self._spawned.clear()
         with ThreadPoolExecutor(max_workers=max(1, len(handles))) as pool:
             list(pool.map(lambda h: h.stop(), handles))
+        self.splits.stop()
         if self._ray is not None:
             self._ray.close()
         self.started = False
@@ -333,11 +336,13 @@ class Cluster:
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None, worker: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, chat_context: dict | None = None) -> RequestStream:
+               loop: asyncio.AbstractEventLoop | None = None, chat_context: dict | None = None,
+               placement: tuple[str, str] | None = None) -> RequestStream:
         """Route one request and send it to its worker. `worker` bypasses the router
-        (the decision is still recorded, as forced); `chat_context` reaches the chat template
-        with `messages` (e.g. `tools=[...]`). Raises ConfigError for a bad request and
-        NoWorkerAvailable when every worker is down."""
+        (the decision is still recorded, as forced); `placement=(A, B)` splits it: prefill
+        and first token on worker A, decode on B, one stream (split_request.py);
+        `chat_context` reaches the chat template with `messages` (e.g. `tools=[...]`).
+        Raises ConfigError for a bad request and NoWorkerAvailable when every worker is down."""
         if not self.started:
             raise ConfigError("cluster", "stopped", "call start() (or use `with Cluster(...)`) before submit()")
         params = params or SamplingParams()
@@ -345,6 +350,8 @@ class Cluster:
             raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
         text, prompt_ids = self.encode(prompt, messages, chat_context)
         self._validate(prompt_ids, params)
+        if placement is not None:
+            placement = check_split(placement, params, self.workers, self.backend)
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -354,6 +361,12 @@ class Cluster:
         stream = RequestStream(rid, text, prompt_ids, loop=loop, on_cancel=self._cancel,
                                on_end=self.accounting.closed, on_duplicate_end=self.accounting.duplicate)
         incoming = IncomingRequest(rid, len(prompt_ids), params.max_tokens)
+        if placement is not None:
+            with self._route_lock:
+                self.accounting.opened(rid)
+                self.router.decisions.append(self.splits.start(stream, prompt_ids, params,
+                                                               *(self.workers[n] for n in placement)))
+            return stream
         with self._route_lock:
             handles = list(self.workers.values())
             cached = self._cached_tokens(handles, prompt_ids) if self.router.policy == "cost" or worker else {}
@@ -421,6 +434,8 @@ class Cluster:
         return {h.name: int(a["tokens"]) if a else 0 for h, a in zip(live, answers)}
 
     def _cancel(self, request_id: str) -> None:
+        if self.splits.cancel(request_id):
+            return
         for handle in list(self.workers.values()):
             handle.abort(request_id)
 
@@ -455,6 +470,7 @@ class Cluster:
                 "backend": self.backend,
                 "router": self.router.snapshot(), "health": self.health()["status"],
                 "requests": self.accounting.as_dict(), "restarts": dict(self.restart_counters),
+                "splits": self.splits.snapshot(),
                 "admission": {"max_queued_prompt_tokens": self.max_queued_prompt_tokens, **self.admission_counters},
                 "workers": [{**h.describe(), "restarts": self.supervisor.describe(h.name)} for h in handles]}
 

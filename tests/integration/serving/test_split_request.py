@@ -1,0 +1,190 @@
+"""Split requests through the Cluster API (issue 43): prefill and the first token on one
+worker process, decode on another, the K/V crossing in a shared-memory segment.
+
+References:
+- split == unsplit: the same request served whole by one worker, in batch-invariant mode
+  (a row's numbers do not depend on its batch or chunking, and the imported pages hold the
+  bits the decode worker's own prefill would have written), token for token;
+- the bytes moved: hand computation from SmolLM2-135M's shape (30 layers, 3 KV heads of 64,
+  f32, K and V) times the full pages of the prompt;
+- nothing leaks: the workers' own fresh engine snapshots (no request, every page free or
+  cached-idle), the request ledger (one terminal event each), and /dev/shm itself;
+- a dead worker: the process table (SIGSTOP, then SIGKILL, while the import waits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from minivllm.errors import ConfigError
+from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.serving import Cluster
+from minivllm.serving.kv_segment import SEGMENT_PREFIX
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+A, B = "cpu", "cpu#2"
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 4 * 2  # layers x KV heads x head dim x f32 x (K, V)
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith "
+          "in Mainz combined movable metal type, oil-based ink and a screw press. Within fifty years")
+
+
+def profile_file(tmp_path):
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"workers": {n: {"prefill_tps": 100.0, "decode_tps": {"1": 15.0, "4": 40.0}}
+                                            for n in (A, B)}}))
+    return str(path)
+
+
+def segments() -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(SEGMENT_PREFIX + "*"))
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def assert_idle(cluster):
+    """Ledger closed, and both workers' own fresh snapshots show no request and every page
+    free or cached-idle."""
+    def idle():
+        snap = cluster.snapshot(fresh=True)
+        ok = snap["requests"]["open"] == 0 and not snap["splits"]["live"]
+        for w in snap["workers"]:
+            kv, q = w["snapshot"]["kv"], w["snapshot"]["queues"]
+            ok &= not (q["running"] or q["waiting"] or q["preempted"]) and not w["in_flight"]
+            ok &= kv["available_pages"] + kv["reserved_pages"] == kv["total_pages"]
+        return ok
+    wait_for(idle, 30, "both workers idle with every page back")
+    ledger = cluster.snapshot()["requests"]
+    assert ledger["duplicate_terminals"] == 0 and ledger["submitted"] == sum(ledger["ended"].values()), ledger
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_path, tmp_path_factory):
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=256,
+                 batch_invariant=True, rates_profile=profile_file(tmp_path_factory.mktemp("rates")),
+                 max_worker_restarts=0) as c:
+        yield c
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_split_request_equals_the_whole_request(cluster, sampled):
+    params = (SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True) if sampled
+              else SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    whole = {w: cluster.submit(PROMPT, params, worker=w).result(120) for w in (A, B)}
+    stream = cluster.submit(PROMPT, params, placement=(A, B))
+    events = list(stream)
+    out = stream.result(1)
+    assert out.finish_reason == "length" and out.error is None
+    assert out.token_ids == whole[A].token_ids == whole[B].token_ids
+    assert [e.token_id for e in events if e.token_id >= 0] == out.token_ids and sum(e.finished for e in events) == 1
+    split = stream.metrics["split"]
+    assert (split["prefill_worker"], split["decode_worker"], split["handed_off"]) == (A, B, True)
+    assert split["tokens_on_prefill_worker"] == 1
+    prompt_tokens = len(stream.prompt_token_ids)
+    page = cluster.snapshot()["workers"][0]["snapshot"]["kv"]["page_size"]
+    assert split["kv_tokens"] == (prompt_tokens // page) * page > 0  # the prompt's full pages
+    assert split["kv_bytes"] == split["kv_tokens"] * KV_BYTES_PER_TOKEN
+    assert split["copy_mb_per_s"] > 0 and split["handoff_ms"] > 0
+    assert stream.metrics["output_tokens"] == 16 and stream.metrics["prompt_tokens"] == prompt_tokens
+    # Both workers served it: B restored the imported pages instead of computing them.
+    assert split["decode_metrics"]["cached_prompt_tokens"] == split["kv_tokens"]
+    assert stream.decision["split"] == {"prefill": A, "decode": B}
+    assert segments() == []
+    assert_idle(cluster)
+
+
+def test_a_request_whose_state_cannot_move_is_refused(cluster):
+    with pytest.raises(ConfigError, match="stop"):
+        cluster.submit(PROMPT, SamplingParams(max_tokens=8, stop=["."]), placement=(A, B))
+    with pytest.raises(ConfigError, match="two different workers"):
+        cluster.submit(PROMPT, SamplingParams(max_tokens=8), placement=(A, A))
+    with pytest.raises(ConfigError, match="workers: cpu, cpu#2"):
+        cluster.submit(PROMPT, SamplingParams(max_tokens=8), placement=(A, "cuda:0"))
+
+
+def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster):
+    rng = random.Random(43)
+    words = PROMPT.split()
+    done: list = []
+    cancelled: set[str] = set()
+
+    def consume(stream, how):
+        for event in stream:  # "first-token": cancel as A's token arrives, i.e. while the K/V moves
+            if how == "first-token" and event.token_id >= 0:
+                stream.cancel()
+                break
+        done.append(stream)
+
+    for wave in range(10):
+        threads = []
+        for i in range(20):
+            prompt = " ".join(words[: rng.randint(20, 30)]) + f" ({wave}.{i})"
+            stream = cluster.submit(prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 16),
+                                                           ignore_eos=True), placement=(A, B))
+            how = rng.choice(["now", "soon", "first-token", "later"]) if rng.random() < 0.2 else None
+            if how:
+                cancelled.add(stream.request_id)
+            if how == "now":
+                stream.cancel()
+            elif how in ("soon", "later"):
+                threading.Timer(rng.uniform(0, 0.05 if how == "soon" else 0.4), stream.cancel).start()
+            t = threading.Thread(target=consume, args=(stream, how))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(120)
+    wait_for(lambda: all(s.finished for s in done) and len(done) == 200, 60, "every stream to end")
+    assert 30 <= len(cancelled) <= 50
+    for s in done:
+        if s.request_id not in cancelled:
+            assert s.finish_reason == "length" and s.error is None, (s.request_id, s.error)
+            assert len(s.token_ids) == s.decision["max_tokens"]
+        else:
+            assert s.finish_reason in ("abort", "length"), (s.request_id, s.finish_reason, s.error)
+    assert_idle(cluster)
+    assert segments() == []
+    assert cluster.health()["status"] == "ok"
+    counters = cluster.snapshot()["splits"]["counters"]
+    aborted = sum(s.finish_reason == "abort" for s in done)
+    assert counters["failed"] == 0
+    assert sum(counters[f"cancelled_in_{p}"] for p in ("prefill", "transfer", "decode")) >= aborted
+    print("split counters:", counters)
+
+
+def test_a_decode_worker_killed_during_the_import_fails_only_that_request(smollm2_path, tmp_path):
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=256,
+                 batch_invariant=True, rates_profile=profile_file(tmp_path), max_worker_restarts=0) as cluster:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        pid_b = cluster.workers[B].transport.pid
+        os.kill(pid_b, signal.SIGSTOP)  # B cannot take the import: it waits in its pipe
+        try:
+            split = cluster.submit(PROMPT, params, placement=(A, B))
+            other = cluster.submit("An unrelated question: why is the sky blue?", params, worker=A)
+            wait_for(lambda: cluster.snapshot()["splits"]["live"].get(split.request_id) == "transfer", 60,
+                     "the K/V to leave A")
+            assert len(segments()) == 1  # written by A, not read yet
+        finally:
+            cluster.kill_worker(B)
+            os.kill(pid_b, signal.SIGCONT)
+        out = split.result(30)
+        assert out.finish_reason == "error" and f"worker {B}" in out.error and "SIGKILL" in out.error, out.error
+        assert split.token_ids and len(split.token_ids) == 1  # A's token reached the client
+        assert other.result(60).finish_reason == "length"
+        assert segments() == []
+        assert cluster.health()["status"] == "degraded"
+        again = cluster.submit(PROMPT, params, worker=A).result(60)  # the server goes on
+        assert again.finish_reason == "length" and len(again.token_ids) == 12
+        counters = cluster.snapshot()["splits"]["counters"]
+        assert counters["failed"] == 1 and counters["handed_off"] == 0
