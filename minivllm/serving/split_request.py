@@ -115,6 +115,7 @@ class SplitRequests:
         return True
 
     def ended(self, split: "SplitRequest", reason: str | None, phase: str) -> None:
+        """`phase`: where a cancelled request was when the cancel came, else where it ended."""
         with self._lock:
             self._live.pop(split.request_id, None)
             key = (f"cancelled_in_{phase}" if reason == "abort" else "failed" if reason == "error" else "finished")
@@ -150,6 +151,7 @@ class SplitRequest:
         self.request_id, self.prompt = stream.request_id, stream.prompt
         self.phase = "prefill"
         self.cancelled = False
+        self.cancelled_in: str | None = None  # the phase a cancel found it in
         self._lock = threading.RLock()
         self.record: dict = {"request_id": self.request_id, "prefill_worker": prefill.name,
                              "decode_worker": decode.name, "segment": segment, "handed_off": False}
@@ -166,6 +168,7 @@ class SplitRequest:
             if self.cancelled or self.phase != "prefill":
                 # The cancel crossed the export: the prefill worker has let the request go,
                 # the decode worker never heard of it, so it ends here.
+                self.cancelled_in = "transfer" if self.cancelled else self.cancelled_in
                 unlink_segment(self.segment)
                 self._end_here(TokenEvent(self.request_id, -1, "", finished=True, finish_reason="abort"))
                 return
@@ -196,7 +199,7 @@ class SplitRequest:
                     return
             unlink_segment(self.segment)  # a no-op unless it ended mid-transfer
             metrics = self._whole_metrics(metrics)
-            self.owner.ended(self, event.finish_reason, phase)
+            self.owner.ended(self, event.finish_reason, self.cancelled_in or phase)
         self.stream.push(event, metrics)
 
     def fail(self, message: str, *, rejected_field: str | None = None, rejected: bool = False) -> None:
@@ -209,7 +212,7 @@ class SplitRequest:
         with self._lock:
             if self.phase == "done":
                 return
-            self.cancelled = True
+            self.cancelled, self.cancelled_in = True, self.phase
             holder = self.prefill if self.phase == "prefill" else self.decode
         holder.abort(self.request_id)  # a no-op where the request already left (see exported)
 

@@ -121,8 +121,12 @@ def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster)
     cancelled: set[str] = set()
 
     def consume(stream, how):
-        for event in stream:  # "first-token": cancel as A's token arrives, i.e. while the K/V moves
-            if how == "first-token" and event.token_id >= 0:
+        # "first-token": cancel as A's token arrives, i.e. while the K/V moves; "decode":
+        # at one of B's tokens.
+        seen, stop_at = 0, {"first-token": 1, "decode": rng.randint(3, 6)}.get(how)
+        for event in stream:
+            seen += event.token_id >= 0
+            if seen == stop_at:
                 stream.cancel()
                 break
         done.append(stream)
@@ -133,13 +137,13 @@ def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster)
             prompt = " ".join(words[: rng.randint(20, 30)]) + f" ({wave}.{i})"
             stream = cluster.submit(prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 16),
                                                            ignore_eos=True), placement=(A, B))
-            how = rng.choice(["now", "soon", "first-token", "later"]) if rng.random() < 0.2 else None
+            how = rng.choice(["now", "soon", "first-token", "first-token", "decode"]) if rng.random() < 0.2 else None
             if how:
                 cancelled.add(stream.request_id)
             if how == "now":
                 stream.cancel()
-            elif how in ("soon", "later"):
-                threading.Timer(rng.uniform(0, 0.05 if how == "soon" else 0.4), stream.cancel).start()
+            elif how == "soon":
+                threading.Timer(rng.uniform(0, 0.2), stream.cancel).start()
             t = threading.Thread(target=consume, args=(stream, how))
             t.start()
             threads.append(t)
@@ -159,7 +163,8 @@ def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster)
     counters = cluster.snapshot()["splits"]["counters"]
     aborted = sum(s.finish_reason == "abort" for s in done)
     assert counters["failed"] == 0
-    assert sum(counters[f"cancelled_in_{p}"] for p in ("prefill", "transfer", "decode")) >= aborted
+    assert sum(counters[f"cancelled_in_{p}"] for p in ("prefill", "transfer", "decode")) == aborted
+    assert all(counters[f"cancelled_in_{p}"] > 0 for p in ("prefill", "transfer", "decode")), counters
     print("split counters:", counters)
 
 
