@@ -194,6 +194,7 @@ class Cluster:
             )
             self.stop()
             raise WorkerStartError(f"{len(failed)} of {len(self.workers)} workers did not start: {message}")
+        self.splits.measure_link(self.backend, len(self.workers))
         self.started = True
         return self
 
@@ -350,8 +351,6 @@ class Cluster:
             raise ConfigError("params", type(params).__name__, "expected a SamplingParams")
         text, prompt_ids = self.encode(prompt, messages, chat_context)
         self._validate(prompt_ids, params)
-        if placement is not None:
-            placement = check_split(placement, params, self.workers, self.backend)
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -361,15 +360,15 @@ class Cluster:
         stream = RequestStream(rid, text, prompt_ids, loop=loop, on_cancel=self._cancel,
                                on_end=self.accounting.closed, on_duplicate_end=self.accounting.duplicate)
         incoming = IncomingRequest(rid, len(prompt_ids), params.max_tokens)
-        if placement is not None:
+        if placement is not None:  # checked before the ledger opens it
+            halves = [self.workers[n] for n in check_split(placement, params, self.workers, self.backend)]
             with self._route_lock:
                 self.accounting.opened(rid)
-                self.router.decisions.append(self.splits.start(stream, prompt_ids, params,
-                                                               *(self.workers[n] for n in placement)))
+                self.router.decisions.append(self.splits.start(stream, prompt_ids, params, *halves))
             return stream
         with self._route_lock:
             handles = list(self.workers.values())
-            cached = self._cached_tokens(handles, prompt_ids) if self.router.policy == "cost" or worker else {}
+            cached = self._cached_tokens(handles, prompt_ids) if self.router.policy.startswith("cost") or worker else {}
             candidates = self._admissible(
                 [h.candidate(cached.get(h.name, 0)) for h in handles], len(prompt_ids), worker
             )
@@ -379,12 +378,17 @@ class Cluster:
                 decision = forced.choose(incoming, candidates, rates)
                 self.router.decisions.append(decision)
             else:
-                decision = self.router.choose(incoming, candidates, rates)
+                decision = self.router.choose(incoming, candidates, rates,
+                                              self.splits.pricing(params, handles, self.backend))
             chosen = self.workers[decision["chosen"]]
             stream.worker, stream.decision = chosen.name, decision
             estimate = next(c["cached_tokens"] for c in decision["candidates"] if c["worker"] == chosen.name)
             self.accounting.opened(rid)
-            chosen.submit(stream, prompt_ids, params, estimate)
+            if decision.get("split"):  # the cost router priced "prefill here, decode there" lowest
+                self.splits.start(stream, prompt_ids, params, chosen, self.workers[decision["split"]["decode"]],
+                                  decision)
+            else:
+                chosen.submit(stream, prompt_ids, params, estimate)
         return stream
 
     def _admissible(self, candidates: list[Candidate], prompt_tokens: int, worker: str | None) -> list[Candidate]:

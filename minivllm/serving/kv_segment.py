@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import time
+from contextlib import contextmanager
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
@@ -55,25 +56,34 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+@contextmanager
+def new_segment(name: str, nbytes: int):
+    """A new segment `name` of `nbytes`, mapped while the block runs (its buffer is yielded;
+    views of it must be gone by the end). It stays after the block, untracked, for its
+    reader to unlink; a block that raises unlinks it."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+    _untrack(shm)
+    try:
+        yield shm.buf
+    except BaseException:
+        shm.close()
+        unlink_segment(name)
+        raise
+    shm.close()
+
+
 def handoff_to_wire(handoff: Handoff, name: str) -> dict:
     """Write `handoff`'s K/V into a new segment `name` and return the message fields that
     describe the rest. The caller releases the request after this."""
     kv = handoff.kv
     k, v = kv.k.contiguous().cpu(), kv.v.contiguous().cpu()
     t0 = time.perf_counter()
-    shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, k.nbytes + v.nbytes))
-    _untrack(shm)
-    try:
-        flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=k.nbytes + v.nbytes) if k.nbytes else None
-        if flat is not None:
+    with new_segment(name, k.nbytes + v.nbytes) as buf:
+        if k.nbytes:
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=k.nbytes + v.nbytes)
             flat[:k.nbytes].copy_(k.view(-1).view(torch.uint8))
             flat[k.nbytes:].copy_(v.view(-1).view(torch.uint8))
             del flat
-    except BaseException:
-        shm.close()
-        unlink_segment(name)
-        raise
-    shm.close()
     state = handoff.generator_state
     return {"segment": name, "nbytes": k.nbytes + v.nbytes, "dtype": str(k.dtype).removeprefix("torch."),
             "kv_shape": list(k.shape), "model_shape": list(kv.shape), "kv_token_ids": list(kv.token_ids),

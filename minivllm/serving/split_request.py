@@ -43,17 +43,29 @@ from minivllm.errors import ConfigError
 from minivllm.sampling.outputs import TokenEvent
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.kv_segment import segment_name, unlink_segment
+from minivllm.serving.link_rate import LinkRate, measure_shared_memory_link
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import NoWorkerAvailable
+from minivllm.serving.split_pricing import SplitPricing
 
 PHASES = ("prefill", "transfer", "decode", "done")  # transfer: exported, not yet imported
+
+
+def split_refusal(params: SamplingParams) -> tuple[str, str] | None:
+    """(field, why) when this request's state cannot move between workers yet."""
+    refused = [("structured", params.structured is not None, "a constraint's matcher"),
+               ("stop", bool(params.stop), "pending stop-string text"),
+               ("presence_penalty", params.presence_penalty != 0.0, "the penalties' view of the output"),
+               ("frequency_penalty", params.frequency_penalty != 0.0, "the penalties' view of the output"),
+               ("repetition_penalty", params.repetition_penalty != 1.0, "the penalties' view of the output")]
+    return next(((field, what) for field, used, what in refused if used), None)
 
 
 def check_split(placement, params: SamplingParams, workers: dict, backend: str) -> tuple[str, str]:
     """The (prefill, decode) worker names, or a ConfigError naming what cannot be split."""
     if backend != "local":
-        raise ConfigError("placement", placement, f"split requests move K/V through local shared memory; "
-                                                  f"the {backend} backend does not support them yet (use backend='local')")
+        raise ConfigError("placement", placement, f"split requests move K/V through local shared memory; the "
+                                                  f"{backend} backend does not support them yet (use backend='local')")
     if not (isinstance(placement, (tuple, list)) and len(placement) == 2
             and all(isinstance(name, str) for name in placement)):
         raise ConfigError("placement", placement, "a pair of worker names: (prefill worker, decode worker)")
@@ -63,15 +75,15 @@ def check_split(placement, params: SamplingParams, workers: dict, backend: str) 
             raise ConfigError("placement", name, f"workers: {', '.join(workers) or '(none started)'}")
     if prefill == decode:
         raise ConfigError("placement", placement, "two different workers (or submit without placement)")
-    refused = [("structured", params.structured is not None, "a constraint's matcher"),
-               ("stop", bool(params.stop), "pending stop-string text"),
-               ("presence_penalty", params.presence_penalty != 0.0, "the penalties' view of the output"),
-               ("frequency_penalty", params.frequency_penalty != 0.0, "the penalties' view of the output"),
-               ("repetition_penalty", params.repetition_penalty != 1.0, "the penalties' view of the output")]
-    for field, used, what in refused:
-        if used:
-            raise ConfigError(field, getattr(params, field), f"{what} does not move between workers yet: "
-                                                             "submit this request without placement")
+    refusal = split_refusal(params)
+    if refusal is not None:
+        field, what = refusal
+        raise ConfigError(field, getattr(params, field), f"{what} does not move between workers yet: "
+                                                         "submit this request without placement")
+    kinds = {workers[name].device.kind for name in placement}
+    if params.temperature > 0 and len(kinds) > 1:
+        raise ConfigError("placement", placement, "a sampled request's RNG state moves only between workers of one "
+                                                  "device kind: split it greedy (temperature=0) or on two such workers")
     for name in placement:
         if not workers[name].healthy:
             raise NoWorkerAvailable(f"placement {prefill} -> {decode}: worker {name} is {workers[name].state}")
@@ -83,21 +95,45 @@ class SplitRequests:
 
     def __init__(self, cluster_id: str, history: int = 256):
         self.cluster_id = cluster_id
+        self.link = LinkRate()  # measured by `measure_link` when the cluster starts
         self._live: dict[str, SplitRequest] = {}
         self._lock = threading.Lock()
         self.records: collections.deque[dict] = collections.deque(maxlen=history)
         self.counters = {"started": 0, "handed_off": 0, "finished": 0, "failed": 0, "kv_bytes": 0,
                          **{f"cancelled_in_{p}": 0 for p in PHASES[:3]}}
 
-    def start(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, prefill, decode) -> dict:
+    def measure_link(self, backend: str, workers: int) -> None:
+        """At start-up, where splits are possible: what moving K/V between two workers costs."""
+        if backend == "local" and workers > 1:
+            self.link = measure_shared_memory_link(repeats=2)
+
+    def pricing(self, params: SamplingParams, handles: list, backend: str) -> SplitPricing | None:
+        """The router's split inputs (used under router="cost+split"), or None where no split
+        may be priced: another backend, a request that cannot move, fewer than two workers
+        that could import (healthy, prefix cache on, a state snapshot in), no link rate yet."""
+        if backend != "local" or split_refusal(params) is not None or not self.link.known:
+            return None
+        kv, pages, kinds = {}, {}, {}
+        for h in handles:
+            snap = h.snapshot or {}
+            pool = snap.get("kv") or {}
+            if h.healthy and pool.get("total_pages") and (snap.get("prefix_cache") or {}).get("enabled", True):
+                kv[h.name] = pool["bytes"] / (pool["total_pages"] * pool["page_size"])
+                pages[h.name], kinds[h.name] = pool["page_size"], h.device.kind
+        if len(kv) < 2:
+            return None
+        return SplitPricing(self.link.bytes_per_s(), kv, pages, kinds, params.temperature > 0)
+
+    def start(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, prefill, decode,
+              decision: dict | None = None) -> dict:
         """Send the request to `prefill` (a WorkerHandle) to be handed to `decode`; returns
-        the routing record."""
+        the routing record (`decision`, the router's, or one saying it was placed)."""
         split = SplitRequest(self, stream, prefill, decode, params, segment_name(self.cluster_id, stream.request_id))
         with self._lock:
             self._live[stream.request_id] = split
             self.counters["started"] += 1
         stream.worker = prefill.name
-        stream.decision = {"request_id": stream.request_id, "time": time.time(), "policy": "placement",
+        stream.decision = decision or {"request_id": stream.request_id, "time": time.time(), "policy": "placement",
                            "reason": f"split requested: prefill on {prefill.name}, decode on {decode.name}",
                            "prompt_tokens": len(prompt_ids), "max_tokens": params.max_tokens,
                            "chosen": prefill.name, "split": {"prefill": prefill.name, "decode": decode.name},
@@ -122,10 +158,11 @@ class SplitRequests:
             self.counters[key] += 1
             self.records.append(dict(split.record, finish_reason=reason, ended_in=phase))
 
-    def handed_off(self, nbytes: int) -> None:
+    def handed_off(self, nbytes: int, copy_ms: float) -> None:
         with self._lock:
             self.counters["handed_off"] += 1
             self.counters["kv_bytes"] += nbytes
+            self.link.observe(nbytes, copy_ms)
 
     def stop(self) -> None:
         """The cluster is stopping: no segment may outlive it."""
@@ -136,7 +173,8 @@ class SplitRequests:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"counters": dict(self.counters), "live": {rid: s.phase for rid, s in self._live.items()},
+            return {"counters": dict(self.counters), "link": self.link.as_dict(),
+                    "live": {rid: s.phase for rid, s in self._live.items()},
                     "recent": list(self.records)[-32:]}
 
 
@@ -182,12 +220,13 @@ class SplitRequest:
         with self._lock:
             nbytes = self.record.get("kv_bytes", 0)
             copy_ms = self.record.get("write_ms", 0.0) + msg["read_ms"]
+            started = self.record.get("started_at", msg["finished_at"])
             self.record.update(handed_off=True, read_ms=msg["read_ms"], import_ms=msg["import_ms"],
-                               handoff_ms=(msg["finished_at"] - self.record.get("started_at", msg["finished_at"])) * 1e3,
+                               handoff_ms=(msg["finished_at"] - started) * 1e3,
                                copy_mb_per_s=nbytes / 1e6 / (copy_ms / 1e3) if copy_ms > 0 else None)
             if self.phase == "transfer":
                 self.phase = "decode"
-        self.owner.handed_off(nbytes)
+        self.owner.handed_off(nbytes, copy_ms)
 
     # -- the stream interface (either worker's reader thread) --------------------------------
 

@@ -37,9 +37,12 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 
 def profile_file(tmp_path):
+    # Made-up rates (no calibration): A prefills fast and decodes slowly, B the other way
+    # round, so the cost router prices a split below either whole placement until the
+    # workers' own steps correct the rates.
     path = tmp_path / "rates.json"
-    path.write_text(json.dumps({"workers": {n: {"prefill_tps": 100.0, "decode_tps": {"1": 15.0, "4": 40.0}}
-                                            for n in (A, B)}}))
+    path.write_text(json.dumps({"workers": {A: {"prefill_tps": 1000.0, "decode_tps": {"1": 5.0, "4": 20.0}},
+                                            B: {"prefill_tps": 10.0, "decode_tps": {"1": 50.0, "4": 200.0}}}}))
     return str(path)
 
 
@@ -76,6 +79,28 @@ def cluster(smollm2_path, tmp_path_factory):
                  batch_invariant=True, rates_profile=profile_file(tmp_path_factory.mktemp("rates")),
                  max_worker_restarts=0) as c:
         yield c
+
+
+def test_the_cost_router_splits_where_its_prices_say_it_pays(cluster):
+    # First in the module: the workers have not stepped yet, so their rates are the profile's.
+    link = cluster.snapshot()["splits"]["link"]
+    assert link["measured_mb_per_s"] > 0 and link["probe_bytes"] == 64 << 20
+    print("shared-memory link at start-up:", link)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cluster.set_router("cost+split")
+    try:
+        stream = cluster.submit(PROMPT, params)
+        out = stream.result(120)
+    finally:
+        cluster.set_router("round-robin")
+    d = stream.decision
+    assert d["split"] == {"prefill": A, "decode": B} and d["chosen"] == A, d["reason"]
+    best_split = min(c["score"] for c in d["split_candidates"])
+    assert {(c["prefill"], c["decode"]) for c in d["split_candidates"]} == {(A, B), (B, A)}
+    assert best_split < 0.9 * min(c["score"] for c in d["candidates"])
+    assert stream.metrics["split"]["handed_off"] and out.finish_reason == "length"
+    assert out.token_ids == cluster.submit(PROMPT, params, worker=B).result(120).token_ids
+    assert [x["request_id"] for x in cluster.snapshot()["router"]["decisions"] if x.get("split")] == [out.request_id]
 
 
 @pytest.mark.parametrize("sampled", [False, True])
