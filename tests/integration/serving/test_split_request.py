@@ -28,6 +28,7 @@ from minivllm.errors import ConfigError
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
 from minivllm.serving.kv_segment import SEGMENT_PREFIX
+from minivllm.serving.metrics import ServingMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 A, B = "cpu", "cpu#2"
@@ -188,6 +189,12 @@ def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster)
     counters = cluster.snapshot()["splits"]["counters"]
     aborted = sum(s.finish_reason == "abort" for s in done)
     assert counters["failed"] == 0
+    scraped = dict(line.rsplit(" ", 1) for line in ServingMetrics(cluster).render().decode().splitlines()
+                   if line.startswith("minivllm_split_"))
+    for phase in ("prefill", "transfer", "decode"):
+        key = f'minivllm_split_requests_total{{outcome="cancelled_in_{phase}"}}'
+        assert float(scraped[key]) == counters[f"cancelled_in_{phase}"]
+    assert float(scraped["minivllm_split_kv_bytes_total"]) == counters["kv_bytes"] > 0
     assert sum(counters[f"cancelled_in_{p}"] for p in ("prefill", "transfer", "decode")) == aborted
     assert all(counters[f"cancelled_in_{p}"] > 0 for p in ("prefill", "transfer", "decode")), counters
     print("split counters:", counters)
