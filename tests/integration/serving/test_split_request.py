@@ -47,8 +47,9 @@ def profile_file(tmp_path):
     return str(path)
 
 
-def segments() -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(SEGMENT_PREFIX + "*"))
+def segments(cluster) -> list[str]:
+    """This cluster's K/V segments in /dev/shm (the segment names carry the cluster's id)."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}{cluster.splits.cluster_id}-*"))
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -127,7 +128,7 @@ def test_split_request_equals_the_whole_request(cluster, sampled):
     # Both workers served it: B restored the imported pages instead of computing them.
     assert split["decode_metrics"]["cached_prompt_tokens"] == split["kv_tokens"]
     assert stream.decision["split"] == {"prefill": A, "decode": B}
-    assert segments() == []
+    assert segments(cluster) == []
     assert_idle(cluster)
 
 
@@ -184,7 +185,7 @@ def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster)
         else:
             assert s.finish_reason in ("abort", "length"), (s.request_id, s.finish_reason, s.error)
     assert_idle(cluster)
-    assert segments() == []
+    assert segments(cluster) == []
     assert cluster.health()["status"] == "ok"
     counters = cluster.snapshot()["splits"]["counters"]
     aborted = sum(s.finish_reason == "abort" for s in done)
@@ -211,7 +212,7 @@ def test_a_decode_worker_killed_during_the_import_fails_only_that_request(smollm
             other = cluster.submit("An unrelated question: why is the sky blue?", params, worker=A)
             wait_for(lambda: cluster.snapshot()["splits"]["live"].get(split.request_id) == "transfer", 60,
                      "the K/V to leave A")
-            assert len(segments()) == 1  # written by A, not read yet
+            assert len(segments(cluster)) == 1  # written by A, not read yet
         finally:
             cluster.kill_worker(B)
             os.kill(pid_b, signal.SIGCONT)
@@ -219,7 +220,7 @@ def test_a_decode_worker_killed_during_the_import_fails_only_that_request(smollm
         assert out.finish_reason == "error" and f"worker {B}" in out.error and "SIGKILL" in out.error, out.error
         assert split.token_ids and len(split.token_ids) == 1  # A's token reached the client
         assert other.result(60).finish_reason == "length"
-        assert segments() == []
+        assert segments(cluster) == []
         assert cluster.health()["status"] == "degraded"
         again = cluster.submit(PROMPT, params, worker=A).result(60)  # the server goes on
         assert again.finish_reason == "length" and len(again.token_ids) == 12
