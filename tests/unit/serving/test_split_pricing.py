@@ -6,9 +6,15 @@ placement, and the articles' break-even (2 GiB of K/V at 25 GB/s: about 86 ms, s
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import pytest
+
+from minivllm.errors import ConfigError
+from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.router import Candidate, IncomingRequest, Router
 from minivllm.serving.split_pricing import SplitPricing
+from minivllm.serving.split_request import check_split
 from minivllm.serving.worker_rates import WorkerRates
 
 KV_PER_TOKEN = 30 * 3 * 64 * 4 * 2  # SmolLM2-135M, f32, K and V
@@ -96,3 +102,21 @@ def test_no_pricing_or_the_plain_cost_policy_means_no_split_candidates():
     assert d["split_candidates"] == [] and d["split"] is None
     d = Router("cost").choose(IncomingRequest("r", 1000, 101), [idle("a"), idle("b")], rates(), pricing())
     assert d["split_candidates"] == [] and d["split"] is None and d["chosen"] == "a"
+
+
+def test_check_split_names_what_cannot_be_split():
+    def worker(kind):
+        return SimpleNamespace(healthy=True, state="ready", device=SimpleNamespace(kind=kind))
+
+    workers = {"cpu": worker("cpu"), "cuda:0": worker("cuda"), "cpu#2": worker("cpu")}
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)
+    assert check_split(("cuda:0", "cpu"), greedy, workers, "local") == ("cuda:0", "cpu")
+    assert check_split(["cpu", "cpu#2"], sampled, workers, "local") == ("cpu", "cpu#2")
+    with pytest.raises(ConfigError, match="ray backend does not support"):
+        check_split(("cpu", "cpu#2"), greedy, workers, "ray")
+    with pytest.raises(ConfigError, match="one device kind"):
+        check_split(("cuda:0", "cpu"), sampled, workers, "local")
+    with pytest.raises(ConfigError, match="a pair of worker names"):
+        check_split("cpu", greedy, workers, "local")
+    with pytest.raises(ConfigError, match="penalties"):
+        check_split(("cpu", "cpu#2"), SamplingParams(presence_penalty=0.5), workers, "local")
