@@ -208,7 +208,7 @@ class SplitRequest:
                 # the decode worker never heard of it, so it ends here.
                 self.cancelled_in = "transfer" if self.cancelled else self.cancelled_in
                 unlink_segment(self.segment)
-                self._end_here(TokenEvent(self.request_id, -1, "", finished=True, finish_reason="abort"))
+                self.push(TokenEvent(self.request_id, -1, "", finished=True, finish_reason="abort"))
                 return
             self.phase = "transfer"
             self.stream.worker = self.decode.name
@@ -234,8 +234,9 @@ class SplitRequest:
         if event.finished:
             with self._lock:
                 phase, self.phase = self.phase, "done"
-                if phase == "done":
-                    return
+            if phase == "done":  # a second terminal event: the stream counts it, never delivers it
+                self.stream.push(event, metrics)
+                return
             unlink_segment(self.segment)  # a no-op unless it ended mid-transfer
             metrics = self._whole_metrics(metrics)
             self.owner.ended(self, event.finish_reason, self.cancelled_in or phase)
@@ -256,9 +257,6 @@ class SplitRequest:
         holder.abort(self.request_id)  # a no-op where the request already left (see exported)
 
     # -- helpers ------------------------------------------------------------------------------
-
-    def _end_here(self, event: TokenEvent) -> None:
-        self.push(event, None)
 
     def _whole_metrics(self, last: dict | None) -> dict | None:
         """The request's metrics as one request: the prefill worker's prompt figures, both
