@@ -2,6 +2,9 @@
 worker process, decode on another, the K/V crossing in a shared-memory segment.
 
 References:
+- the cost+split router's choice: made-up rates (A prefills fast, B decodes fast) whose
+  split score is below either whole placement by hand arithmetic (unit-tested term by
+  term in tests/unit/serving/test_split_pricing.py); the client is the HTTP API's SSE;
 - split == unsplit: the same request served whole by one worker, in batch-invariant mode
   (a row's numbers do not depend on its batch or chunking, and the imported pages hold the
   bits the decode worker's own prefill would have written), token for token;
@@ -22,11 +25,13 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from minivllm.errors import ConfigError
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
+from minivllm.serving.http_server import start_server_in_background
 from minivllm.serving.kv_segment import SEGMENT_PREFIX
 from minivllm.serving.metrics import ServingMetrics
 
@@ -90,19 +95,27 @@ def test_the_cost_router_splits_where_its_prices_say_it_pays(cluster):
     print("shared-memory link at start-up:", link)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     cluster.set_router("cost+split")
-    try:
-        stream = cluster.submit(PROMPT, params)
-        out = stream.result(120)
+    srv = start_server_in_background(cluster)
+    try:  # through the HTTP API: one SSE stream, one finish, whatever the workers do behind it
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                          json={"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            events = [e for e in r.read().decode().split("\n\n") if e]
     finally:
+        srv.stop()
         cluster.set_router("round-robin")
-    d = stream.decision
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+    split = chunks[-1]["minivllm"]["split"]
+    assert (split["prefill_worker"], split["decode_worker"], split["handed_off"]) == (A, B, True)
+    (d,) = [x for x in cluster.snapshot()["router"]["decisions"] if x.get("split")]
     assert d["split"] == {"prefill": A, "decode": B} and d["chosen"] == A, d["reason"]
     best_split = min(c["score"] for c in d["split_candidates"])
     assert {(c["prefill"], c["decode"]) for c in d["split_candidates"]} == {(A, B), (B, A)}
     assert best_split < 0.9 * min(c["score"] for c in d["candidates"])
-    assert stream.metrics["split"]["handed_off"] and out.finish_reason == "length"
-    assert out.token_ids == cluster.submit(PROMPT, params, worker=B).result(120).token_ids
-    assert [x["request_id"] for x in cluster.snapshot()["router"]["decisions"] if x.get("split")] == [out.request_id]
+    whole = cluster.submit(PROMPT, params, worker=B).result(120)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.text and len(whole.token_ids) == 16
 
 
 @pytest.mark.parametrize("sampled", [False, True])
