@@ -62,7 +62,8 @@ def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API over one worker per device")
     add_cluster_arguments(p)
     p.add_argument("--router", default="cost",
-                   help="round-robin, least-loaded, cost (default) or forced:<worker> (e.g. forced:cuda:0)")
+                   help="round-robin, least-loaded, cost (default), cost+split (cost, also pricing prefill on one "
+                        "worker and decode on another) or forced:<worker> (e.g. forced:cuda:0)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")

@@ -30,6 +30,12 @@ minutes, and counts restarts per worker (snapshot, health, metrics). `Cluster.in
 / hang drills. `Router` holds the policies and a ring buffer of decisions with every
 candidate's inputs and terms; `worker_rates.py` is the rate model (aggregate prefill
 tok/s and decode tok/s per batch size, corrected online per batch size from each step).
+A split request (issue 43: `submit(placement=(A, B))` or the `cost+split` router)
+is served by two workers as one request: `split_request.py` (the controller's side,
+standing in both ledgers for the client's stream), `kv_segment.py` (the K/V in a
+shared-memory segment that the controller names, so it can always unlink it),
+`link_rate.py` (that copy's rate, measured at start-up and corrected by each handoff)
+and `split_pricing.py` (the router's split candidates).
 `Cluster` resolves the model once, starts the workers, serialises routing (so each
 decision sees the ones before it), validates requests before routing, and offers
 `submit`, `snapshot`, `health`, `restart_worker`, `kill_worker`, `set_router`. Restarts

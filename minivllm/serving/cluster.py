@@ -40,6 +40,7 @@ from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router
+from minivllm.serving.split_request import SplitRequests, check_split
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
 from minivllm.serving.worker_recovery import DEFAULT_MAX_WORKER_RESTARTS, WorkerSupervisor
 
@@ -151,6 +152,7 @@ class Cluster:
         self._prefix = uuid.uuid4().hex[:6]
         self._query_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="minivllm-prefix-query")
         self.accounting = RequestAccounting()
+        self.splits = SplitRequests(self._prefix)
         self.started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -192,6 +194,7 @@ class Cluster:
             )
             self.stop()
             raise WorkerStartError(f"{len(failed)} of {len(self.workers)} workers did not start: {message}")
+        self.splits.measure_link(self.backend, len(self.workers))
         self.started = True
         return self
 
@@ -206,6 +209,7 @@ class Cluster:
             self._spawned.clear()
         with ThreadPoolExecutor(max_workers=max(1, len(handles))) as pool:
             list(pool.map(lambda h: h.stop(), handles))
+        self.splits.stop()
         if self._ray is not None:
             self._ray.close()
         self.started = False
@@ -333,11 +337,13 @@ class Cluster:
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None, worker: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, chat_context: dict | None = None) -> RequestStream:
+               loop: asyncio.AbstractEventLoop | None = None, chat_context: dict | None = None,
+               placement: tuple[str, str] | None = None) -> RequestStream:
         """Route one request and send it to its worker. `worker` bypasses the router
-        (the decision is still recorded, as forced); `chat_context` reaches the chat template
-        with `messages` (e.g. `tools=[...]`). Raises ConfigError for a bad request and
-        NoWorkerAvailable when every worker is down."""
+        (the decision is still recorded, as forced); `placement=(A, B)` splits it: prefill
+        and first token on worker A, decode on B, one stream (split_request.py);
+        `chat_context` reaches the chat template with `messages` (e.g. `tools=[...]`).
+        Raises ConfigError for a bad request and NoWorkerAvailable when every worker is down."""
         if not self.started:
             raise ConfigError("cluster", "stopped", "call start() (or use `with Cluster(...)`) before submit()")
         params = params or SamplingParams()
@@ -354,9 +360,15 @@ class Cluster:
         stream = RequestStream(rid, text, prompt_ids, loop=loop, on_cancel=self._cancel,
                                on_end=self.accounting.closed, on_duplicate_end=self.accounting.duplicate)
         incoming = IncomingRequest(rid, len(prompt_ids), params.max_tokens)
+        if placement is not None:  # checked before the ledger opens it
+            halves = [self.workers[n] for n in check_split(placement, params, self.workers, self.backend)]
+            with self._route_lock:
+                self.accounting.opened(rid)
+                self.router.decisions.append(self.splits.start(stream, prompt_ids, params, *halves))
+            return stream
         with self._route_lock:
             handles = list(self.workers.values())
-            cached = self._cached_tokens(handles, prompt_ids) if self.router.policy == "cost" or worker else {}
+            cached = self._cached_tokens(handles, prompt_ids) if self.router.policy.startswith("cost") or worker else {}
             candidates = self._admissible(
                 [h.candidate(cached.get(h.name, 0)) for h in handles], len(prompt_ids), worker
             )
@@ -366,12 +378,17 @@ class Cluster:
                 decision = forced.choose(incoming, candidates, rates)
                 self.router.decisions.append(decision)
             else:
-                decision = self.router.choose(incoming, candidates, rates)
+                decision = self.router.choose(incoming, candidates, rates,
+                                              self.splits.pricing(params, handles, self.backend))
             chosen = self.workers[decision["chosen"]]
             stream.worker, stream.decision = chosen.name, decision
             estimate = next(c["cached_tokens"] for c in decision["candidates"] if c["worker"] == chosen.name)
             self.accounting.opened(rid)
-            chosen.submit(stream, prompt_ids, params, estimate)
+            if decision.get("split"):  # the cost router priced "prefill here, decode there" lowest
+                self.splits.start(stream, prompt_ids, params, chosen, self.workers[decision["split"]["decode"]],
+                                  decision)
+            else:
+                chosen.submit(stream, prompt_ids, params, estimate)
         return stream
 
     def _admissible(self, candidates: list[Candidate], prompt_tokens: int, worker: str | None) -> list[Candidate]:
@@ -421,6 +438,8 @@ class Cluster:
         return {h.name: int(a["tokens"]) if a else 0 for h, a in zip(live, answers)}
 
     def _cancel(self, request_id: str) -> None:
+        if self.splits.cancel(request_id):
+            return
         for handle in list(self.workers.values()):
             handle.abort(request_id)
 
@@ -455,6 +474,7 @@ class Cluster:
                 "backend": self.backend,
                 "router": self.router.snapshot(), "health": self.health()["status"],
                 "requests": self.accounting.as_dict(), "restarts": dict(self.restart_counters),
+                "splits": self.splits.snapshot(),
                 "admission": {"max_queued_prompt_tokens": self.max_queued_prompt_tokens, **self.admission_counters},
                 "workers": [{**h.describe(), "restarts": self.supervisor.describe(h.name)} for h in handles]}
 

@@ -90,7 +90,7 @@ def timing_extension(stream: RequestStream) -> dict:
             "ttft_s": m.get("time_to_first_token_s"), "queue_time_s": m.get("queue_time_s"), "e2e_s": m.get("e2e_s"),
             "prefill_tokens_per_s": m.get("prefill_tokens_per_s"), "decode_tokens_per_s": m.get("decode_tokens_per_s"),
             "restored_tokens": m.get("cached_prompt_tokens"), "preemptions": m.get("preemptions"),
-            "speculation": m.get("speculation")}
+            "speculation": m.get("speculation"), "split": m.get("split")}
 
 
 def usage(stream: RequestStream) -> dict:

@@ -102,7 +102,7 @@ class _EngineStateCollector:
         duplicates = CounterMetricFamily("minivllm_duplicate_terminal_events",
                                          "Terminal events for requests that had already ended (should stay 0)")
         duplicates.add_metric([], ledger["duplicate_terminals"])
-        yield from (open_requests, duplicates)
+        yield from (open_requests, duplicates, *split_families(snapshot.get("splits")))
         for w in snapshot["workers"]:
             name = w["name"]
             up.add_metric([name], 1.0 if w["state"] == "ready" else 0.0)
@@ -123,3 +123,18 @@ class _EngineStateCollector:
             for how, n in snap.get("structured", {}).items():
                 structured.add_metric([name, how], n)
         yield from (up, restarts, running, waiting, kv, queries, hits, proposed, accepted, structured)
+
+
+def split_families(splits: dict | None):
+    """Split requests (prefill on one worker, decode on another; split_request.py): how
+    they ended, and the K/V bytes they moved."""
+    if not splits:
+        return
+    counters = splits["counters"]
+    ended = CounterMetricFamily("minivllm_split_requests", "Split requests by outcome: finished, failed, "
+                                "cancelled_in_prefill / _transfer / _decode", labels=["outcome"])
+    for outcome in ("finished", "failed", "cancelled_in_prefill", "cancelled_in_transfer", "cancelled_in_decode"):
+        ended.add_metric([outcome], counters.get(outcome, 0))
+    moved = CounterMetricFamily("minivllm_split_kv_bytes", "K/V bytes moved between workers by split requests")
+    moved.add_metric([], counters.get("kv_bytes", 0))
+    yield from (ended, moved)

@@ -2,6 +2,8 @@
 
 controller -> worker
     {"op": "submit", "request_id", "prompt_ids", "prompt", "params": {SamplingParams fields}}
+        + for the prefill half of a split request: "export_after" (tokens), "segment" (name)
+    {"op": "import", "request_id", "params", "handoff": {handoff}}   the decode half of a split request
     {"op": "abort", "request_id"}
     {"op": "prefix_query", "qid", "prompt_ids"}     -> reply {"tokens": int held in its prefix cache}
     {"op": "snapshot", "qid"}                       -> reply {engine snapshot}
@@ -13,6 +15,10 @@ worker -> controller
     {"op": "failed", "error"}                       loading failed; the process exits
     {"op": "events", "events": [event]}             token events in step order
     {"op": "rejected", "request_id", "field", "error"}
+    {"op": "exported", "request_id", "handoff", "metrics", "started_at" (time.time()), "export_ms"}
+                                                    the request left, its K/V in the segment; no terminal event
+    {"op": "imported", "request_id", "read_ms", "import_ms", "finished_at" (time.time())}
+                                                    the segment is copied in and unlinked; tokens follow as events
     {"op": "reply", "qid", "result"}
     {"op": "progress", "running": {request_id: prompt tokens computed}}   after a step that changed it
     {"op": "state", "snapshot", "rates"}            every state_interval_s while busy, and when idle
@@ -21,6 +27,10 @@ worker -> controller
 
 event = {"request_id", "token_id", "text", "finished", "finish_reason", "error", "logprobs",
          "metrics" (finished only: RequestMetrics.as_dict())}
+
+handoff = {"segment", "nbytes", "dtype", "kv_shape", "model_shape", "kv_token_ids", "prompt_ids",
+           "output_ids", "generator_state" (base64 of torch's RNG state, or None), "generator_device",
+           "write_ms"}    (kv_segment.py: the K/V bytes are in the shared-memory segment, k then v)
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Policies (`--router`):
     least-loaded      fewest requests in flight (active + queued), then least decode work
     forced:<worker>   always that worker ("cpu", "cuda:1", ...); an error if it is down
     cost              the lowest estimated time until the incoming request would be done:
+    cost+split        cost, also pricing "prefill on one worker, decode on another"
+                      (split_pricing.py; local workers), taken where it is clearly lowest
 
         drain  = prefill tokens / prefill_tps + decode tokens / decode_tps(concurrency)
         finish = when a slot frees for it + its own prefill + max_tokens / per-request rate
@@ -39,8 +41,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.split_pricing import SPLIT_MARGIN, SplitPricing, price_splits
 
-ROUTER_POLICIES = ("round-robin", "least-loaded", "forced:<worker>", "cost")
+ROUTER_POLICIES = ("round-robin", "least-loaded", "forced:<worker>", "cost", "cost+split")
 
 
 class NoWorkerAvailable(MinivllmError):
@@ -86,12 +89,12 @@ class Candidate:
 
 
 def parse_router_policy(policy: str) -> str:
-    if policy in ("round-robin", "least-loaded", "cost"):
+    if policy in ("round-robin", "least-loaded", "cost", "cost+split"):
         return policy
     if isinstance(policy, str) and policy.startswith("forced:") and len(policy) > len("forced:"):
         return policy
     raise ConfigError(
-        "router", policy, "allowed: round-robin, least-loaded, cost, forced:<worker> (e.g. forced:cuda:0)"
+        "router", policy, "allowed: round-robin, least-loaded, cost, cost+split, forced:<worker> (e.g. forced:cuda:0)"
     )
 
 
@@ -100,10 +103,13 @@ class Router:
         self.policy = parse_router_policy(policy)
         self.decisions: collections.deque[dict] = collections.deque(maxlen=history)
         self._turn = itertools.count()
-        self.counters = {"decisions": 0, "fallbacks": 0, "no_worker": 0}
+        self.counters = {"decisions": 0, "fallbacks": 0, "no_worker": 0, "splits": 0}
 
-    def choose(self, incoming: IncomingRequest, candidates: list[Candidate], rates: dict | None = None) -> dict:
+    def choose(self, incoming: IncomingRequest, candidates: list[Candidate], rates: dict | None = None,
+               split: SplitPricing | None = None) -> dict:
         """Pick a worker; `rates` maps worker name -> WorkerRates (the cost policy's input).
+        With `split` under cost+split, split candidates are priced too (split_pricing.py)
+        and the record's "split" says {"prefill", "decode"} when one wins.
         Returns the decision record (also kept in `decisions`)."""
         healthy = [c for c in candidates if c.healthy]
         if not healthy:
@@ -113,7 +119,7 @@ class Router:
         for c in candidates:
             c.incoming_prefill_tokens = max(0, incoming.prompt_tokens - c.cached_tokens)
             c.incoming_decode_tokens = incoming.max_tokens
-        reason = self.policy
+        reason, splits, won = self.policy, [], None
         if self.policy == "round-robin":
             chosen = self._round_robin(candidates)
         elif self.policy == "least-loaded":
@@ -122,9 +128,20 @@ class Router:
             chosen = self._forced(candidates)
         else:
             chosen, reason = self._cost(healthy, rates or {})
+            if split is not None and self.policy == "cost+split" and reason == "cost":
+                splits = price_splits(incoming.prompt_tokens, incoming.max_tokens, healthy, split, incoming_finish_s)
+                won = min(splits, key=lambda s: s.score, default=None)
+                if won is not None and won.score < SPLIT_MARGIN * chosen.score:
+                    chosen = next(c for c in healthy if c.worker == won.prefill)
+                    reason = f"cost (split: prefill on {won.prefill}, decode on {won.decode})"
+                    self.counters["splits"] += 1
+                else:
+                    won = None
         record = {"request_id": incoming.request_id, "time": time.time(), "policy": self.policy, "reason": reason,
                   "prompt_tokens": incoming.prompt_tokens, "max_tokens": incoming.max_tokens,
-                  "chosen": chosen.worker, "candidates": [asdict(c) for c in candidates]}
+                  "chosen": chosen.worker, "candidates": [asdict(c) for c in candidates],
+                  "split_candidates": [asdict(s) for s in splits],
+                  "split": None if won is None else {"prefill": won.prefill, "decode": won.decode}}
         self.decisions.append(record)
         self.counters["decisions"] += 1
         return record
@@ -178,9 +195,10 @@ class Router:
         return {"policy": self.policy, "counters": dict(self.counters), "decisions": list(self.decisions)}
 
 
-def incoming_finish_s(c: Candidate) -> float:
+def incoming_finish_s(c: Candidate, arrival: float = 0.0) -> float:
     """When the incoming request would be done on this worker: its FCFS slots replayed
-    at the per-request decode rate decode_tps / concurrency."""
+    at the per-request decode rate decode_tps / concurrency; it takes a slot no earlier
+    than `arrival` seconds from now (a split request's decode half arrives later)."""
     per_request = c.decode_tps / c.concurrency
 
     def duration(prefill: int, decode: int) -> float:
@@ -191,4 +209,4 @@ def incoming_finish_s(c: Candidate) -> float:
     heapq.heapify(slots)
     for p, d in c.queued_work:
         heapq.heappush(slots, heapq.heappop(slots) + duration(p, d))
-    return heapq.heappop(slots) + duration(c.incoming_prefill_tokens, c.incoming_decode_tokens)
+    return max(heapq.heappop(slots), arrival) + duration(c.incoming_prefill_tokens, c.incoming_decode_tokens)

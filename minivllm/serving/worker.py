@@ -18,6 +18,11 @@ Threads inside the worker:
   controller can tell a dead or wedged worker from a busy one;
 - a matcher thread builds constrained requests' llguidance matchers; such a request
   reaches the engine once its matcher is ready (matcher_builds.py).
+
+A split request (issue 43, split_request.py) passes through two workers: the prefill
+worker gets a `submit` with `export_after` and exports the request right after the step
+that gave it that many tokens (its K/V into a shared-memory segment, kv_segment.py), then
+lets it go; the decode worker gets an `import` and continues it (`_import`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 import traceback
 
 from minivllm.errors import ConfigError, MinivllmError
+from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
 from minivllm.serving.protocol import event_to_wire, params_from_wire
 from minivllm.serving.transport import Endpoint, TransportClosed
@@ -106,6 +112,7 @@ class Worker:
         self.stopping = threading.Event()
         self.last_loop = time.monotonic()
         self._last_running: dict[str, int] = {}
+        self.exports: dict[str, tuple[int, str]] = {}  # split requests here: id -> (export after N tokens, segment)
         self._last_state = 0.0  # when the last state snapshot went out
         self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
         self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
@@ -198,9 +205,12 @@ class Worker:
         elif op == "abort" and self.matcher_builds.abort(msg["request_id"]):
             pass  # still building its matcher: aborted once it is in
         elif op == "abort":
+            self.exports.pop(msg["request_id"], None)
             event = self.engine.abort(msg["request_id"])
             if event is not None:
                 self._send_events([event])
+        elif op == "import":
+            self._import(msg)
         elif op == "snapshot":
             self._send({"op": "reply", "qid": msg["qid"], "result": self.engine.snapshot()})
         elif op == "shutdown":
@@ -216,6 +226,8 @@ class Worker:
         try:
             params = msg.get("parsed_params") or params_from_wire(msg["params"])
             self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid)
+            if msg.get("export_after"):
+                self.exports[rid] = (int(msg["export_after"]), msg["segment"])
         except ConfigError as exc:
             self._send({"op": "rejected", "request_id": rid, "field": exc.field, "error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a bad request must not take the worker down
@@ -240,12 +252,62 @@ class Worker:
         if not any(row.get("draft_tokens") for row in step["rows"]):
             self.rates.observe_step(step["prefill_tokens"], step["decode_rows"], step["duration_s"])
         self._send_events(events)
+        if self.exports:
+            self._export_due()
         # Which requests hold pages now, and how far their prompts are: a few ids per step,
         # so the router's active/queued split lags by one step, not by a state interval.
         running = engine.progress()
         if running != self._last_running:
             self._send({"op": "progress", "running": running})
             self._last_running = running
+
+    def _export_due(self) -> None:
+        """Split requests that have their tokens here leave now, before another step: the
+        K/V into their segment, one `exported` message, then the request and its pages go."""
+        engine = self.engine
+        for rid, (after, segment) in list(self.exports.items()):
+            try:
+                state = engine.request_state(rid)
+            except KeyError:  # finished here (and popped) before it was due
+                state = None
+            if state is None or state.finished:
+                del self.exports[rid]
+                continue
+            if len(state.output_ids) < after:
+                continue
+            del self.exports[rid]
+            started = time.time()
+            try:
+                meta = handoff_to_wire(engine.export_request(rid), segment)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the worker goes on
+                unlink_segment(segment)
+                event = engine.abort(rid)
+                if event is not None:
+                    event.finish_reason = "error"
+                    event.error = f"worker {self.name}: exporting the request failed: {type(exc).__name__}: {exc}"
+                    self._send_events([event])
+                continue
+            metrics = engine.output(rid).metrics.as_dict()
+            engine.release(rid)
+            self._send({"op": "exported", "request_id": rid, "handoff": meta, "metrics": metrics,
+                        "started_at": started, "export_ms": (time.time() - started) * 1e3})
+
+    def _import(self, msg: dict) -> None:
+        """Continue a split request exported by another worker; its segment is gone after this."""
+        rid, meta = msg["request_id"], msg["handoff"]
+        started = time.perf_counter()
+        try:
+            handoff = handoff_from_wire(meta, params_from_wire(msg["params"]))
+            read_ms = (time.perf_counter() - started) * 1e3
+            self.engine.import_request(handoff, request_id=rid)
+        except Exception as exc:  # noqa: BLE001 - a bad import fails its request, not the worker
+            unlink_segment(meta["segment"])
+            field = exc.field if isinstance(exc, ConfigError) else None
+            self._send({"op": "rejected", "request_id": rid, "field": field,
+                        "error": f"worker {self.name} could not import the request: {type(exc).__name__}: {exc}"})
+            return
+        self._send({"op": "imported", "request_id": rid, "read_ms": read_ms, "finished_at": time.time(),
+                    "import_ms": (time.perf_counter() - started) * 1e3})
 
     def _send_events(self, events) -> None:
         wire = []

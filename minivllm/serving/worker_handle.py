@@ -132,18 +132,31 @@ class WorkerHandle:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(
-        self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, cached_estimate: int
-    ) -> None:
+    def submit(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, cached_estimate: int,
+               *, export: dict | None = None) -> None:
+        """`export` ({"export_after", "segment"}): the prefill half of a split request."""
+        self._send_request(stream, InFlight(stream, len(prompt_ids), cached_estimate, params.max_tokens),
+                           {"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
+                            "prompt": stream.prompt, "params": params_to_wire(params), **(export or {})})
+
+    def import_handoff(self, stream, handoff: dict, params: SamplingParams) -> None:
+        """The decode half of a split request: continue what another worker exported
+        (`handoff` is its `exported` message's description, kv_segment.py)."""
+        tokens = len(handoff["prompt_ids"]) + len(handoff["output_ids"])
+        left = params.max_tokens - len(handoff["output_ids"])
+        self._send_request(stream, InFlight(stream, tokens, len(handoff["kv_token_ids"]), left),
+                           {"op": "import", "request_id": stream.request_id, "handoff": handoff,
+                            "params": params_to_wire(params)})
+
+    def _send_request(self, stream, flight: InFlight, msg: dict) -> None:
         with self.lock:
             if not self.healthy:
                 stream.fail(f"worker {self.name} is {self.state}: {self.error or 'not ready'}")
                 return
-            self.in_flight[stream.request_id] = InFlight(stream, len(prompt_ids), cached_estimate, params.max_tokens)
+            self.in_flight[stream.request_id] = flight
             self.counters["routed"] += 1
         try:
-            self.transport.send({"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
-                                 "prompt": stream.prompt, "params": params_to_wire(params)})
+            self.transport.send(msg)
         except TransportClosed as exc:
             self._mark_down("dead", f"worker {self.name} is unreachable: {exc}")
 
@@ -292,6 +305,13 @@ class WorkerHandle:
                 self.counters["rejected"] += 1
             if flight is not None:
                 flight.stream.fail(msg["error"], rejected=True, rejected_field=msg.get("field"))
+        elif op in ("exported", "imported"):  # a split request's handoff (split_request.py)
+            with self.lock:
+                flight = self.in_flight.get(msg["request_id"])
+                if flight is not None and op == "exported":
+                    del self.in_flight[msg["request_id"]]  # it left this worker
+            if flight is not None:
+                getattr(flight.stream, op)(msg)
         elif op == "loading":
             self.stage = msg["stage"]
             self._progress()

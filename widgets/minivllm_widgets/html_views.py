@@ -101,6 +101,13 @@ def router_html(view: dict) -> str:
             cells.append(f"{mark}{html.escape(c['worker'])}{state}: {c['active']} active / {c['queued']} queued, "
                          f"cached {c['cached']} tokens, prefill {_secs(c['prefill_s'])} + decode {_secs(c['decode_s'])}"
                          f" (finish {_secs(c['finish_s'])}) → <b>{_secs(c['score'])}</b>")
+        for c in d.get("splits", []):
+            mark = "✔ " if d.get("split") == {"prefill": c["prefill"], "decode": c["decode"]} else ""
+            cells.append(f"{mark}{html.escape(c['prefill'])} → {html.escape(c['decode'])}: prefill "
+                         f"{_secs(c['prefill_s'])} + transfer {_secs(c['transfer_s'])} "
+                         f"({c['transfer_bytes'] / 1e6:.3g} MB at {c['link_mb_per_s']:.3g} MB/s) + decode until "
+                         f"{_secs(c['decode_s'])} → <b>{_secs(c['score'])}</b> "
+                         f"(break-even {c['break_even_ms_per_token']:.3g} ms/token)")
         rows.append(
             [html.escape(d["request_id"]), html.escape(d["reason"]), "<br>".join(cells), html.escape(d["chosen"])]
         )

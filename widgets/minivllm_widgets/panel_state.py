@@ -105,7 +105,9 @@ def router_view(snapshot: dict, last: int = 12) -> dict:
                                      "queued": c["queued"], "cached": c["cached_tokens"],
                                      "prefill_s": c.get("prefill_s"), "decode_s": c.get("decode_s"),
                                      "finish_s": c.get("finish_s"), "score": c.get("score")}
-                                    for c in d["candidates"]]})
+                                    for c in d["candidates"]],
+                     # "prefill here, decode there" (cost+split), and the pair it chose if any
+                     "split": d.get("split"), "splits": [dict(c) for c in d.get("split_candidates", [])]})
     return {"policy": snapshot["router"]["policy"], "decisions": rows}
 
 

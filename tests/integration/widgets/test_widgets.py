@@ -374,6 +374,15 @@ def test_small_views_say_what_they_mean():
          "decode_s": 2.0, "finish_s": 2.5, "score": 2.5}]}
     router = router_html({"policy": "cost", "decisions": [decision]})
     assert "123 µs" in router and "2 s" in router and "16 tokens" in router and "0.000122723" not in router
+    split = {"prefill": "a", "decode": "b", "transfer_tokens": 992, "transfer_bytes": 45711360,
+             "link_mb_per_s": 1000.0, "prefill_s": 0.55, "transfer_s": 0.04571136, "decode_s": 2.68571136,
+             "drain_s": 2.09, "score": 2.68571136, "break_even_ms_per_token": 0.4525877}
+    view = router_view({"router": {"policy": "cost+split", "decisions": [
+        {**decision, "candidates": [], "split": {"prefill": "a", "decode": "b"}, "split_candidates": [split]}]},
+        "workers": []})
+    router = router_html(view)
+    assert "✔ a → b: prefill 550 ms + transfer 45.7 ms (45.7 MB at 1e+03 MB/s)" in router
+    assert "<b>2.69 s</b> (break-even 0.453 ms/token)" in router
     chart = throughput_static_html({"w": [(0.0, 10.0, 0.0), (30.0, 20.0, 0.0)]}, {})
     (decode,) = plotly_html.figures(chart)  # the latency chart has no point: a line of text, no empty figure
     assert decode["data"][0]["y"] == [10.0, None, 20.0] and "step latency" in chart and "no data" in chart

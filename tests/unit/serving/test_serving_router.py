@@ -162,7 +162,7 @@ def test_cost_article_request_7_goes_to_gpu():
     assert by_name["cpu"]["incoming_prefill_tokens"] == 20 == by_name["cuda:0"]["incoming_prefill_tokens"]
     assert by_name["cpu"]["incoming_decode_tokens"] == 128 == by_name["cuda:0"]["incoming_decode_tokens"]
     assert list(router.decisions) == [rec]
-    assert router.counters == {"decisions": 1, "fallbacks": 0, "no_worker": 0}
+    assert router.counters == {"decisions": 1, "fallbacks": 0, "no_worker": 0, "splits": 0}
 
 
 def test_cost_article_request_8_goes_to_cpu():
