@@ -8,7 +8,7 @@ import html
 from minivllm_widgets.chart_data import dashboard_charts
 from minivllm_widgets.page_grid import COLOURS, LEGEND
 from minivllm_widgets.page_map_figure import page_map_figure
-from minivllm_widgets.static_charts import chart_html, figure_html
+from minivllm_widgets.static_charts import chart_html, figure_html, plotlyjs_html
 
 _TABLE = "border-collapse:collapse;font:12px monospace"
 _CELL = "padding:2px 6px;border-bottom:1px solid #ddd;text-align:left"
@@ -81,9 +81,12 @@ def kv_legend_html() -> str:
     return f"<div style='font:12px sans-serif'>{swatches}</div>"
 
 
-def kv_static_html(view: dict) -> str:
-    """Per worker: the caption, then the page map as a plotly heatmap (hover as the live map's)."""
-    parts = [kv_legend_html()]
+def kv_static_html(view: dict, *, plotlyjs: bool = True) -> str:
+    """Per worker: the caption, then the page map as a plotly heatmap (hover as the live map's).
+    A whole output on its own unless `plotlyjs=False` (an output that already starts with
+    `static_charts.plotlyjs_html()`, as `Workbench.static_html` does)."""
+    parts = [plotlyjs_html()] if plotlyjs else []
+    parts.append(kv_legend_html())
     for name, w in view.items():
         parts.append(f"<div>{kv_caption_html(name, w)}</div>")
         if w is not None:

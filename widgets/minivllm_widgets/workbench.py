@@ -180,7 +180,7 @@ class Workbench:
         return "".join([
             static_charts.plotlyjs_html(), head,
             "<h4>Queues</h4>", html_views.queues_html(panel_state.queues_view(snapshot)),
-            "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot)),
+            "<h4>KV pages</h4>", html_views.kv_static_html(panel_state.kv_view(snapshot), plotlyjs=False),
             "<h4>Router</h4>", html_views.router_html(panel_state.router_view(snapshot)),
             "<h4>Speculative decoding</h4>", html_views.speculative_html(panel_state.speculative_view(snapshot)),
             "<h4>Throughput and latency</h4>", html_views.throughput_static_html(throughput, step_ms)])

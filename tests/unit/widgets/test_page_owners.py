@@ -33,3 +33,20 @@ def test_static_page_map_is_a_plotly_heatmap_with_the_live_hover():
         "page 3: cached-idle, 0 request holder(s), ref count 1, in the prefix cache",
         "page 4: cached-in-use, 1 request holder(s), ref count 2, in the prefix cache; requests: r2",
     ]
+
+
+def test_static_page_map_stands_alone_or_inside_an_output_that_loads_plotly():
+    # prefix_cache.ipynb displays it as an output of its own: plotly.js must come with it
+    # (the browser reported "Plotly is not defined" when it did not); Workbench.static_html
+    # loads plotly.js once at its top and asks for the map without it.
+    from plotly.offline import get_plotlyjs
+
+    from minivllm_widgets.html_views import kv_static_html
+    from minivllm_widgets.page_grid import page_codes
+
+    view = {"w": {"codes": page_codes(["free", "owned"], [0, 1]), "owners": {1: ["r1"]}, "counts": {}, "total": 2,
+                  "page_size": 16, "hits": 0, "lookups": 0, "restored_tokens": 0, "flights": 0}}
+    library = get_plotlyjs()[:2000]
+    alone, inside = kv_static_html(view), kv_static_html(view, plotlyjs=False)
+    assert alone.count(library) == 1 and alone.index(library) < alone.index("Plotly.newPlot")
+    assert library not in inside and "Plotly.newPlot" in inside
