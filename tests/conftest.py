@@ -57,6 +57,25 @@ def small_gpu_model_path() -> Path:
         return ensure_synthetic_model("qwen2.5-0.5b-q4_k_m", tokenizer_source=fields, progress=False)
 
 
+TINY_QWEN_PROMPTS = ["The quick brown fox", "def fib(n):", "Once upon a time, in a land far away, there"]
+
+
+@pytest.fixture
+def tiny_qwen_gguf(tmp_path) -> Path:
+    """A 4-layer synthetic Qwen2 file of 896-wide rows (k-quants with Q5_0/Q8_0 fallback
+    tensors, as llama.cpp's Q4_K_M does at that width), its tokenizer from the fields named
+    by MINIVLLM_TEST_SYNTHETIC_FIELDS (the GPU run sets it); skipped without them. Prompts
+    for it: TINY_QWEN_PROMPTS."""
+    fields = os.environ.get("MINIVLLM_TEST_SYNTHETIC_FIELDS")
+    if not fields or not Path(fields).is_file():
+        pytest.skip("needs the Qwen2.5 tokenizer fields: set MINIVLLM_TEST_SYNTHETIC_FIELDS")
+    from minivllm.bench.synthetic_model import scaled_down, write_synthetic_model
+
+    spec = scaled_down(name="tiny", n_layers=4, d_model=896, n_heads=14, n_kv_heads=2, d_ff=1024,
+                       kquant_fallback=True)
+    return write_synthetic_model(tmp_path / "tiny.gguf", spec, tokenizer_source=fields)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Engine tests: on a 2-core machine that another job is also using, two OpenMP

@@ -374,27 +374,20 @@ class _nothing:
 
 
 @pytest.mark.cuda
-def test_fusion_on_and_off_agree_on_cuda(tmp_path, monkeypatch):
+def test_fusion_on_and_off_agree_on_cuda(tiny_qwen_gguf, monkeypatch):
     """A small synthetic Qwen2 file (Q5_0 rows of 896, Q8_0 V in the extra-bits layers) on
     CUDA, loaded with fusion on and off: logits within the f16 tolerance of each other
     (the launch shapes differ, so the sums may round differently), greedy tokens mostly
     the same, one copy of the weights either way."""
-    from conftest import REPO_ROOT
+    from conftest import TINY_QWEN_PROMPTS
     from synthetic_gguf import minivllm_logits
 
-    from minivllm.bench.synthetic_model import scaled_down, write_synthetic_model
     from minivllm.engine.llm import LLM
     from minivllm.kernels.fused_projection import FUSED_PROJECTIONS_ENV
     from minivllm.sampling.sampling_params import SamplingParams
 
-    source = REPO_ROOT / ".gpu19" / "qwen2.5-tokenizer-fields.json.xz"
-    if not source.is_file():
-        pytest.skip("needs the Qwen2.5 tokenizer fields (.gpu19/qwen2.5-tokenizer-fields.json.xz)")
-    spec = scaled_down(name="tiny", n_layers=4, d_model=896, n_heads=14, n_kv_heads=2, d_ff=1024,
-                       kquant_fallback=True)
-    path = write_synthetic_model(tmp_path / "tiny.gguf", spec, tokenizer_source=source)
+    path, prompts = tiny_qwen_gguf, TINY_QWEN_PROMPTS
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = ["The quick brown fox", "def fib(n):", "Once upon a time, in a land far away, there"]
     runs = {}
     for fusion in ("1", "0"):
         monkeypatch.setenv(FUSED_PROJECTIONS_ENV, fusion)

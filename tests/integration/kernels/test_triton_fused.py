@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO_ROOT  # noqa: E402
+from conftest import TINY_QWEN_PROMPTS  # noqa: E402
 from triton_devices import DEVICES  # sets TRITON_INTERPRET before any kernel module loads
 
 from minivllm.kernels.rmsnorm import rms_norm  # noqa: E402
@@ -123,23 +123,16 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
 
 
 @pytest.mark.cuda
-def test_fused_decoder_forward_matches_the_torch_steps(tmp_path, monkeypatch):
+def test_fused_decoder_forward_matches_the_torch_steps(tiny_qwen_gguf, monkeypatch):
     """A small synthetic Qwen2 file (k-quant and Q5_0/Q8_0 fallback tensors) on CUDA: the
     fused forward's logits match the torch steps' (MINIVLLM_FUSED=0), and greedy decoding
     gives the same tokens; batch-invariant mode stays bit-identical solo vs batched."""
 
-    from minivllm.bench.synthetic_model import scaled_down, write_synthetic_model
     from minivllm.engine.llm import LLM
     from minivllm.sampling.sampling_params import SamplingParams
 
-    source = REPO_ROOT / ".gpu19" / "qwen2.5-tokenizer-fields.json.xz"
-    if not source.is_file():
-        pytest.skip("needs the Qwen2.5 tokenizer fields (.gpu19/qwen2.5-tokenizer-fields.json.xz)")
-    spec = scaled_down(name="tiny", n_layers=4, d_model=896, n_heads=14, n_kv_heads=2, d_ff=1024,
-                       kquant_fallback=True)
-    path = write_synthetic_model(tmp_path / "tiny.gguf", spec, tokenizer_source=source)
+    path, prompts = tiny_qwen_gguf, TINY_QWEN_PROMPTS
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = ["The quick brown fox", "def fib(n):", "Once upon a time, in a land far away, there"]
     fused = LLM(str(path), progress=False, max_model_len=128, device="cuda", dtype="f16")
     ids = fused.tokenizer.encode(prompts[2])
     from synthetic_gguf import minivllm_logits
