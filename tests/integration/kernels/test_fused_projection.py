@@ -182,14 +182,28 @@ def test_concatenated_rows_and_their_views_unpack_to_the_file_bytes(ggml_type):
             row += w.shape[0]
 
 
-def test_unmeasured_fused_shapes_take_the_nearest_measured_row():
-    # The committed sm90 table measures 3584 and 18944 rows of K = 3584, not the fused shapes.
-    assert lookup("sm90", "Q4_K", 4608, 3584) == lookup("sm90", "Q4_K", 3584, 3584)  # Q|K|V of the 7B
-    assert lookup("sm90", "Q4_K", 37888, 3584) == lookup("sm90", "Q4_K", 18944, 3584)  # gate|up of the 7B
-    assert lookup("sm90", "Q4_K", 4096, 3584) == lookup("sm90", "Q4_K", 3584, 3584)  # Q|K (V in Q6_K)
-    from minivllm.kernels.gemv_configs import default_config
+def test_unmeasured_fused_shapes_take_the_nearest_measured_row(tmp_path, monkeypatch):
+    # A table measuring only the 3584 and 18944 rows of K = 3584 (the committed sm90 table
+    # has the fused shapes measured since): the fused shapes take their nearest measured N.
+    import json
 
-    assert lookup("sm90", "Q5_0", 1152, 896) == default_config(1152, 896)  # nothing measured at K = 896
+    from minivllm.kernels.gemv_configs import TABLE_ENV, default_config
+
+    square = {"block_nb": 4, "block_g": 64, "split": 1, "num_warps": 8, "num_stages": 3}
+    wide = {"block_nb": 8, "block_g": 16, "split": 1, "num_warps": 4, "num_stages": 2}
+    table = tmp_path / "gemv_configs.json"
+    table.write_text(json.dumps({"sm90": {"configs": {"Q4_K:3584x3584": square, "Q4_K:18944x3584": wide},
+                                          "configs_int8": {}}}))
+    monkeypatch.setenv(TABLE_ENV, str(table))
+    lookup.cache_clear()
+    try:
+        assert lookup("sm90", "Q4_K", 4608, 3584) == GemvConfig(**square)  # Q|K|V of the 7B
+        assert lookup("sm90", "Q4_K", 37888, 3584) == GemvConfig(**wide)  # gate|up of the 7B
+        assert lookup("sm90", "Q4_K", 4096, 3584) == GemvConfig(**square)  # Q|K (V in Q6_K)
+        assert lookup("sm90", "Q5_0", 1152, 896) == default_config(1152, 896)  # nothing measured at K = 896
+        assert lookup("sm90", "Q4_K", 152064, 3584) == default_config(152064, 3584)  # over 4x from 18944
+    finally:
+        lookup.cache_clear()
 
 
 class _count_launches:
