@@ -57,6 +57,10 @@ def parse_args(argv=None):
                                              f"{BASELINE_COMMIT}:minivllm/kernels/triton/paged_attention.py)")
     p.add_argument("--sweep", action="store_true", help="also time other split lengths, warps, programs per SM")
     p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--shapes", help="comma-separated model shapes to time (default: all: 7B,0.5B)")
+    p.add_argument("--contexts", help="comma-separated context lengths (default 512,4096)")
+    p.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
+    p.add_argument("--sweep-only", action="store_true", help="with --sweep: skip the new-vs-old table and K/V writes")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (no GPU)")
     return p.parse_args(argv)
 
@@ -328,6 +332,10 @@ def main(argv=None) -> int:
         contexts, batches, width, layer_limit = [40, 100], [1, 3], 128 // PAGE_SIZE, 2
     else:
         contexts, batches, width, layer_limit = [512, 4096], [1, 8, 32], MAX_MODEL_LEN // PAGE_SIZE, 99
+    if args.shapes:
+        SHAPES = {k: v for k, v in SHAPES.items() if k in args.shapes.split(",")}
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
     timer = Timer(torch, device, args.replays)
     started = time.time()
     try:
@@ -350,8 +358,9 @@ def main(argv=None) -> int:
     # The new kernel beside the old one first, then the K/V writes, the sweep last: a
     # run cut short keeps the main table.
     main_pair = [("new", pa.SplitLaunch())] + ([("old", "old")] if old is not None else [])
-    attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, main_pair, attn, save)
-    kv_write_rows(torch, timer, device, batches, layer_limit, kv, save)
+    if not (args.sweep and args.sweep_only):
+        attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, main_pair, attn, save)
+        kv_write_rows(torch, timer, device, batches, layer_limit, kv, save)
     if args.sweep:
         attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, sweep_launches(pa),
                        attn, save)
