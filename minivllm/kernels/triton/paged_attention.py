@@ -236,10 +236,19 @@ def split_programs(rows_x_kv_heads: int, n_splits: int, target_programs: int) ->
     return max(1, min(n_splits, -(-target_programs // rows_x_kv_heads)))
 
 
+# Warps of the split kernel for 64-key splits, by head_dim, where a sweep measured them:
+# on an H100 the 7B shape (head_dim 128) took 17.0 / 20.2 / 20.7 / 114 µs a layer with 2
+# warps against 16.9 / 31.1 / 31.5 / 246 with the 8 of the tile-size rule, at context 512
+# and 4096, batch 1 and 8 (benchmarks/results/h100-s40-attention-sweep.json). head_dim 64
+# (the 0.5B) keeps the rule's 4, which the end-to-end runs used. Warps never change a
+# row's bits across batches: every row of a launch shares them.
+_MEASURED_WARPS = {(64, 128): 2}
+
+
 def split_warps(split: int, block_d: int) -> int:
-    """Warps of the split kernel: its K and V tiles (split × head_dim float32 each) at
-    about 32 registers per thread apiece."""
-    return max(1, min(8, split * block_d // 1024))
+    """Warps of the split kernel: the sweep's choice where there is one, else its K and V
+    tiles (split × head_dim float32 each) at about 32 registers per thread apiece."""
+    return _MEASURED_WARPS.get((split, block_d), max(1, min(8, split * block_d // 1024)))
 
 
 def merge_chunk(block_d: int) -> int:
