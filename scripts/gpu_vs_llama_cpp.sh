@@ -27,9 +27,23 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
   DEST=${2:?usage: gpu_vs_llama_cpp.sh stage DEST}
-  MODELS="" WHEELS=${WHEELS:-gguf platformdirs llguidance} PYTHON=${PYTHON:-/work/main/.venv/bin/python} \
-    bash "$HERE/scripts/stage_offline_gpu.sh" "$DEST"
-  exit $?
+  PYTHON=${PYTHON:-$HERE/.venv/bin/python}
+  MODELS="" WHEELS=${WHEELS:-gguf platformdirs llguidance} PYTHON=$PYTHON \
+    bash "$HERE/scripts/stage_offline_gpu.sh" "$DEST" || exit $?
+  # What the CUDA test modules import beyond the GPU image (the serving stack, the test
+  # plugins), with their dependencies, for the image's Python 3.12: without them `pytest -m
+  # cuda` cannot collect those modules. Packages the image has (numpy, pytest, requests, ...)
+  # are dropped so they are not shadowed. The notebook extra stays out (plotly alone is ~15 MB
+  # of the 64 MiB a device call carries); tests/conftest.py leaves its tests uncollected there.
+  "$PYTHON" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux1_x86_64 -d "$DEST/wheels" \
+    ${SERVING_WHEELS:-jsonschema uvicorn openai fastapi prometheus-client httpx psutil lark pytest-xdist \
+      pytest-timeout} || exit $?
+  (cd "$DEST/wheels" && rm -f numpy-* pyyaml-* PyYAML-* requests-* urllib3-* certifi-* charset_normalizer-* \
+    idna-* pytest-[0-9]* pluggy-* iniconfig-* pygments-* packaging-* truststore-*)
+  echo "stage: $(ls "$DEST/wheels" | wc -l) wheels, $(du -sh "$DEST" | cut -f1) in all"
+  exit 0
 fi
 
 W=${W:-/root/i41}
