@@ -49,6 +49,13 @@ def _table() -> dict:
     return json.loads(path.read_text())
 
 
+def reload_table() -> None:
+    """Forget the loaded table and every lookup made from it, so the next lookup reads
+    `TABLE_ENV` (or the committed file) again: a sweep, or a test pointing at its own table."""
+    _table.cache_clear()
+    lookup.cache_clear()
+
+
 def default_config(n: int, k: int, sm_count: int = 132) -> GemvConfig:
     """A shape the sweep has not measured: 4 row groups per program when that still gives
     every SM two programs, else one; then split K until there are about 2 programs per SM

@@ -187,7 +187,7 @@ def test_unmeasured_fused_shapes_take_the_nearest_measured_row(tmp_path, monkeyp
     # has the fused shapes measured since): the fused shapes take their nearest measured N.
     import json
 
-    from minivllm.kernels.gemv_configs import TABLE_ENV, default_config
+    from minivllm.kernels.gemv_configs import TABLE_ENV, default_config, reload_table
 
     square = {"block_nb": 4, "block_g": 64, "split": 1, "num_warps": 8, "num_stages": 3}
     wide = {"block_nb": 8, "block_g": 16, "split": 1, "num_warps": 4, "num_stages": 2}
@@ -195,7 +195,7 @@ def test_unmeasured_fused_shapes_take_the_nearest_measured_row(tmp_path, monkeyp
     table.write_text(json.dumps({"sm90": {"configs": {"Q4_K:3584x3584": square, "Q4_K:18944x3584": wide},
                                           "configs_int8": {}}}))
     monkeypatch.setenv(TABLE_ENV, str(table))
-    lookup.cache_clear()
+    reload_table()  # an earlier test may have loaded the committed table
     try:
         assert lookup("sm90", "Q4_K", 4608, 3584) == GemvConfig(**square)  # Q|K|V of the 7B
         assert lookup("sm90", "Q4_K", 37888, 3584) == GemvConfig(**wide)  # gate|up of the 7B
@@ -203,7 +203,8 @@ def test_unmeasured_fused_shapes_take_the_nearest_measured_row(tmp_path, monkeyp
         assert lookup("sm90", "Q5_0", 1152, 896) == default_config(1152, 896)  # nothing measured at K = 896
         assert lookup("sm90", "Q4_K", 152064, 3584) == default_config(152064, 3584)  # over 4x from 18944
     finally:
-        lookup.cache_clear()
+        monkeypatch.undo()
+        reload_table()
 
 
 class _count_launches:
@@ -328,12 +329,10 @@ def few_programs(tmp_path, monkeypatch):
     path.write_text(json.dumps({"sm90": {"configs": {"Q4_K:256x256": big, "Q6_K:128x256": big,
                                                      "Q8_0:256x128": big}}}))
     monkeypatch.setenv(gemv_configs.TABLE_ENV, str(path))
-    gemv_configs._table.cache_clear()
-    gemv_configs.lookup.cache_clear()
+    gemv_configs.reload_table()
     yield
     monkeypatch.undo()
-    gemv_configs._table.cache_clear()
-    gemv_configs.lookup.cache_clear()
+    gemv_configs.reload_table()
 
 
 @cpu_only
