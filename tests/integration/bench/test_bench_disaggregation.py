@@ -1,0 +1,78 @@
+"""`minivllm bench disaggregation --quick` on two one-thread CPU workers.
+
+References: the K/V bytes of a split by hand from SmolLM2-135M's shape (30 layers, 3 KV
+heads of 64, f32, K and V) times the prompt's full 16-token pages; every derived column
+(fastest mode, break-even, the formula's and the measured verdicts, the router's pick)
+recomputed here from the per-run records the file keeps; /dev/shm for leftover segments.
+No speed is asserted: that is what the result file is for.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from conftest import PROVENANCE_KEYS
+
+from minivllm.serving.kv_segment import SEGMENT_PREFIX
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 4 * 2
+PAGE = 16
+
+
+def median(runs, mode, key):
+    return statistics.median(r[key] for r in runs if r["mode"] == mode)
+
+
+def test_quick_disaggregation_bench(results_dir, smollm2_path):
+    from minivllm.bench.disaggregation import MODES, QUICK, run
+
+    shm_before = set(Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*"))
+    rows = run(str(smollm2_path), ["cpu:1", "cpu:1"], quick=True)
+    assert set(Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")) <= shm_before  # no segment outlives the run
+    (path,) = results_dir.glob("disaggregation-*.json")
+    assert path.with_name(path.name[:-5] + ".md").exists()
+    data = json.loads(path.read_text())
+    meta = data["provenance"]
+    assert PROVENANCE_KEYS <= set(meta) and meta["workers"]["A"] == "cpu" and meta["workers"]["B"] == "cpu#2"
+    assert [(r["prompt_tokens"], r["backlog"]) for r in data["rows"]] == [
+        (p, b) for b in QUICK["backlogs"] for p in QUICK["prompts"]]
+    assert len(rows) == len(data["rows"])
+    for row in data["rows"]:
+        runs = row["runs"]
+        assert sorted(r["mode"] for r in runs) == sorted(MODES * QUICK["runs"])
+        n = row["max_tokens"]
+        split = [r for r in runs if r["mode"] == "split"]
+        moved = row["prompt_tokens"] // PAGE * PAGE
+        assert all(r["kv_tokens"] == moved and r["kv_bytes"] == moved * KV_BYTES_PER_TOKEN for r in split)
+        assert all((r["prefill_worker"], r["decode_worker"]) == ("cpu", "cpu#2") for r in split)
+        assert [r["worker"] for r in runs if r["mode"] == "whole:A"] == ["cpu"] * QUICK["runs"]
+        assert [r["worker"] for r in runs if r["mode"] == "whole:B"] == ["cpu#2"] * QUICK["runs"]
+        medians = {m: median(runs, m, "e2e_s") for m in ("whole:A", "whole:B", "split")}
+        assert row["fastest"] == min(medians, key=medians.get)
+        transfer_ms = statistics.median(r["handoff_ms"] for r in split)
+        assert row["break_even_ms_per_token"] == pytest.approx(transfer_ms / n)
+        advantage = median(runs, "whole:A", "decode_ms_per_token") - statistics.median(
+            r["decode_half_ms_per_token"] for r in split)
+        assert row["advantage_ms_per_token"] == pytest.approx(advantage)
+        assert row["formula_says_split_pays"] == (advantage > transfer_ms / n)
+        assert row["measured_split_pays"] == (medians["split"] < medians["whole:A"])
+        # The router's pick is what its decision record says it did.
+        (routed,) = [r for r in runs if r["mode"] == "router"]
+        d = routed["decision"]
+        assert routed["router_pick"] == ("split" if d["split"] else "whole:A" if d["chosen"] == "cpu" else "whole:B")
+        assert {(c["prefill"], c["decode"]) for c in d["split_candidates"]} == {("cpu", "cpu#2"), ("cpu#2", "cpu")}
+        assert row["router_agrees"] == (medians[routed["router_pick"]] <= 1.05 * medians[row["fastest"]])
+        assert row["backlog_held"]
+    # A backlog on A is visible to the router: A's candidate counts its active requests.
+    loaded = [r for r in data["rows"] if r["backlog"]]
+    for row in loaded:
+        (cand_a,) = [c for c in row["router_decision"]["candidates"] if c["worker"] == "cpu"]
+        assert cand_a["active"] == row["backlog"]
+    link = meta["link"]
+    assert link["bytes"] == max(r["kv_bytes"] for r in data["rows"])
+    assert link["plain_copy_mb_per_s"] > 0 and link["handoff_copy_mb_per_s"] > 0
+    assert link["at_start"]["measured_mb_per_s"] > 0
