@@ -14,7 +14,8 @@
 # for the build, then times both engines on the same files: llama-bench (pp512, tg128,
 # tg128 after 512 and 4096 tokens), llama-batched-bench (1/8/32 sequences, 128 + 128) and
 # minivllm's bench decode / batched decode, natively (with run 1's GEMV table), with the
-# int8 GEMV, under the T4 profile and in batch-invariant mode.
+# int8 GEMV, under the T4 profile and in batch-invariant mode. Run 1 ends with issue 43's
+# `bench disaggregation` (GPU prefill, CPU decode; DISAGG=0 skips it).
 #
 # Everything persistent lives in W (default /root/i41), outside the carried tree, so run 2
 # finds run 1's build, files and table when the machine is still warm (a cold machine
@@ -160,6 +161,13 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
   BASE=""; [ -f ../paged_attention_b738059.py ] && BASE="--baseline-module ../paged_attention_b738059.py"
   BUDGET=$(( $(date +%s) - T0 + ${ATTN_BUDGET:-70} )) step "attention bench" "$R/attention-bench.log" \
     python3 scripts/attention_bench.py "$R/attention-bench.json" $BASE
+  if [ "${DISAGG:-1}" != 0 ]; then  # issue 43: prefill on the GPU, decode on 8 of the CPU cores, K/V moved
+    S05=$(sed -n 1p "$W/synthetic.log")
+    step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \
+      disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 \
+      --outputs 128,512 --backlogs 0,24 --runs 1
+    stamp "disaggregation: $(grep -m1 -o 'Link: .*' "$R/disaggregation.log" | head -c 300)"
+  fi
   stamp "llama build: $(tail -n 2 "$W/llama-build.log" | tr '\n' ' ')"
   stamp "synthetic: $(tr '\n' ' ' < "$W/synthetic.log" | tail -c 300)"
 else

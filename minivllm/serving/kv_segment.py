@@ -76,7 +76,9 @@ def handoff_to_wire(handoff: Handoff, name: str) -> dict:
     """Write `handoff`'s K/V into a new segment `name` and return the message fields that
     describe the rest. The caller releases the request after this."""
     kv = handoff.kv
-    k, v = kv.k.contiguous().cpu(), kv.v.contiguous().cpu()
+    # From a GPU pool the tensors go straight into the segment: one device-to-host copy,
+    # not one into a staging tensor and another into the segment.
+    k, v = kv.k.contiguous(), kv.v.contiguous()
     t0 = time.perf_counter()
     with new_segment(name, k.nbytes + v.nbytes) as buf:
         if k.nbytes:

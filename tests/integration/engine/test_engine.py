@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import single_sequence
 import torch
 from conftest import DATA_DIR
 from engine_invariants import check_invariants, free_equals_total
@@ -318,27 +319,8 @@ def tiny(tmp_path_factory):
     return model, Tokenizer.from_gguf(gguf)
 
 
-@torch.inference_mode()
 def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
-    """One request alone: single-sequence forward + the sampler with a fresh seeded generator.
-    Ends at EOS / a stop token / max_tokens / max_model_len; ignores stop strings. Returns
-    the tokens and each decision's margin (sampling_margin.draw_margin)."""
-    c = model.config
-    n = min(params.max_tokens, TINY_MAX_MODEL_LEN - len(ids))
-    cache = ContiguousKVCache(c.n_layers, len(ids) + n, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
-    generator = make_generator(params, torch.device("cpu"))
-    logits = model.forward(torch.tensor(ids), 0, cache)
-    out, margins = [], []
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
-    for i in range(n):
-        # greedy: the top-2 gap of the penalised logits; seeded: how close this draw was
-        margins.append(draw_margin(logits, ids + out, out, params, generator))
-        token = sample(logits, ids + out, out, params, generator)
-        out.append(token)
-        if token in stops or i + 1 == n:
-            break
-        logits = model.forward(torch.tensor([token]), len(ids) + i, cache)
-    return out, margins
+    return single_sequence.reference_tokens(model, tokenizer, ids, params, max_model_len=TINY_MAX_MODEL_LEN)
 
 
 sampling_params = st.builds(

@@ -25,17 +25,16 @@ import json
 from collections import Counter
 
 import pytest
+import single_sequence
 import torch
 from conftest import DATA_DIR
 from engine_invariants import check_invariants, free_equals_total
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
-from sampling_margin import draw_margin
 
 import minivllm.cache.prefix_index as prefix_index_module
 from minivllm import LLM, SamplingParams
-from minivllm.cache.contiguous import ContiguousKVCache
 from minivllm.cache.flight_coordinator import FlightCoordinator, UnknownFlightRequestError
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import ROOT_KEY, PrefixIndex
@@ -44,7 +43,6 @@ from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Status
 from minivllm.errors import ConfigError
 from minivllm.kernels.kernel_options import KernelOptions
-from minivllm.sampling.sampler import make_generator, sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -94,52 +92,15 @@ def tiny_engine(tiny, *, pages: int | None = None, **config) -> LLMEngine:
     return engine
 
 
-_reference_memo: dict = {}
-
-
-@torch.inference_mode()
 def reference_tokens(model, tokenizer, ids: list[int], params: SamplingParams,
                      max_model_len: int = TINY_LEN) -> tuple[list[int], list[float]]:
-    """One request alone: single-sequence forward + the sampler with a fresh seeded
-    generator. Ends at EOS / a stop token / max_tokens / max_model_len (no stop strings).
-    Returns the tokens and the reference's margin at each (sampling_margin.draw_margin)."""
-    key = (id(model), tuple(ids), params.temperature, params.top_k, params.top_p, params.seed, params.max_tokens,
-           params.ignore_eos, tuple(params.stop_token_ids), max_model_len)
-    if key in _reference_memo:
-        return _reference_memo[key]
-    assert not params.stop and params.repetition_penalty == 1.0
-    c = model.config
-    n = min(params.max_tokens, max_model_len - len(ids))
-    cache = ContiguousKVCache(c.n_layers, len(ids) + n, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
-    generator = make_generator(params, torch.device("cpu"))
-    out, margins = [], []
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
-    # Engines leave their kernel options on the shared model: the reference always runs
-    # the plain f32 GEMM path (not batch-invariant mode).
-    with model.using(KernelOptions(gemv_max_rows=0)):
-        logits = model.forward(torch.tensor(ids), 0, cache)
-        for i in range(n):
-            # greedy: the top-2 logit gap; seeded: how close this draw came to another token
-            margins.append(draw_margin(logits, ids + out, out, params, generator))
-            token = sample(logits, ids + out, out, params, generator)
-            out.append(token)
-            if token in stops or i + 1 == n:
-                break
-            logits = model.forward(torch.tensor([token]), len(ids) + i, cache)
-    _reference_memo[key] = (out, margins)
-    return out, margins
+    """single_sequence.reference_tokens on the plain f32 GEMM path (not batch-invariant mode)."""
+    return single_sequence.reference_tokens(model, tokenizer, ids, params, max_model_len=max_model_len,
+                                            kernel_options=KernelOptions(gemv_max_rows=0))
 
 
 def check_greedy(got: list[int], want: list[int], margins: list[float], label: str) -> int | None:
-    """got == want, except from a flipped near-tie on. Returns the tolerated index or None."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            print(f"{label}: token {i} differs (engine {g}, reference {w}); reference margin {margins[i]:.3e}")
-            assert margins[i] < NEAR_TIE, (f"{label}: token {i} is {g}, the single-sequence reference gives {w} "
-                                            f"with top-2 margin {margins[i]:.3e} >= {NEAR_TIE}: not a near-tie")
-            return i
-    assert len(got) == len(want), f"{label}: {got} vs reference {want}"
-    return None
+    return single_sequence.check_greedy(got, want, margins, label, NEAR_TIE)
 
 
 def check_output(tiny, engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
