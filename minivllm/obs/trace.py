@@ -18,7 +18,8 @@ Usage (the model and the engine call it; the CLI's ``--trace-directory DIR`` tur
             ...
     # written at exit, or now: flush_trace() -> <dir>/minivllm-trace-<pid>.json
 
-Scope kinds: step, model, layer, attn, mlp, qmatmul, sample, prefill, decode, schedule.
+Scope kinds: step, model, layer, attn, mlp, qmatmul, sample, prefill, decode, schedule, draft,
+verify, handoff.
 
 Pass the detail as its own argument (an int is fine: ``trace_scope("layer", i)``), never as a
 pre-formatted f-string: the event name is formatted only while tracing is on. When tracing is
@@ -65,7 +66,8 @@ __all__ = [
 
 SCOPE_KINDS: frozenset[str] = frozenset(
     {"step", "model", "layer", "attn", "mlp", "qmatmul", "sample", "prefill", "decode", "schedule",
-     "draft", "verify"}  # the last two: speculative decoding's proposal and verification
+     "draft", "verify",  # speculative decoding's proposal and verification
+     "handoff"}  # a split request's K/V leaving this worker ("export") or entering it ("import")
 )
 
 # One ARGB colour per kind, so Nsight Systems tells the kinds apart at a glance.
@@ -82,6 +84,7 @@ _NVTX_COLORS: dict[str, int] = {
     "prefill": 0xFFFF9DA7,  # pink
     "decode": 0xFF9C755F,  # brown
     "schedule": 0xFFBAB0AC,  # grey
+    "handoff": 0xFF17BECF,  # cyan
 }
 _NVTX_DOMAIN = "minivllm"
 

@@ -71,7 +71,8 @@ class Cluster:
                  prompt_special_tokens: bool = True,
                  max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
                  max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
-                 backend: str = "local", ray_address: str | None = "auto", **engine_options):
+                 backend: str = "local", ray_address: str | None = "auto", trace_directory: str | None = None,
+                 **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
         `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers).
         `fault_injection=True` lets `inject_fault` make a worker's step loop hang (drills,
@@ -89,7 +90,9 @@ class Cluster:
         state, stage)` is called while workers load (the widgets show it). `backend` is
         "local" (one child process per worker, the default) or "ray" (one Ray actor per
         worker on the cluster at `ray_address`: "auto", "ray://host:10001", or None for a
-        private local Ray instance; needs `pip install 'minivllm[ray]'`)."""
+        private local Ray instance; needs `pip install 'minivllm[ray]'`). `trace_directory`:
+        every worker records its steps (and a split request's handoff) as a Chrome trace
+        there, one file per process (obs/trace.py), written when the worker stops."""
         from minivllm.gguf.tokenizer import Tokenizer
         from minivllm.models import resolve_model
 
@@ -114,7 +117,8 @@ class Cluster:
         self.worker_config = {"model": str(self.model_path), "dtype": dtype,
                               "draft_model": str(self.draft_model_path) if self.draft_model_path else None,
                               "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile,
-                              "fault_injection": bool(fault_injection)}
+                              "fault_injection": bool(fault_injection),
+                              "trace_directory": None if trace_directory is None else str(Path(trace_directory))}
         if backend == "ray":  # each node resolves the names itself and checks it has the same files
             from minivllm.models.cache import quick_fingerprint
 

@@ -34,6 +34,7 @@ import time
 import traceback
 
 from minivllm.errors import ConfigError, MinivllmError
+from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
 from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
 from minivllm.serving.protocol import event_to_wire, params_from_wire
@@ -74,6 +75,7 @@ def serve_worker(endpoint, config: dict) -> None:
             pass
         return
     worker.run()
+    flush_trace()  # a no-op unless tracing; written here too since a stopped process may skip atexit
 
 
 class Worker:
@@ -88,6 +90,8 @@ class Worker:
         device = config["device"]
         self.name = device["name"]
         torch.set_num_threads(int(device.get("threads") or 1))
+        if config.get("trace_directory"):  # one Perfetto file per worker process, opened together
+            enable_tracing(config["trace_directory"], process_name=f"minivllm worker {self.name}")
         endpoint.send({"op": "loading", "stage": "model"})
         dtype = config.get("dtype") or "f32"
         if dtype == "auto":  # f32 where it is fast (CPU), f16 on GPUs (a T4 has no bf16)
@@ -278,7 +282,8 @@ class Worker:
             del self.exports[rid]
             started = time.time()
             try:
-                meta = handoff_to_wire(engine.export_request(rid), segment)
+                with trace_scope("handoff", "export", request=rid):
+                    meta = handoff_to_wire(engine.export_request(rid), segment)
             except Exception as exc:  # noqa: BLE001 - this request fails, the worker goes on
                 unlink_segment(segment)
                 event = engine.abort(rid)
@@ -297,9 +302,10 @@ class Worker:
         rid, meta = msg["request_id"], msg["handoff"]
         started = time.perf_counter()
         try:
-            handoff = handoff_from_wire(meta, params_from_wire(msg["params"]))
-            read_ms = (time.perf_counter() - started) * 1e3
-            self.engine.import_request(handoff, request_id=rid)
+            with trace_scope("handoff", "import", request=rid):
+                handoff = handoff_from_wire(meta, params_from_wire(msg["params"]))
+                read_ms = (time.perf_counter() - started) * 1e3
+                self.engine.import_request(handoff, request_id=rid)
         except Exception as exc:  # noqa: BLE001 - a bad import fails its request, not the worker
             unlink_segment(meta["segment"])
             field = exc.field if isinstance(exc, ConfigError) else None

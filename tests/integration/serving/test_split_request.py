@@ -240,3 +240,24 @@ def test_a_decode_worker_killed_during_the_import_fails_only_that_request(smollm
         assert again.finish_reason == "length" and len(again.token_ids) == 12
         counters = cluster.snapshot()["splits"]["counters"]
         assert counters["failed"] == 1 and counters["handed_off"] == 0
+
+
+def test_both_workers_trace_the_handoff(smollm2_path, tmp_path):
+    # Reference: the trace files themselves (Chrome trace JSON, one per worker process).
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=256,
+                 calibrate=False, trace_directory=str(tmp_path)) as cluster:
+        stream = cluster.submit(PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                placement=(A, B))
+        assert stream.result(120).finish_reason == "length"
+        rid = stream.request_id
+    events = {}
+    for path in tmp_path.glob("minivllm-trace-*.json"):
+        trace = json.loads(path.read_text())
+        trace = trace["traceEvents"] if isinstance(trace, dict) else trace
+        names = [e["args"]["name"] for e in trace if e.get("ph") == "M" and e.get("name") == "process_name"]
+        worker = next(n.removeprefix("minivllm worker ") for n in names)
+        events[worker] = [e for e in trace if e.get("cat") == "handoff"]
+    assert set(events) == {A, B}
+    assert [(e["name"], e["args"]["request"]) for e in events[A]] == [("handoff export", rid)]
+    assert [(e["name"], e["args"]["request"]) for e in events[B]] == [("handoff import", rid)]
+    assert all(e["dur"] > 0 for e in events[A] + events[B])
