@@ -10,12 +10,13 @@ Two kernels apply that rule, both through `slice_sum` and `round_to`:
 * `tiled_gemv._sum_splits_kernel`: the GEMV's own second launch, which writes the output;
 * `fused._add_rms_norm_kernel`: given the unsummed `SplitPartials` of the o- or
   down-projection (`QuantLinear.partials`), it sums them while it adds them to the
-  residual stream. That saves one ~2.5 us launch per such projection in a decode step
-  (two per layer: 56 of the 7B's ~4 ms step on an H100, issue 41) and gives the same
-  bits as the separate launch followed by add_rms_norm.
+  residual stream, with the same bits as the separate launch followed by add_rms_norm.
+  Why: a profile of one 7B Q4_K_M decode step on an H100 (3.95 ms, issue 41) had 56
+  separate split-sum launches, two per layer, at ~2.5 us each (~0.14 ms, ~3.5%).
 
-`MINIVLLM_FOLD_SPLIT_SUM=0` (`fused_projection.fold_split_sum_enabled`, read per
-forward) keeps the separate launch: the A/B switch.
+`MINIVLLM_FOLD_SPLIT_SUM=0` (`fused_projection.fold_split_sum_enabled`, read by each
+forward, so for CUDA graphs when they are captured) keeps the separate launch: the A/B
+switch.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ memory in flight, and every thread reloads the activations for every row group. 
 * narrow matrices (few rows, long K: the 7B's K/V and down projections) split K into
   SPLIT slices so every SM gets work; the slices' float32 partial sums go to a workspace
   and a second small kernel adds them in slice order, so the result does not depend on
-  which program finished first (no atomics: batch-invariant mode stays bit-identical);
+  which program finished first (no atomics: batch-invariant mode stays bit-identical).
+  The rule is `split_sum.py`'s; with `defer_split_sum` the caller gets the workspace
+  (`SplitPartials`) and its consumer, add_rms_norm, sums it instead of that kernel;
 * activations are loaded `evict_last`, weights `evict_first` (each weight byte is used
   once per call, the activations by every program).
 
