@@ -193,24 +193,26 @@ def test_fold_on_cuda_at_7b_shapes_and_in_a_cuda_graph(ggml_type, n, k):
     gen = torch.Generator().manual_seed(4)
     bias = torch.randn(n, generator=gen).cuda()
     w = (1 + 0.1 * torch.randn(n, generator=gen)).cuda()
+    x = torch.empty(1, k, dtype=torch.float16, device="cuda")  # the inputs a graph reads, refilled per replay
+    h = torch.empty(1, n, device="cuda")
+
+    def step(cfg, fold):
+        y = tiled_gemv(x, rw, cfg, out_dtype=torch.float16, bias=bias, defer_split_sum=fold)
+        return add_rms_norm(h, y, w, EPS, torch.float16)
+
     for cfg in (lookup("sm90", ggml_type.name, n, k), GemvConfig(block_nb=4, block_g=32, split=4)):
-        x = (torch.randn(1, k, generator=gen) * 0.5).half().cuda()
-        h = (4 * torch.randn(1, n, generator=gen)).cuda()
-
-        def step(fold):
-            y = tiled_gemv(x, rw, cfg, out_dtype=torch.float16, bias=bias, defer_split_sum=fold)
-            return add_rms_norm(h, y, w, EPS, torch.float16)
-
-        sep, fold = step(False), step(True)
+        x.copy_((torch.randn(1, k, generator=gen) * 0.5).half())
+        h.copy_(4 * torch.randn(1, n, generator=gen))
+        sep, fold = step(cfg, False), step(cfg, True)
         assert torch.equal(sep[0], fold[0]) and torch.equal(sep[1], fold[1]), cfg
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = step(True)
+            captured = step(cfg, True)
         x.copy_((torch.randn(1, k, generator=gen) * 0.5).half())
         h.copy_(4 * torch.randn(1, n, generator=gen))
         graph.replay()
-        again = step(False)
+        again = step(cfg, False)
         assert torch.equal(captured[0], again[0]) and torch.equal(captured[1], again[1]), cfg
 
 
