@@ -21,8 +21,10 @@ the file's scales in arrays of their own, decoded with magic-number float tricks
 of int→float conversions; about the file size; `raw` rebuilt on demand for the GEMM
 path); the bias is added inside that kernel. One activation row (decode) and
 batch-invariant mode take `tiled_gemv.py` (row groups x K slices per program, split-K
-summed in slice order, no atomics), whose launch shape per (type, N, K) comes from a
-per-GPU table (`gemv_configs.json`, written by `scripts/gemv_sweep.py` on that GPU);
+summed in slice order, no atomics, by the one rule of `split_sum.py`; the o- and
+down-projections' slices are summed inside the next residual add + RMSNorm instead of a
+launch of their own, `MINIVLLM_FOLD_SPLIT_SUM=0` keeps that launch), whose launch shape
+per (type, N, K) comes from a per-GPU table (`gemv_configs.json`, written by `scripts/gemv_sweep.py` on that GPU);
 several rows share one decode of each weight field (up to 8 per program); the kernels decode
 the layout through one set of helpers (`repacked_decode.py`). A layer's Q/K/V and gate/up
 are one repacked weight per run of one type (`fused_projection.py`: one launch, outputs

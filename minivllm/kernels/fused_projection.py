@@ -22,6 +22,8 @@ in a sum); the launch shape comes from the fused shape's row of the GPU table
 (`gemv_configs.lookup`, nearest measured N until a sweep measures it).
 
 `MINIVLLM_FUSED_PROJECTIONS=0` (read at load) keeps the separate weights: the A/B switch.
+`MINIVLLM_FOLD_SPLIT_SUM=0` (read per forward) keeps the split-K sum of the o- and
+down-projections in its own launch instead of inside the next add_rms_norm.
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ from minivllm.kernels.linear import QuantLinear
 from minivllm.obs.trace import trace_scope
 
 FUSED_PROJECTIONS_ENV = "MINIVLLM_FUSED_PROJECTIONS"
+# The o- and down-projections' split-K partials summed inside the next add_rms_norm
+# (`triton/split_sum.py`) instead of by their GEMV's second launch; read per forward.
+FOLD_SPLIT_SUM_ENV = "MINIVLLM_FOLD_SPLIT_SUM"
 
 
 def fusion_enabled() -> bool:
     return os.environ.get(FUSED_PROJECTIONS_ENV, "1") != "0"
+
+
+def fold_split_sum_enabled() -> bool:
+    return os.environ.get(FOLD_SPLIT_SUM_ENV, "1") != "0"
 
 
 def _can_share(a: QuantLinear, b: QuantLinear) -> bool:

@@ -149,6 +149,16 @@ class QuantLinear:
         return "gemm"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, defer_split_sum=False)
+
+    def partials(self, x: torch.Tensor):
+        """This layer's output for a consumer that sums split-K slices itself
+        (`triton.fused.add_rms_norm`): where the GPU GEMV splits K, its unsummed
+        `split_sum.SplitPartials` (one launch fewer); elsewhere the same tensor as
+        calling the layer."""
+        return self._forward(x, defer_split_sum=True)
+
+    def _forward(self, x: torch.Tensor, *, defer_split_sum: bool):
         path = self.path(x.shape[0])
         self.options.path_counts[path] += 1
         with trace_scope("qmatmul", self.name, path=path):  # which path ran, in the trace
@@ -159,7 +169,7 @@ class QuantLinear:
             elif path == "gemm":
                 y = x.to(self.compute_dtype) @ self.dense().T
             elif self._repacked is not None and x.shape[0] > 0:
-                y = self._repacked_gemv(x, invariant=path == "gemv-invariant")
+                y = self._repacked_gemv(x, invariant=path == "gemv-invariant", defer_split_sum=defer_split_sum)
                 if y is not None:
                     return y  # the bias is added inside the kernel, before its one rounding
                 y = self._dense_rows(x)  # the kernel failed to compile on this device (warned once)
@@ -257,18 +267,21 @@ class QuantLinear:
         """Whether the repacked GEMV has not failed to compile for this weight's key here."""
         return _cuda_kernel_usable(self._repacked_key())
 
-    def _repacked_gemv(self, x: torch.Tensor, *, invariant: bool) -> torch.Tensor | None:
-        """The repacked GEMV, or None where Triton cannot compile it for this device
-        (then this and every later call take dequantize + cuBLAS, after one warning)."""
+    def _repacked_gemv(self, x: torch.Tensor, *, invariant: bool, defer_split_sum: bool = False):
+        """The repacked GEMV (its `SplitPartials` where asked and K is split), or None where
+        Triton cannot compile it for this device (then this and every later call take
+        dequantize + cuBLAS, after one warning)."""
         from minivllm.kernels.triton.repacked_gemv import repacked_gemv
 
         key = self._repacked_key()
         if key in _CUDA_KERNEL_FAILED:
             return None
         if key in _CUDA_KERNEL_OK:
-            return repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias)
+            return repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias,
+                                 defer_split_sum=defer_split_sum)
         try:
-            y = repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias)
+            y = repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias,
+                              defer_split_sum=defer_split_sum)
         except Exception as exc:  # a Triton compile/launch failure on this GPU (e.g. sm_75 on a newer Triton)
             import warnings
 

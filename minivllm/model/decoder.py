@@ -204,14 +204,18 @@ class DecoderModel:
         RMSNorm in one pass (the residual add of the previous sublayer folded into the
         next norm), RoPE on q and k in one launch, SwiGLU in one launch (or in the fused
         gate+up GEMV's epilogue); Q/K/V and gate/up one GEMV each where fused
-        (`fuse_projections`)."""
-        from minivllm.kernels.fused_projection import project_swiglu
+        (`fuse_projections`). The o- and down-projections feed add_rms_norm their split-K
+        partials where their GEMV splits K: it sums them itself (the same bits, one launch
+        fewer each; off under MINIVLLM_FOLD_SPLIT_SUM=0)."""
+        from minivllm.kernels.fused_projection import fold_split_sum_enabled, project_swiglu
         from minivllm.kernels.triton.fused import add_rms_norm, rope_qk
 
         cfg = self.config
         t = h.shape[0]
         eps = cfg.rms_eps
-        pending = None  # the last sublayer's output, added to h by the next norm
+        # what the projections that feed add_rms_norm return: the plain output, or its partials
+        into_norm = QuantLinear.partials if fold_split_sum_enabled() else QuantLinear.__call__
+        pending = None  # the last sublayer's output (or its split-K partials), added to h by the next norm
         for i, layer in enumerate(self.layers):
             with trace_scope("layer", i):
                 with trace_scope("attn"):
@@ -225,9 +229,9 @@ class DecoderModel:
                     q, k = rope_qk(q, k, cos, sin, self.rope.style, store=None if target is None else (*target, v))
                     attn = kv.attend(i, q, k, v) if target is None else kv.attend_stored(i, q)
                     attn = attn.reshape(t, cfg.n_heads * cfg.head_dim)
-                    h, x = add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, self.dtype)
+                    h, x = add_rms_norm(h, into_norm(layer.o, attn), layer.ffn_norm, eps, self.dtype)
                 with trace_scope("mlp"):
-                    pending = layer.down(project_swiglu(layer.gate, layer.up, x, self.dtype))
+                    pending = into_norm(layer.down, project_swiglu(layer.gate, layer.up, x, self.dtype))
         _, x = add_rms_norm(h, pending, self.output_norm, eps, torch.float32)
         if logits_rows is not None:
             x = x[logits_rows]

@@ -5,7 +5,8 @@ pow, mean, add, rsqrt, mul, mul; RoPE another eight per tensor), each a few
 microseconds even inside a CUDA graph; on Qwen2.5-0.5B that was most of the step. Here:
 
 * `add_rms_norm`: h + delta (the residual add, float32) and RMSNorm of the sum, written
-  in the matmul dtype, in one pass over the row;
+  in the matmul dtype, in one pass over the row; delta may be a split-K GEMV's unsummed
+  partials, summed here by the GEMV's own rule (`split_sum.py`), one launch fewer;
 * `rope_qk`: RoPE on a row's query and key heads (both GGUF layouts), queries out in
   float32, keys in their own dtype (the cache's); given the step's page slots, it also
   writes the keys and values into the KV cache (no separate store launch);
@@ -25,19 +26,25 @@ import triton.language as tl
 
 from minivllm.kernels.triton.kv_store import store_row_heads
 from minivllm.kernels.triton.paged_attention import require_triton_device
+from minivllm.kernels.triton.split_sum import SplitPartials, round_to, slice_sum
 
 _MAX_BLOCK = 1 << 15
 
 
 @triton.jit
-def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, h_out_ptr, x_out_ptr, stride_h, stride_y, stride_ho, stride_xo,
-                         n_cols, eps, HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, h_out_ptr, x_out_ptr, bias_ptr, stride_h, stride_y, stride_ys,
+                         stride_ho, stride_xo, n_cols, eps, HAS_Y: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """y: the delta (SPLIT = 1, any float dtype), or a split GEMV's float32 partials
+    (SPLIT slices `stride_ys` apart), summed and rounded as the GEMV's own split sum would
+    have (`split_sum.py`) before the residual add."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_Y:
-        h = h + tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        y = slice_sum(y_ptr, row * stride_y + cols, mask, stride_ys, bias_ptr, cols, SPLIT, HAS_BIAS)
+        h = h + round_to(y, ROUND)
         tl.store(h_out_ptr + row * stride_ho + cols, h, mask=mask)
     variance = tl.sum(h * h, axis=0) / n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -45,21 +52,32 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, h_out_ptr, x_out_ptr, stride_h, st
     tl.store(x_out_ptr + row * stride_xo + cols, x.to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | SplitPartials | None, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta) in out_dtype). h: (T, d) float32 residual stream;
-    delta: (T, d) any float dtype, or None (norm only; h is returned as is)."""
+    delta: (T, d) any float dtype; or a split GEMV's `SplitPartials` (from
+    `QuantLinear.partials`), summed here exactly as the GEMV's split sum would have
+    (slice order, bias, one rounding to its out dtype), so the same bits as passing that
+    GEMV's output; or None (norm only; h is returned as is)."""
     t, d = h.shape
     block = triton.next_power_of_2(d)
-    if block > _MAX_BLOCK or h.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
+    partials = delta if isinstance(delta, SplitPartials) else None
+    y = partials.ws if partials is not None else delta
+    if y is not None and tuple(y.shape[-2:]) != (t, d):
+        raise ValueError(f"add_rms_norm: delta of shape {tuple(y.shape[-2:])} for h of shape {(t, d)}")
+    if block > _MAX_BLOCK or h.stride(-1) != 1 or (y is not None and y.stride(-1) != 1):
         raise ValueError("add_rms_norm: rows must be contiguous and at most 32768 wide")
     require_triton_device({"h": h, "weight": weight}, "add_rms_norm")
     h_out = torch.empty_like(h) if delta is not None else h
     x = torch.empty((t, d), dtype=out_dtype, device=h.device)
     if t:
-        y = delta if delta is not None else h
-        _add_rms_norm_kernel[(t,)](h, y, weight, h_out, x, h.stride(0), y.stride(0), h_out.stride(0), x.stride(0), d,
-                                   float(eps), HAS_Y=delta is not None, BLOCK=block,
+        y = y if y is not None else h
+        bias = partials.bias if partials is not None else None
+        _add_rms_norm_kernel[(t,)](h, y, weight, h_out, x, bias if bias is not None else h, h.stride(0),
+                                   y.stride(-2), y.stride(0) if partials is not None else 0, h_out.stride(0),
+                                   x.stride(0), d, float(eps), HAS_Y=delta is not None,
+                                   SPLIT=partials.split if partials is not None else 1, HAS_BIAS=bias is not None,
+                                   ROUND=partials.round_code if partials is not None else 0, BLOCK=block,
                                    num_warps=4 if block <= 4096 else 8)
     return h_out, x
 

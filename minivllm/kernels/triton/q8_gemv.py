@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType
 from minivllm.kernels.gemv_configs import GemvConfig, default_config
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.repacked_decode import store_rows, word_tile
+from minivllm.kernels.triton.split_sum import SplitPartials
 
 _T = GGMLQuantizationType
 Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
@@ -233,7 +234,7 @@ def _q8_gemv_kernel(
                     acc += (_small_int_to_f32(isum) * (d * _small_int_to_f32(sc))
                             - _small_int_to_f32(xs) * (dmin * _small_int_to_f32(mn))) * dx
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
-    # split: float32 partials, summed in order by tiled_gemv.sum_splits
+    # split: float32 partials, summed in order by split_sum.slice_sum (tiled_gemv.split_output)
     store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT, HAS_BIAS)
 
 
@@ -242,31 +243,32 @@ _KIND = {_T.Q4_0: 0, _T.Q4_1: 1, _T.Q5_0: 2, _T.Q8_0: 3, _T.Q4_K: 4, _T.Q6_K: 5}
 
 def q8_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig | None = None, *,
             out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
-            xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+            defer_split_sum: bool = False) -> torch.Tensor | SplitPartials:
     """y = (xq * dx) @ W.T (+ bias): x quantized per group of 32 to int8 (`quantize_q8`, or
     `xq` given), integer dot products, float32 per-group scaling, one rounding to out_dtype.
     The launch shape (`config`, default `default_config`) depends on the weight only, and
-    each activation row has its own programs: rows are independent of the batch."""
-    from minivllm.kernels.triton.tiled_gemv import launch_shape, sum_splits
+    each activation row has its own programs: rows are independent of the batch.
+    `defer_split_sum`: as `tiled_gemv`'s (the unsummed `SplitPartials` where K is split)."""
+    from minivllm.kernels.triton.tiled_gemv import launch_shape, split_output
 
     n, k = w.shape
     if w.ggml_type not in Q8_TYPES:
         raise ValueError(f"q8_gemv: {w.ggml_type.name} has no int8-activation kernel")
     xw, dx = xq if xq is not None else quantize_shared(x)
     m = xw.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=xw.device)
+    out_dtype = out_dtype or torch.float32
     if m == 0:
-        return out
+        return torch.empty((0, n), dtype=out_dtype, device=xw.device)
     config = config or default_config(n, k)
     grid, g_per, split = launch_shape(n, k, m, config)
     ptrs = [w.planes[p] if p is not None else w.qs for p in PLANE_ORDER[w.ggml_type.name]]
     has_bias = bias is not None
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xw.device)
+    dest = (torch.empty((m, n), dtype=out_dtype, device=xw.device) if split == 1
+            else torch.empty((split, m, n), dtype=torch.float32, device=xw.device))
     _q8_gemv_kernel[grid](
-        xw, dx, w.qs, *ptrs, bias if has_bias else out, dest, m, n, n, m * n, g_per, triton.cdiv(n, R),
+        xw, dx, w.qs, *ptrs, bias if has_bias else dest, dest, m, n, n, m * n, g_per, triton.cdiv(n, R),
         N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
         EMULATE=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
-    if split > 1:
-        sum_splits(dest, out, bias)
-    return out
+    return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)

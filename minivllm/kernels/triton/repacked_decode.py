@@ -134,7 +134,7 @@ def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.
 def store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR: tl.constexpr,
                BLOCK_NB: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """A program's [NB, R] row sums: + bias and rounded once into out[M, N], or, split, as
-    float32 partials into the workspace [SPLIT, M, N] (summed in slice order afterwards)."""
+    float32 partials into the workspace [SPLIT, M, N] (summed afterwards by `split_sum.slice_sum`)."""
     nb2 = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]
     rows = nb2 * RR + tl.arange(0, RR)[None, :]
     r_ok = rows < N

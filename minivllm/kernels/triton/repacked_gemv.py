@@ -191,11 +191,12 @@ def _interpreting() -> bool:
 
 
 def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False, out_dtype: torch.dtype | None = None,
-                  bias: torch.Tensor | None = None, autotune: bool = True) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, autotune: bool = True, defer_split_sum: bool = False):
     """y = x @ W.T (+ bias) with float32 accumulation, rounded once to `out_dtype`
     (default float32). x: (M, K) float32/float16 (bf16 on sm_80+), on w's device.
     `invariant=True`: a fixed configuration, so each row's result is bitwise
-    independent of M and of the other rows."""
+    independent of M and of the other rows. `defer_split_sum`: where the kernel splits
+    K, the unsummed `split_sum.SplitPartials` instead of y (a tensor everywhere else)."""
     n, k = w.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ConfigError(f"x for {w.name!r}", tuple(x.shape), f"expected (M, {k}) activations")
@@ -214,12 +215,12 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     # only, so these kernels are also the batch-invariant ones.
     if _int8_path(x, w):
         config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count, int8=True)
-        return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
+        return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias, defer_split_sum=defer_split_sum)
     config = tiled_config(x, w, invariant=invariant)
     if config is not None:
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv
 
-        return tiled_gemv(x, w, config, out_dtype=out_dtype, bias=bias)
+        return tiled_gemv(x, w, config, out_dtype=out_dtype, bias=bias, defer_split_sum=defer_split_sum)
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
         return out

@@ -12,7 +12,9 @@ memory in flight, and every thread reloads the activations for every row group. 
 * narrow matrices (few rows, long K: the 7B's K/V and down projections) split K into
   SPLIT slices so every SM gets work; the slices' float32 partial sums go to a workspace
   and a second small kernel adds them in slice order, so the result does not depend on
-  which program finished first (no atomics: batch-invariant mode stays bit-identical);
+  which program finished first (no atomics: batch-invariant mode stays bit-identical).
+  The rule is `split_sum.py`'s; with `defer_split_sum` the caller gets the workspace
+  (`SplitPartials`) and its consumer, add_rms_norm, sums it instead of that kernel;
 * activations are loaded `evict_last`, weights `evict_first` (each weight byte is used
   once per call, the activations by every program).
 
@@ -41,6 +43,7 @@ from minivllm.kernels.triton.repacked_decode import (
     store_rows,
     word_tile,
 )
+from minivllm.kernels.triton.split_sum import ROUND_CODES, SplitPartials, round_to, slice_sum
 
 
 @triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB"])
@@ -122,16 +125,6 @@ def _tiled_gemv_kernel(
 
 
 @triton.jit
-def _rounded(v, ROUND: tl.constexpr):
-    """v as the matmul would have returned it (then float32 again): the separate GEMV's rounding."""
-    if ROUND == 16:
-        v = v.to(tl.float16).to(tl.float32)
-    elif ROUND == 17:
-        v = v.to(tl.bfloat16).to(tl.float32)
-    return v
-
-
-@triton.jit
 def _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR: tl.constexpr,
                   BLOCK_NB: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
     """The paired tile's [NB, R] sums (rows alternating gate, up by row group) as
@@ -149,42 +142,31 @@ def _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, strid
         if HAS_BIAS:
             g += tl.load(bias_ptr + rows, mask=r_ok, other=0.0)
             u += tl.load(bias_ptr + N + rows, mask=r_ok, other=0.0)
-        y = silu_mul(_rounded(g, ROUND), _rounded(u, ROUND))
+        y = silu_mul(round_to(g, ROUND), round_to(u, ROUND))
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, stride_ws, SPLIT: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PAIRED: tl.constexpr, ROUND: tl.constexpr):
-    """out = sum of the SPLIT partials, in slice order (+ bias), rounded once. PAIRED: the
-    workspace rows hold gate (columns < N) and up (columns N..2N) partials; out [M, N] gets
-    silu(g) * u of the two sums (each rounded as its GEMV's output would be)."""
+    """out = the SPLIT partials summed by `split_sum.slice_sum` (slice order, then bias),
+    rounded once. PAIRED: the workspace rows hold gate (columns < N) and up (columns
+    N..2N) partials; out [M, N] gets silu(g) * u of the two sums (each rounded as its
+    GEMV's output would be)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     if PAIRED:
         col = offs % N
         at = (offs // N) * (2 * N) + col
-        g = tl.load(ws_ptr + at, mask=ok, other=0.0)
-        u = tl.load(ws_ptr + at + N, mask=ok, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            g += tl.load(ws_ptr + s * stride_ws + at, mask=ok, other=0.0)
-            u += tl.load(ws_ptr + s * stride_ws + at + N, mask=ok, other=0.0)
-        if HAS_BIAS:
-            g += tl.load(bias_ptr + col, mask=ok, other=0.0)
-            u += tl.load(bias_ptr + N + col, mask=ok, other=0.0)
-        y = silu_mul(_rounded(g, ROUND), _rounded(u, ROUND))
+        g = slice_sum(ws_ptr, at, ok, stride_ws, bias_ptr, col, SPLIT, HAS_BIAS)
+        u = slice_sum(ws_ptr, at + N, ok, stride_ws, bias_ptr, N + col, SPLIT, HAS_BIAS)
+        y = silu_mul(round_to(g, ROUND), round_to(u, ROUND))
     else:
-        y = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs % N, mask=ok, other=0.0)
+        y = slice_sum(ws_ptr, offs, ok, stride_ws, bias_ptr, offs % N, SPLIT, HAS_BIAS)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _SUM_BLOCK = 1024
-# ROUND codes of `_rounded`: how the separate GEMV would have rounded gate and up.
-_ROUND = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 0}
 
 
 def launch_shape(n: int, k: int, m: int, config: GemvConfig) -> tuple[tuple[int, int, int], int, int]:
@@ -206,35 +188,47 @@ def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, *
     has_bias = bias is not None
     _sum_splits_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, bias if has_bias else out, out, m * n, n, ws.stride(0),
                                                           SPLIT=split, HAS_BIAS=has_bias, BLOCK=_SUM_BLOCK,
-                                                          PAIRED=paired, ROUND=_ROUND[mid_dtype], num_warps=4)
+                                                          PAIRED=paired, ROUND=ROUND_CODES[mid_dtype], num_warps=4)
 
 
 def _planes(w: RepackedWeight) -> list[torch.Tensor]:
     return [w.planes[nm] if nm is not None else w.qs for nm in PLANE_ORDER[w.ggml_type.name]]
 
 
+def split_output(ws: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, *,
+                 defer_split_sum: bool) -> torch.Tensor | SplitPartials:
+    """A split GEMV's result from its workspace: the partials as they are
+    (`defer_split_sum`, for a consumer that sums them itself), else the summed output."""
+    if defer_split_sum:
+        return SplitPartials(ws, bias, out_dtype)
+    out = torch.empty(ws.shape[1:], dtype=out_dtype, device=ws.device)
+    sum_splits(ws, out, bias)
+    return out
+
+
 def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dtype: torch.dtype | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, defer_split_sum: bool = False) -> torch.Tensor | SplitPartials:
     """y = x @ W.T (+ bias), float32 accumulation, one rounding to `out_dtype` (default
-    float32). x: (M, K) on w's device (the caller checks shapes and devices)."""
+    float32). x: (M, K) on w's device (the caller checks shapes and devices).
+    `defer_split_sum`: where `config` splits K, return the unsummed `SplitPartials`
+    instead (one launch fewer; the consumer sums them, `split_sum.py`)."""
     n, k = w.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
+    out_dtype = out_dtype or torch.float32
     if m == 0:
-        return out
+        return torch.empty((0, n), dtype=out_dtype, device=x.device)
     grid, g_per, split = launch_shape(n, k, m, config)
     has_bias = bias is not None
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    dest = (torch.empty((m, n), dtype=out_dtype, device=x.device) if split == 1
+            else torch.empty((split, m, n), dtype=torch.float32, device=x.device))
     _tiled_gemv_kernel[grid](
-        x, w.qs, *_planes(w), bias if has_bias else out, dest, m, n, x.stride(0), n, m * n, g_per, triton.cdiv(n, R),
-        0, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
+        x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
+        triton.cdiv(n, R), 0, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    if split > 1:
-        sum_splits(dest, out, bias)
-    return out
+    return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)
 
 
 def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, mid_dtype: torch.dtype,
@@ -262,7 +256,7 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
     _tiled_gemv_kernel[grid](
         x, w.qs, *_planes(w), bias if has_bias else out, dest, m, half, x.stride(0), half, m * n2, g_per, half // R,
         half // R, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
-        BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=_ROUND[mid_dtype],
+        BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)

@@ -80,12 +80,15 @@ from triton.compiler import ASTSource
 from minivllm.kernels.triton import fused as f
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
 out = {}
-sig = {"h_ptr": "*fp32", "y_ptr": "*fp16", "w_ptr": "*fp32", "h_out_ptr": "*fp32", "x_out_ptr": "*fp16",
-       "stride_h": "i32", "stride_y": "i32", "stride_ho": "i32", "stride_xo": "i32", "n_cols": "i32", "eps": "fp32",
-       "HAS_Y": "constexpr", "BLOCK": "constexpr"}
-k = triton.compile(ASTSource(f._add_rms_norm_kernel, sig, {"HAS_Y": True, "BLOCK": 4096}, attrs=attrs),
-                   target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
-out["add_rms_norm"] = k.asm["ptx"]
+for split in (1, 3):  # a plain delta, and a split GEMV's partials summed in the kernel (+ bias, f16 rounding)
+    sig = {"h_ptr": "*fp32", "y_ptr": "*fp16" if split == 1 else "*fp32", "w_ptr": "*fp32", "h_out_ptr": "*fp32",
+           "x_out_ptr": "*fp16", "bias_ptr": "*fp32", "stride_h": "i32", "stride_y": "i32", "stride_ys": "i32",
+           "stride_ho": "i32", "stride_xo": "i32", "n_cols": "i32", "eps": "fp32"}
+    const = {"HAS_Y": True, "SPLIT": split, "HAS_BIAS": split > 1, "ROUND": 16 if split > 1 else 0, "BLOCK": 4096}
+    sig.update({n: "constexpr" for n in const})
+    k = triton.compile(ASTSource(f._add_rms_norm_kernel, sig, const, attrs=attrs),
+                       target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
+    out[f"add_rms_norm/split={split}"] = k.asm["ptx"]
 sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "qo_ptr": "*fp32", "ko_ptr": "*fp16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_qot", "stride_qoh",
                                "stride_kot", "stride_koh", "stride_c")})
@@ -117,7 +120,7 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 4
+    assert len(result) == 5
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False}, key
 
