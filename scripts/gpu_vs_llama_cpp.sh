@@ -210,9 +210,12 @@ else
     "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
   step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
     "$R/batched-default-0.5b.json" --npl 1,8
-  # host overhead: the same decode with async scheduling off (every step read before the next)
+  # host overhead: the same decode with async scheduling off (every step read before the next), and with
+  # the split-K sums launched on their own instead of folded into the next norm
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode sync $s" "$R/decode-sync-$s.log" $DEC $SYN $s --prompt-tokens 512 --option async_scheduling=false
+    step "decode unfolded $s" "$R/decode-unfolded-$s.log" env MINIVLLM_FOLD_SPLIT_SUM=0 $DEC $SYN $s \
+      --prompt-tokens 512
     step "decode eager prefill $s" "$R/decode-eagerprefill-$s.log" $DEC $SYN $s --prompt-tokens 512 \
       --option prefill_graphs=false
   done

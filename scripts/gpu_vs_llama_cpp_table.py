@@ -103,7 +103,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             continue
         n, p = minivllm_row(native), minivllm_row(native, "llama.cpp-cuda")
         for kind, label in (("sync", "async scheduling off"), ("sm75", "T4 profile (MINIVLLM_GPU_PROFILE=sm75)"),
-                            ("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)")):
+                            ("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)"),
+                            ("unfolded", "split-K sums launched apart (MINIVLLM_FOLD_SPLIT_SUM=0)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]
