@@ -76,3 +76,12 @@ def test_committed_rows_drawn_beside_and_non_finite_left_out():
     assert traces["bench: split faster than whole on A (measured)"]["x"] == [128]
     assert "bench: split not faster than whole on A (measured)" not in traces  # its one row had a NaN advantage
     assert "bench: advantage A − B, backlog 0 on A" not in " ".join(traces)
+
+
+def test_transfer_is_the_median_and_advantage_the_mean():
+    from minivllm_widgets.break_even import advantage_by_backlog, transfer_by_prompt
+
+    rows = [_row(256, 0, 100.0, 1.0, False), _row(256, 4, 120.0, 2.0, False), _row(256, 8, 400.0, 9.0, True)]
+    assert transfer_by_prompt(rows) == {256: {"transfer_ms": 120.0, "kv_bytes": 256 * 46_080}}
+    rows.append(_row(1024, 8, 500.0, 3.0, True))
+    assert advantage_by_backlog(rows) == {0: 1.0, 4: 2.0, 8: 6.0}
