@@ -68,8 +68,9 @@ def _finite(v) -> bool:
 
 def _source_traces(rows: list[dict], label: str, answers: list[int], dash: str, first_colour: int) -> list:
     traces = []
+    colours = {}  # prompt length -> its curve's colour, which its cases' markers take too
     for i, (p, t) in enumerate(transfer_by_prompt(rows).items()):
-        colour = CURVE_COLOURS[(first_colour + i) % len(CURVE_COLOURS)]
+        colour = colours[p] = CURVE_COLOURS[(first_colour + i) % len(CURVE_COLOURS)]
         traces.append(go.Scatter(
             x=list(answers), y=[break_even_ms_per_token(t["transfer_ms"], n) for n in answers], mode="lines",
             name=f"{label}: transfer / n, {p}-token prompt ({t['kv_bytes'] / 1e6:.1f} MB in {t['transfer_ms']:.0f} ms)",
@@ -87,10 +88,13 @@ def _source_traces(rows: list[dict], label: str, answers: list[int], dash: str, 
         if not chosen:
             continue
         traces.append(go.Scatter(
-            x=[r["max_tokens"] for r in chosen], y=[r["advantage_ms_per_token"] for r in chosen], mode="markers",
-            name=f"{label}: split {'faster' if pays else 'not faster'} than whole on A (measured)",
+            x=[r["max_tokens"] for r in chosen], y=[r["advantage_ms_per_token"] for r in chosen],
+            mode="markers+text", text=[f"b{r['backlog']}" for r in chosen], textposition="middle right",
+            name=f"{label}: {'●' if pays else '✕'} split {'faster' if pays else 'not faster'} than whole on A "
+                 "(measured; colour: its prompt's curve, bN: backlog N)",
             marker={"symbol": "circle" if pays else "x", "size": 11,
-                    "color": "#34a853" if pays else "#ea4335", "line": {"width": 1, "color": "#222"}},
+                    "color": [colours.get(r["prompt_tokens"], "#888") for r in chosen],
+                    "line": {"width": 1, "color": "#222"}},
             customdata=[[r["prompt_tokens"], r["backlog"], "pays" if r["formula_says_split_pays"] else "does not pay",
                          r["transfer_ms"]] for r in chosen],
             hovertemplate=("prompt %{customdata[0]}, answer %{x}, backlog %{customdata[1]}<br>"

@@ -66,9 +66,22 @@ def handoff_label(record: dict) -> str:
             f"= {record['copy_mb_per_s']:.0f} MB/s)")
 
 
+def with_gaps(rows: list[dict], gap_s: float) -> list[dict | None]:
+    """`rows` (one worker's samples, in time order) with None between two that are more than
+    `gap_s` apart: the worker answered nothing then (it was inside one long step), and the
+    line must break there rather than hold the older value across."""
+    out: list[dict | None] = []
+    for row in rows:
+        if out and row["t"] - out[-1]["t"] > gap_s:
+            out.append(None)
+        out.append(row)
+    return out
+
+
 def timeline_figure(record: dict, submitted: float, token_times: list[float], finished: float,
-                    samples: list[dict], *, margin_s: float = 0.2) -> go.Figure:
-    """Lanes (A above B), then queue lengths, then KV pages; one shared time axis."""
+                    samples: list[dict], *, margin_s: float = 0.2, gap_s: float = 0.5) -> go.Figure:
+    """Lanes (A above B), then queue lengths, then KV pages; one shared time axis. A worker's
+    sampled lines break where it answered nothing for more than `gap_s` (`with_gaps`)."""
     a, b = record["prefill_worker"], record["decode_worker"]
     lanes = [a, b]
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.34, 0.33, 0.33],
@@ -90,21 +103,25 @@ def timeline_figure(record: dict, submitted: float, token_times: list[float], fi
     end = finished - submitted
     window = [s for s in samples if -margin_s <= s["t"] - submitted <= end + margin_s and s["worker"] in lanes]
     for i, lane in enumerate(lanes):
-        rows = [s for s in window if s["worker"] == lane]
-        x = [s["t"] - submitted for s in rows]
+        rows = with_gaps(sorted((s for s in window if s["worker"] == lane), key=lambda s: s["t"]), gap_s)
+        # a break sits halfway between the samples around it, with no value
+        x = [(rows[j - 1]["t"] + rows[j + 1]["t"]) / 2 - submitted if s is None else s["t"] - submitted
+             for j, s in enumerate(rows)]
         colour = SERIES_COLOURS[i]
         for key, row, dash in (("running", 2, "solid"), ("waiting", 2, "dot"),
                                ("held_pages", 3, "solid"), ("cached_pages", 3, "dot")):
             name = f"{lane} {key.replace('_pages', ' pages')}"
-            fig.add_trace(go.Scatter(x=x, y=[s[key] for s in rows], mode="lines+markers", name=name,
+            fig.add_trace(go.Scatter(x=x, y=[None if s is None else s[key] for s in rows], mode="lines+markers",
+                                     name=name, connectgaps=False,
                                      line={"shape": "hv", "color": colour, "dash": dash, "width": 1.5},
                                      marker={"size": 3}, legendgroup=lane, legendgrouptitle_text=lane,
                                      hovertemplate=f"{name}: %{{y}} at %{{x:.3f}} s<extra></extra>"), row=row, col=1)
     start = record["started_at"] - submitted  # the handoff, shaded across all three rows
-    band = f"handoff {record['kv_bytes'] / 1e6:.1f} MB, {record['handoff_ms']:.0f} ms"
     fig.add_vrect(x0=start, x1=start + record["handoff_ms"] / 1e3, fillcolor=COLOURS["write"], opacity=0.15,
-                  line_width=0, annotation_text=band,
-                  annotation_position="top left", annotation_font_size=10)
+                  line_width=0)
+    fig.add_annotation(x=start, xref="x", yref="y domain", y=1.0, yanchor="bottom", xanchor="right",
+                       showarrow=False, font={"size": 10},
+                       text=f"handoff {record['kv_bytes'] / 1e6:.1f} MB, {record['handoff_ms']:.0f} ms")
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], row=1, col=1)
     fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
     fig.update_yaxes(title_text="pages", rangemode="tozero", row=3, col=1)

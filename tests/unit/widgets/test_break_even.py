@@ -33,6 +33,11 @@ def _traces(fig) -> dict:
     return {t["name"]: t for t in fig_json["data"]}, fig_json["layout"]
 
 
+def _named(traces: dict, prefix: str) -> dict:
+    (name,) = [n for n in traces if n.startswith(prefix)]
+    return traces[name]
+
+
 def test_the_articles_numbers():
     # 2 GiB at 25 GB/s is 85.9 ms, which the article rounds to 86
     assert ARTICLE_KV_BYTES / ARTICLE_LINK_BYTES_PER_S * 1e3 == pytest.approx(85.9, abs=0.05)
@@ -60,12 +65,15 @@ def test_measured_curves_lines_and_markers():
     busy = traces["live: advantage A − B, backlog 4 on A: 6.00 ms/token"]
     assert idle["y"] == pytest.approx([0.0, 0.0]) and busy["y"] == pytest.approx([6.0, 6.0])
     assert busy["x"] == [16, 1024]
-    pays = traces["live: split faster than whole on A (measured)"]
-    slower = traces["live: split not faster than whole on A (measured)"]
+    pays = _named(traces, "live: ● split faster than whole on A")
+    slower = _named(traces, "live: ✕ split not faster than whole on A")
     assert pays["x"] == [32, 32] and pays["y"] == pytest.approx([5.0, 7.0])
     assert slower["y"] == pytest.approx([-0.5, 0.5])
     # the formula's verdict in the hover: 5.0 > 120 / 32 = 3.75 pays; 7.0 < 420 / 32 = 13.1 does not
     assert [c[2] for c in pays["customdata"]] == ["pays", "does not pay"]
+    # each marker in its prompt's curve colour, labelled with its backlog
+    assert pays["marker"]["color"] == [c256["line"]["color"], c1024["line"]["color"]]
+    assert pays["text"] == ["b4", "b4"] and slower["text"] == ["b0", "b0"]
 
 def test_committed_rows_drawn_beside_and_non_finite_left_out():
     bench = [_row(4096, 8, 90.0, 1.0, True, n=128), dict(_row(512, 0, 10.0, 0.0, False, n=128),
@@ -73,8 +81,8 @@ def test_committed_rows_drawn_beside_and_non_finite_left_out():
     traces, _ = _traces(break_even_figure(LIVE, bench, bench_label="bench", answers=[16, 128]))
     curve = traces[next(n for n in traces if n.startswith("bench: transfer / n, 4096-token"))]
     assert curve["y"] == pytest.approx([90 / 16, 90 / 128]) and curve["line"]["dash"] == "dot"
-    assert traces["bench: split faster than whole on A (measured)"]["x"] == [128]
-    assert "bench: split not faster than whole on A (measured)" not in traces  # its one row had a NaN advantage
+    assert _named(traces, "bench: ● split faster")["x"] == [128]
+    assert not any(n.startswith("bench: ✕") for n in traces)  # its one row had a NaN advantage
     assert "bench: advantage A − B, backlog 0 on A" not in " ".join(traces)
 
 

@@ -64,7 +64,7 @@ def _figure_as_plotlyjs_gets_it(fig) -> dict:
 
 
 def test_figure_bars_tokens_and_samples():
-    fig = _figure_as_plotlyjs_gets_it(timeline_figure(RECORD, T0, TOKENS, FINISHED, SAMPLES))
+    fig = _figure_as_plotlyjs_gets_it(timeline_figure(RECORD, T0, TOKENS, FINISHED, SAMPLES, gap_s=10.0))
     bars = {t["name"]: t for t in fig["data"] if t["type"] == "bar"}
     assert bars["write"]["y"] == ["cpu"] and bars["write"]["base"] == pytest.approx([2.0])
     assert bars["write"]["x"] == pytest.approx([0.15])
@@ -84,9 +84,24 @@ def test_figure_bars_tokens_and_samples():
     # the handoff, shaded across the rows and named in the title
     bands = [s for s in fig["layout"]["shapes"] if s["type"] == "rect"]
     assert len(bands) == 3 and all((b["x0"], b["x1"]) == pytest.approx((2.0, 2.5)) for b in bands)
+    (note,) = [a for a in fig["layout"]["annotations"] if a["text"].startswith("handoff")]
+    assert note["x"] == pytest.approx(2.0) and note["text"] == "handoff 55.3 MB, 500 ms"
     assert fig["layout"]["title"]["text"] == handoff_label(RECORD)
     label = handoff_label(RECORD)
     assert "55.3 MB" in label and "500 ms" in label and "221 MB/s" in label
     for t in fig["data"]:
         for key in ("x", "base"):
             assert all(math.isfinite(v) for v in t.get(key) or [] if not isinstance(v, str)), (t["name"], key)
+
+
+def test_a_worker_silent_inside_a_long_step_breaks_its_lines():
+    # A answered at 0.1 s, then nothing until 2.4 s (inside its prefill step): no line may
+    # hold 0.1 s's value across that stretch; B answered every 0.3 s and keeps its line.
+    samples = SAMPLES + [dict(SAMPLES[2], t=T0 + 0.4), dict(SAMPLES[2], t=T0 + 0.7)]
+    fig = _figure_as_plotlyjs_gets_it(timeline_figure(RECORD, T0, TOKENS, FINISHED, samples, gap_s=0.5))
+    scatters = {t["name"]: t for t in fig["data"] if t["type"] == "scatter"}
+    assert scatters["cpu running"]["y"] == [1, None, 0]
+    assert scatters["cpu running"]["x"] == pytest.approx([0.1, 1.25, 2.4])  # the break halfway
+    assert scatters["cpu held pages"]["y"] == [75, None, 0]
+    # B: 0.1, 0.4, 0.7 then 2.6 (1.9 s later: a break), nothing else
+    assert scatters["cpu#2 held pages"]["y"] == [0, 0, 0, None, 76]
