@@ -117,7 +117,8 @@ def break_even_figure(live_rows: list[dict], bench_rows: list[dict] | None = Non
         x=quoted, y=[break_even_ms_per_token(article_ms, n) for n in quoted], mode="markers+text",
         name="the article's two thresholds", marker={"color": "#222", "size": 8},
         text=[f"{break_even_ms_per_token(article_ms, n):.2f} ms/token at {n}" for n in quoted],
-        textposition="top right", hovertemplate="%{text}<extra></extra>"))
+        textposition=["top right" if n < answers[-1] / 2 else "top left" for n in quoted],
+        hovertemplate="%{text}<extra></extra>"))
     traces += _source_traces(live_rows, live_label, answers, "solid", 0)
     if bench_rows:
         traces += _source_traces(bench_rows, bench_label, answers, "dot", 3)
@@ -126,6 +127,6 @@ def break_even_figure(live_rows: list[dict], bench_rows: list[dict] | None = Non
         title={"text": "When does decoding elsewhere pay? Break-even = transfer / answer tokens", "font": {"size": 13}},
         xaxis={"title": {"text": "answer length (output tokens)"}, "type": "log", "tickvals": answers},
         yaxis={"title": {"text": "ms per output token"}, "zeroline": True, "zerolinecolor": "#999"},
-        height=520, template="plotly_white", margin={"l": 70, "r": 10, "t": 50},
-        legend={"font": {"size": 10}})
+        height=640, template="plotly_white", margin={"l": 70, "r": 10, "t": 50},
+        legend={"font": {"size": 10}, "orientation": "h", "yanchor": "top", "y": -0.15})
     return fig
