@@ -119,8 +119,9 @@ def timeline_figure(record: dict, submitted: float, token_times: list[float], fi
     start = record["started_at"] - submitted  # the handoff, shaded across all three rows
     fig.add_vrect(x0=start, x1=start + record["handoff_ms"] / 1e3, fillcolor=COLOURS["write"], opacity=0.15,
                   line_width=0)
-    fig.add_annotation(x=start, xref="x", yref="y domain", y=1.0, yanchor="bottom", xanchor="right",
-                       showarrow=False, font={"size": 10},
+    # between the two lanes, ending where the handoff starts: clear of the bars' ends and the title
+    fig.add_annotation(x=start, xref="x", yref="y domain", y=0.5, yanchor="middle", xanchor="right",
+                       showarrow=False, font={"size": 10}, bgcolor="rgba(255,255,255,0.85)",
                        text=f"handoff {record['kv_bytes'] / 1e6:.1f} MB, {record['handoff_ms']:.0f} ms")
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], row=1, col=1)
     fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
