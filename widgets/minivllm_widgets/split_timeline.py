@@ -14,9 +14,11 @@ Inputs are plain records, so the figure is tested against hand-made ones:
 Where each bar comes from (seconds after `submitted`; every worker stamps `time.time()`,
 one clock on one machine):
     A  prefill + first token   submitted .. started_at
-    A  write K/V to segment    started_at .. + write_ms
-    A  rest of the export      .. started_at + export_ms (gathering the pages before the
-                               write, sending `exported`, releasing the request)
+    A  gather the K/V          started_at .. export end - write_ms: the export's time but the
+                               write, drawn before it, since most of it is gathering the
+                               pages' K/V (from a GPU: their copy to host memory); the small
+                               bookkeeping after the write (the message, the release) is in it
+    A  write K/V to segment    .. export end = started_at + export_ms
     B  read into B's pool      import start .. + read_ms, where import start =
                                started_at + handoff_ms - import_ms (the handoff ends when B
                                has imported)
@@ -31,7 +33,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-COLOURS = {"prefill": "#4285f4", "write": "#ea4335", "export": "#f4a6a0", "relay": "#cccccc", "read": "#fbbc05",
+COLOURS = {"prefill": "#4285f4", "gather": "#f4a6a0", "write": "#ea4335", "relay": "#cccccc", "read": "#fbbc05",
            "import": "#fde293", "decode": "#34a853"}
 SERIES_COLOURS = ["#4285f4", "#9c27b0"]  # worker A, worker B in the queue and page rows
 
@@ -40,16 +42,16 @@ def split_phases(record: dict, submitted: float, finished: float) -> list[dict]:
     """The bars: [{"lane", "phase", "start", "end", "label"}], seconds after `submitted`."""
     a, b = record["prefill_worker"], record["decode_worker"]
     exported = record["started_at"] - submitted
-    write_end = exported + record["write_ms"] / 1e3
-    export_end = max(write_end, exported + record["export_ms"] / 1e3)
+    export_end = exported + max(record["export_ms"], record["write_ms"]) / 1e3
+    write_start = export_end - record["write_ms"] / 1e3
     handoff_end = exported + record["handoff_ms"] / 1e3
     import_start = max(export_end, handoff_end - record["import_ms"] / 1e3)
     read_end = min(handoff_end, import_start + record["read_ms"] / 1e3)
     mb = record["kv_bytes"] / 1e6
     phases = [
         (a, "prefill", 0.0, exported, f"prefill {record.get('kv_tokens', '?')} tokens + first token"),
-        (a, "write", exported, write_end, f"write {mb:.1f} MB to the segment: {record['write_ms']:.0f} ms"),
-        (a, "export", write_end, export_end, f"rest of the export: {(export_end - write_end) * 1e3:.0f} ms"),
+        (a, "gather", exported, write_start, f"gather the pages' K/V: {(write_start - exported) * 1e3:.0f} ms"),
+        (a, "write", write_start, export_end, f"write {mb:.1f} MB to the segment: {record['write_ms']:.0f} ms"),
         (b, "relay", export_end, import_start, f"controller relays: {(import_start - export_end) * 1e3:.0f} ms"),
         (b, "read", import_start, read_end, f"read {mb:.1f} MB into {b}'s pool: {record['read_ms']:.0f} ms"),
         (b, "import", read_end, handoff_end, f"adopt pages + admit: {(handoff_end - read_end) * 1e3:.0f} ms"),

@@ -34,10 +34,10 @@ SAMPLES = [dict(zip(COLUMNS, row)) for row in [
 
 def test_phases_by_hand():
     phases = {p["phase"]: p for p in split_phases(RECORD, T0, FINISHED)}
-    # export starts 2.0 s after submit; the write is its first 150 ms, the export ends at 300 ms;
+    # export starts 2.0 s after submit and ends 300 ms later; the write is its last 150 ms;
     # the handoff ends at 2.0 + 0.5; B's import began import_ms (120 ms) before that, at 2.38;
     # its read took the first 100 ms of it.
-    expected = {"prefill": ("cpu", 0.0, 2.0), "write": ("cpu", 2.0, 2.15), "export": ("cpu", 2.15, 2.3),
+    expected = {"prefill": ("cpu", 0.0, 2.0), "gather": ("cpu", 2.0, 2.15), "write": ("cpu", 2.15, 2.3),
                 "relay": ("cpu#2", 2.3, 2.38), "read": ("cpu#2", 2.38, 2.48), "import": ("cpu#2", 2.48, 2.5),
                 "decode": ("cpu#2", 2.5, 4.0)}
     assert set(phases) == set(expected)
@@ -47,14 +47,14 @@ def test_phases_by_hand():
         assert phases[name]["end"] == pytest.approx(end), name
     assert "55.3 MB" in phases["write"]["label"] and "150 ms" in phases["write"]["label"]
     assert "55.3 MB" in phases["read"]["label"] and "100 ms" in phases["read"]["label"]
-    assert "80 ms" in phases["relay"]["label"]
+    assert "80 ms" in phases["relay"]["label"] and "150 ms" in phases["gather"]["label"]
 
 
 def test_a_phase_with_no_time_is_left_out():
     # The export took exactly the write; B's import started the moment A's export ended.
     record = dict(RECORD, export_ms=150.0, handoff_ms=270.0, import_ms=120.0)
     names = [p["phase"] for p in split_phases(record, T0, FINISHED)]
-    assert "export" not in names and "relay" not in names
+    assert "gather" not in names and "relay" not in names
     assert names == ["prefill", "write", "read", "import", "decode"]
 
 
@@ -66,7 +66,7 @@ def _figure_as_plotlyjs_gets_it(fig) -> dict:
 def test_figure_bars_tokens_and_samples():
     fig = _figure_as_plotlyjs_gets_it(timeline_figure(RECORD, T0, TOKENS, FINISHED, SAMPLES, gap_s=10.0))
     bars = {t["name"]: t for t in fig["data"] if t["type"] == "bar"}
-    assert bars["write"]["y"] == ["cpu"] and bars["write"]["base"] == pytest.approx([2.0])
+    assert bars["write"]["y"] == ["cpu"] and bars["write"]["base"] == pytest.approx([2.15])
     assert bars["write"]["x"] == pytest.approx([0.15])
     assert bars["read"]["y"] == ["cpu#2"] and bars["read"]["base"] == pytest.approx([2.38])
     assert bars["read"]["x"] == pytest.approx([0.1])
