@@ -66,7 +66,8 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _source_traces(rows: list[dict], label: str, answers: list[int], dash: str, first_colour: int) -> list:
+def _source_traces(rows: list[dict], label: str, answers: list[int], dash: str, first_colour: int,
+                   dashes: list[str]) -> list:
     traces = []
     colours = {}  # prompt length -> its curve's colour, which its cases' markers take too
     for i, (p, t) in enumerate(transfer_by_prompt(rows).items()):
@@ -80,7 +81,7 @@ def _source_traces(rows: list[dict], label: str, answers: list[int], dash: str, 
         traces.append(go.Scatter(
             x=[answers[0], answers[-1]], y=[adv, adv], mode="lines",
             name=f"{label}: advantage A − B, backlog {b} on A: {adv:.2f} ms/token",
-            line={"color": "#444" if b == 0 else "#ea4335", "dash": LINE_DASHES[i % len(LINE_DASHES)], "width": 1.5},
+            line={"color": "#444" if b == 0 else "#ea4335", "dash": dashes[i % len(dashes)], "width": 1.5},
             hovertemplate=f"backlog {b}: A − B = %{{y:.3f}} ms/token<extra></extra>"))
     cases = [r for r in rows if _finite(r.get("advantage_ms_per_token"))]
     for pays in (True, False):
@@ -119,13 +120,15 @@ def break_even_figure(live_rows: list[dict], bench_rows: list[dict] | None = Non
         text=[f"{break_even_ms_per_token(article_ms, n):.2f} ms/token at {n}" for n in quoted],
         textposition=["top right" if n < answers[-1] / 2 else "top left" for n in quoted],
         hovertemplate="%{text}<extra></extra>"))
-    traces += _source_traces(live_rows, live_label, answers, "solid", 0)
+    traces += _source_traces(live_rows, live_label, answers, "solid", 0, LINE_DASHES[:2])
     if bench_rows:
-        traces += _source_traces(bench_rows, bench_label, answers, "dot", 3)
+        traces += _source_traces(bench_rows, bench_label, answers, "dot", 3, LINE_DASHES[2:])
     fig = go.Figure(data=traces)
     fig.update_layout(
         title={"text": "When does decoding elsewhere pay? Break-even = transfer / answer tokens", "font": {"size": 13}},
-        xaxis={"title": {"text": "answer length (output tokens)"}, "type": "log", "tickvals": answers},
+        # a log axis's range is in decades; a little past both ends so the end ticks show
+        xaxis={"title": {"text": "answer length (output tokens)"}, "type": "log", "tickvals": answers,
+               "range": [math.log10(answers[0]) - 0.03, math.log10(answers[-1]) + 0.03]},
         yaxis={"title": {"text": "ms per output token"}, "zeroline": True, "zerolinecolor": "#999"},
         height=640, template="plotly_white", margin={"l": 70, "r": 10, "t": 50},
         legend={"font": {"size": 10}, "orientation": "h", "yanchor": "top", "y": -0.15})

@@ -49,6 +49,7 @@ def test_the_articles_numbers():
     marks = traces["the article's two thresholds"]
     assert marks["x"] == [128, 512] and marks["text"] == ["0.67 ms/token at 128", "0.17 ms/token at 512"]
     assert layout["xaxis"]["type"] == "log"
+    assert layout["xaxis"]["range"] == pytest.approx([1.2041 - 0.03, 3.0103 + 0.03], abs=1e-4)  # log10 16, 1024
     assert ARTICLE_TRANSFER_MS == 86.0
 
 
@@ -81,6 +82,10 @@ def test_committed_rows_drawn_beside_and_non_finite_left_out():
     traces, _ = _traces(break_even_figure(LIVE, bench, bench_label="bench", answers=[16, 128]))
     curve = traces[next(n for n in traces if n.startswith("bench: transfer / n, 4096-token"))]
     assert curve["y"] == pytest.approx([90 / 16, 90 / 128]) and curve["line"]["dash"] == "dot"
+    # the committed run's advantage lines dashed unlike the live ones of the same backlog
+    live_dashes = {t["line"]["dash"] for n, t in traces.items() if n.startswith("live: advantage")}
+    bench_dashes = {t["line"]["dash"] for n, t in traces.items() if n.startswith("bench: advantage")}
+    assert bench_dashes and not live_dashes & bench_dashes
     assert _named(traces, "bench: ● split faster")["x"] == [128]
     assert not any(n.startswith("bench: ✕") for n in traces)  # its one row had a NaN advantage
     assert "bench: advantage A − B, backlog 0 on A" not in " ".join(traces)
