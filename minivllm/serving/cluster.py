@@ -42,6 +42,7 @@ from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router
 from minivllm.serving.split_request import SplitRequests, check_split
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
+from minivllm.serving.worker_rates import profile_of
 from minivllm.serving.worker_recovery import DEFAULT_MAX_WORKER_RESTARTS, WorkerSupervisor
 
 SCHEMA = "minivllm.cluster.snapshot/1"
@@ -90,9 +91,8 @@ class Cluster:
         state, stage)` is called while workers load (the widgets show it). `backend` is
         "local" (one child process per worker, the default) or "ray" (one Ray actor per
         worker on the cluster at `ray_address`: "auto", "ray://host:10001", or None for a
-        private local Ray instance; needs `pip install 'minivllm[ray]'`). `trace_directory`:
-        every worker records its steps (and a split request's handoff) as a Chrome trace
-        there, one file per process (obs/trace.py), written when the worker stops."""
+        private local Ray instance; needs `pip install 'minivllm[ray]'`). `trace_directory`: each
+        worker writes its Chrome trace there (obs/trace.py; a split's handoff is a scope)."""
         from minivllm.gguf.tokenizer import Tokenizer
         from minivllm.models import resolve_model
 
@@ -118,7 +118,7 @@ class Cluster:
                               "draft_model": str(self.draft_model_path) if self.draft_model_path else None,
                               "engine_options": engine_options, "calibrate": calibrate, "rates_profile": rates_profile,
                               "fault_injection": bool(fault_injection),
-                              "trace_directory": None if trace_directory is None else str(Path(trace_directory))}
+                              "trace_directory": None if trace_directory is None else str(trace_directory)}
         if backend == "ray":  # each node resolves the names itself and checks it has the same files
             from minivllm.models.cache import quick_fingerprint
 
@@ -484,15 +484,7 @@ class Cluster:
 
     def rates_profile(self) -> dict:
         """The workers' current (calibrated and corrected) rates, in the profile-file format."""
-        out = {}
-        for h in self.workers.values():
-            r = h.rates
-            if r.known:
-                out[h.name] = {
-                    "prefill_tps": r.prefill_rate(),
-                    "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points},
-                }
-        return {"model": self.model_name, "workers": out}
+        return profile_of(self.model_name, {h.name: h.rates for h in self.workers.values()})
 
     def save_rates_profile(self, path: str | Path) -> Path:
         path = Path(path)

@@ -148,6 +148,15 @@ def _interpolate(points: dict[int, float], batch: int) -> float:
     return ordered[-1][1]
 
 
+def profile_of(model_name: str, rates: dict[str, WorkerRates]) -> dict:
+    """Workers' current (calibrated and corrected) rates in the profile-file format that
+    `load_profile` reads; workers without known rates are left out."""
+    return {"model": model_name,
+            "workers": {name: {"prefill_tps": r.prefill_rate(),
+                               "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points}}
+                        for name, r in rates.items() if r.known}}
+
+
 def load_profile(path: str | Path, worker: str) -> WorkerRates:
     """Rates for `worker` (a name like "cpu" or "cuda:0") from a profile file:
     {"workers": {"cpu": {"prefill_tps": 73, "decode_tps": {"1": 45, "4": 120}}, ...}}."""
