@@ -20,7 +20,7 @@ from minivllm.serving.inference_devices import InferenceDevice, parse_inference_
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router, parse_router_policy
 from minivllm.serving.worker_handle import InFlight, WorkerHandle
-from minivllm.serving.worker_rates import ALPHA, CLAMP, WorkerRates, load_profile
+from minivllm.serving.worker_rates import ALPHA, CLAMP, WorkerRates, load_profile, profile_of
 
 
 def rel(a: float, b: float) -> bool:
@@ -439,6 +439,18 @@ def test_load_profile(tmp_path):
         load_profile(missing, "cpu")
     assert exc.value.field == "rates_profile" and str(missing) in str(exc.value)
     assert "no such file" in str(exc.value)
+
+
+def test_a_written_profile_reads_back_as_the_rates_it_came_from(tmp_path):
+    # Reference: the file format written by hand in test_load_profile above.
+    rates = WorkerRates(prefill_tps=73.0, decode_points={1: 45.0, 4: 120.0}, source="calibration")
+    profile = profile_of("smollm2-135m", {"cpu": rates, "cuda:0": WorkerRates()})
+    assert profile == {"model": "smollm2-135m",
+                       "workers": {"cpu": {"prefill_tps": 73.0, "decode_tps": {"1": 45.0, "4": 120.0}}}}
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps(profile))
+    back = load_profile(path, "cpu")
+    assert back.prefill_rate() == 73.0 and back.decode_points == {1: 45.0, 4: 120.0}
 
 
 # -- WorkerHandle.candidate(): the ledger as the router sees it ---------------------------------------
