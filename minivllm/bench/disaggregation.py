@@ -18,7 +18,10 @@ one request at a time on the same cluster:
     router             no placement, router "cost+split": whatever it picks; its decision
                        record (every whole and split candidate's terms) is kept
 
-Prompts are unique per run (a tag first), so no prefix cache helps any mode. Greedy, EOS
+Prompts are unique per run (a tag first), so no prefix cache helps any mode, unless a
+case puts `cached_on_a` of the prompt's first tokens in A's prefix cache beforehand (a
+prefix of its own per run, served on A alone, untimed): the system prompt only A has
+seen, where a split can prefill cheaply on A and still decode on B. Greedy, EOS
 ignored, exactly n output tokens. Per run the client times submit -> first token -> end;
 a split run also records the bytes and milliseconds of the handoff (split_request.py).
 Modes are interleaved run by run (A B S R A B S R ...) so drift hits them alike.
@@ -160,7 +163,7 @@ def one_run(cluster, mode: str, a: str, b: str, prompt: list[int], params: Sampl
     n = params.max_tokens
     rec = {"mode": mode, "e2e_s": t.finished - t.submitted, "ttft_s": t.first_token - t.submitted,
            "decode_ms_per_token": (t.finished - t.first_token) * 1e3 / (n - 1) if n > 1 else None,
-           "worker": stream.worker}
+           "worker": stream.worker, "cached_prompt_tokens": (stream.metrics or {}).get("cached_prompt_tokens")}
     split = (stream.metrics or {}).get("split")
     decision = stream.decision or {}
     if split and split.get("handed_off"):
@@ -234,27 +237,42 @@ def summarize_case(case: dict, runs: list[dict]) -> dict:
     return row
 
 
+def seed_prefix(cluster, worker: str, prefix: list[int]) -> None:
+    """Serve `prefix` plus one token on `worker` alone, so its prefix cache holds the
+    prefix's pages (as a system prompt that worker served before)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = cluster.submit(prefix + prefix[-1:], params, worker=worker).result(RESULT_TIMEOUT_S)
+    if out.finish_reason != "length":
+        raise RuntimeError(f"disaggregation: seeding the prefix on {worker} ended {out.finish_reason!r}: {out.error}")
+
+
 def measure_case(cluster, a: str, b: str, texts: Prompts, *, prompt_tokens: int, max_tokens: int, backlog: int,
-                 runs: int, backlog_tokens: int) -> dict:
+                 runs: int, backlog_tokens: int, cached_on_a: int = 0) -> dict:
     """One case on a running cluster (workers `a` and `b`, router cost+split): every mode
     `runs` times, interleaved, a fresh backlog of `backlog` requests (of `backlog_tokens`
-    answer tokens, cancelled when the measured one ends) on `a` for each; the case's row
+    answer tokens, cancelled when the measured one ends) on `a` for each. `cached_on_a`:
+    the prompt's first tokens (whole pages), a prefix of its own for every run, served on
+    `a` just before (untimed), so only `a`'s prefix cache holds it. Returns the case's row
     (`summarize_case`) with the runs' records under "runs"."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     records = []
     for r in range(runs):
         for mode in MODES:
-            uid = f"{prompt_tokens}.{max_tokens}.{backlog}.{r}.{mode}.{time.monotonic_ns()}"
+            uid = f"{prompt_tokens}.{max_tokens}.{backlog}.{cached_on_a}.{r}.{mode}.{time.monotonic_ns()}"
+            prompt = texts.make(uid, prompt_tokens)
+            if cached_on_a:
+                seed_prefix(cluster, a, prompt[:cached_on_a])
             load = Backlog.start(cluster, a, backlog, texts, backlog_tokens, uid) if backlog else None
             try:
-                rec = one_run(cluster, mode, a, b, texts.make(uid, prompt_tokens), params)
+                rec = one_run(cluster, mode, a, b, prompt, params)
                 rec["backlog_held"] = load.held() if load else True
             finally:
                 if load:
                     load.stop()
             rec["run"] = r + 1
             records.append(rec)
-    row = summarize_case({"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "backlog": backlog}, records)
+    row = summarize_case({"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "backlog": backlog,
+                          "cached_on_a": cached_on_a}, records)
     row["backlog_held"] = all(rec["backlog_held"] for rec in records)
     row["runs"] = records
     return row
@@ -262,7 +280,8 @@ def measure_case(cluster, a: str, b: str, texts: Prompts, *, prompt_tokens: int,
 
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "auto", *,
         prompts: list[int] | None = None, outputs: list[int] | None = None, backlogs: list[int] | None = None,
-        runs: int | None = None, quick: bool = False, engine_options: dict | None = None) -> list[dict]:
+        cached_on_a: list[int] | None = None, runs: int | None = None, quick: bool = False,
+        engine_options: dict | None = None) -> list[dict]:
     """Every (prompt, output, backlog) case, every mode `runs` times; writes
     benchmarks/results/disaggregation-<model>-<stamp>.{json,md}; returns the case rows."""
     from minivllm.models import resolve_model
@@ -273,10 +292,13 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     prompts, outputs = list(prompts or base["prompts"]), list(outputs or base["outputs"])
     backlogs = list(base["backlogs"] if backlogs is None else backlogs)
     runs = base["runs"] if runs is None else runs
+    cached_on_a = list(cached_on_a or [0])
     devices = list(devices or default_devices())
     if len(devices) != 2:
         raise ConfigError("inference_device", devices, "give exactly two: the prefill worker A, then the decode "
                                                        "worker B (e.g. --inference-device gpu --inference-device cpu)")
+    if any(c < 0 or c >= min(prompts) for c in cached_on_a):
+        raise ConfigError("cached_on_a", cached_on_a, f"each below the shortest prompt ({min(prompts)} tokens)")
     if runs < 1 or min(outputs) < 2 or min(prompts) < 1 or min(backlogs) < 0:
         raise ConfigError("runs/outputs/prompts/backlogs", (runs, outputs, prompts, backlogs),
                           "runs >= 1, answers of 2 tokens or more, prompts >= 1 token, backlogs >= 0")
@@ -300,17 +322,18 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
                    for w in snap["workers"]]
         link_at_start = snap["splits"]["link"]
         texts = Prompts(cluster.tokenizer)
-        for backlog_n in backlogs:
-            for n in outputs:
-                for prompt_len in prompts:
-                    length = clamped[prompt_len]
-                    row = measure_case(cluster, a, b, texts, prompt_tokens=length, max_tokens=n, backlog=backlog_n,
-                                       runs=runs, backlog_tokens=max_model_len - BACKLOG_PROMPT_TOKENS - 1)
-                    rows.append(row)
-                    print(f"disaggregation prompt={length} n={n} backlog={backlog_n}: "
-                          + ", ".join(f"{m} {row[f'{m}_e2e_s_median']:.3f} s" for m in MODES)
-                          + f"; fastest {row['fastest']}, router {row['router_pick']}, transfer "
-                          f"{row['transfer_ms']:.1f} ms for {row['kv_bytes'] / 1e6:.1f} MB", flush=True)
+        page = snap["workers"][0]["snapshot"]["kv"]["page_size"]
+        cases = [(c, k, n, p) for c in cached_on_a for k in backlogs for n in outputs for p in prompts]
+        for cached, backlog_n, n, prompt_len in cases:
+            length = clamped[prompt_len]
+            row = measure_case(cluster, a, b, texts, prompt_tokens=length, max_tokens=n, backlog=backlog_n,
+                               runs=runs, backlog_tokens=max_model_len - BACKLOG_PROMPT_TOKENS - 1,
+                               cached_on_a=cached // page * page)
+            rows.append(row)
+            print(f"disaggregation prompt={length} n={n} backlog={backlog_n} cached on A={row['cached_on_a']}: "
+                  + ", ".join(f"{m} {row[f'{m}_e2e_s_median']:.3f} s" for m in MODES)
+                  + f"; fastest {row['fastest']}, router {row['router_pick']}, transfer "
+                  f"{row['transfer_ms']:.1f} ms for {row['kv_bytes'] / 1e6:.1f} MB", flush=True)
         link_end = cluster.snapshot()["splits"]["link"]
         sha = sha256_file(Path(cluster.model_path))
         a_device = next(w for w in cluster.snapshot()["workers"] if w["name"] == a)["info"].get("device") or "cpu"
@@ -320,6 +343,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
             "plain_copy_mb_per_s": plain, "plain_over_handoff": plain / biggest["copy_mb_per_s"],
             "at_start": link_at_start, "at_end": link_end}
     settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "prompts": prompts,
+                "cached_on_a": cached_on_a,
                 "prompts_clamped": clamped, "outputs": outputs, "backlogs": backlogs, "runs": runs, "quick": quick,
                 "engine_options": options, "backlog_prompt_tokens": BACKLOG_PROMPT_TOKENS, "modes": list(MODES),
                 "sampling": "greedy, ignore_eos", "wall_s": round(time.perf_counter() - t_all, 1),
@@ -331,8 +355,8 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     meta["link"] = link
     meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
     notes = render(rows, a, b, link)
-    columns = ["prompt_tokens", "max_tokens", "backlog", *MODES, "fastest", "router_pick", "router_agrees",
-               "transfer_ms", "break_even_ms_per_token", "advantage_ms_per_token", "formula_right"]
+    columns = ["prompt_tokens", "cached_on_a", "max_tokens", "backlog", *MODES, "fastest", "router_pick",
+               "router_agrees", "transfer_ms", "break_even_ms_per_token", "advantage_ms_per_token", "formula_right"]
     json_path, md_path = write_results(f"disaggregation-{model_label(model)}", meta, rows, columns, notes)
     print(notes, flush=True)
     print(f"wrote {json_path} and {md_path}", flush=True)
@@ -348,15 +372,16 @@ def render(rows: list[dict], a: str, b: str, link: dict) -> str:
            f"(write to the segment + read into B's pool); one plain copy_ of the same bytes from "
            f"{link['from_device']} to host memory: {link['plain_copy_mb_per_s']:.0f} MB/s "
            f"({link['plain_over_handoff']:.2f}x the handoff's rate).", "",
-           "| prompt | answer | backlog on A | whole:A | whole:B | split | router (pick) | fastest | split ÷ whole:A "
-           "| transfer ms (MB) | advantage ms/tok | break-even ms/tok | formula right | formula's split e2e (error) "
-           "| router agrees |", "|" + "---|" * 15]
+           "| prompt | cached on A | answer | backlog on A | whole:A | whole:B | split | router (pick) | fastest "
+           "| split ÷ whole:A | transfer ms (MB) | advantage ms/tok | break-even ms/tok | formula right "
+           "| formula's split e2e (error) | router agrees |", "|" + "---|" * 16]
     for r in rows:
         cell = {m: f"{r[f'{m}_e2e_s_median']:.3f} ({r[f'{m}_e2e_s_mean']:.3f} ± {r[f'{m}_e2e_s_std']:.3f})"
                 for m in MODES}
         held = "" if r["backlog_held"] else " (backlog ended early)"
-        out.append(f"| {r['prompt_tokens']} | {r['max_tokens']} | {r['backlog']}{held} | {cell['whole:A']} | "
-                   f"{cell['whole:B']} | {cell['split']} | {cell['router']} ({r['router_pick']}) | {r['fastest']} | "
+        out.append(f"| {r['prompt_tokens']} | {r['cached_on_a']} | {r['max_tokens']} | {r['backlog']}{held} | "
+                   f"{cell['whole:A']} | {cell['whole:B']} | {cell['split']} | {cell['router']} ({r['router_pick']}) | "
+                   f"{r['fastest']} | "
                    f"{r['split_vs_whole_A']:.3f} | {r['transfer_ms']:.1f} ({r['kv_bytes'] / 1e6:.1f}) | "
                    f"{r['advantage_ms_per_token']:.3f} | {r['break_even_ms_per_token']:.3f} | "
                    f"{'yes' if r['formula_right'] else 'no'} | {r['formula_split_e2e_s']:.3f} "
@@ -370,8 +395,8 @@ def decision_tables(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         d = r["router_decision"]
-        out += [f"### Router decision: prompt {r['prompt_tokens']}, answer {r['max_tokens']}, backlog "
-                f"{r['backlog']} ({d['reason']})", "",
+        out += [f"### Router decision: prompt {r['prompt_tokens']} ({r['cached_on_a']} cached on A), answer "
+                f"{r['max_tokens']}, backlog {r['backlog']} ({d['reason']})", "",
                 "| candidate | active / queued | prefill s | transfer s | decode s | score s | break-even ms/tok |",
                 "|---|---|---|---|---|---|---|"]
         for c in d["candidates"] or []:

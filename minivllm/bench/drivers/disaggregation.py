@@ -16,6 +16,7 @@ class Settings:
     prompts: list[int] | None
     outputs: list[int] | None
     backlogs: list[int] | None
+    cached_on_a: list[int] | None
     runs: int | None
     quick: bool
     option: list[str]
@@ -34,6 +35,9 @@ def add_arguments(p) -> None:
                    help="comma list of answer lengths in tokens (default 128,512)")
     p.add_argument("--backlogs", type=common.int_list, default=None,
                    help="comma list: long requests decoding on A during each measured request (default 0,8)")
+    p.add_argument("--cached-on-a", type=common.int_list, default=None,
+                   help="comma list: prompt tokens already in A's prefix cache (a prefix A served before, whole "
+                        "pages; default 0)")
     p.add_argument("--runs", type=int, default=None, help="runs per (case, mode) (default 3)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for tests: prompts 64,160, 8-token answers, backlogs 0,2, 1 run")
@@ -44,7 +48,7 @@ def run(s: Settings) -> int:
     from minivllm.bench.disaggregation import run
 
     run(s.model, s.inference_device, s.activation_dtype, prompts=s.prompts, outputs=s.outputs, backlogs=s.backlogs,
-        runs=s.runs, quick=s.quick, engine_options=common.engine_options(s.option))
+        cached_on_a=s.cached_on_a, runs=s.runs, quick=s.quick, engine_options=common.engine_options(s.option))
     return 0
 
 

@@ -76,3 +76,17 @@ def test_quick_disaggregation_bench(results_dir, smollm2_path):
     assert link["bytes"] == max(r["kv_bytes"] for r in data["rows"])
     assert link["plain_copy_mb_per_s"] > 0 and link["handoff_copy_mb_per_s"] > 0
     assert link["at_start"]["measured_mb_per_s"] > 0
+
+
+def test_a_prefix_cached_on_a_serves_whole_on_a_and_the_split_from_the_cache(results_dir, smollm2_path):
+    from minivllm.bench.disaggregation import run
+
+    (row,) = run(str(smollm2_path), ["cpu:1", "cpu:1"], prompts=[100], outputs=[4], backlogs=[0], cached_on_a=[70],
+                 runs=1)
+    assert row["cached_on_a"] == 64  # whole 16-token pages
+    by_mode = {r["mode"]: r for r in row["runs"]}
+    # Served on A, the prompt's prefix pages come from A's cache; B has never seen them.
+    assert by_mode["whole:A"]["cached_prompt_tokens"] == 64
+    assert by_mode["split"]["cached_prompt_tokens"] == 64
+    assert by_mode["whole:B"]["cached_prompt_tokens"] == 0
+    assert by_mode["split"]["kv_tokens"] == 96  # the prompt's full pages, cached or computed on A
