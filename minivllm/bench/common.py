@@ -32,12 +32,14 @@ def git_commit() -> str:
     # then passes the real commit in MINIVLLM_COMMIT.
     if os.environ.get("MINIVLLM_COMMIT"):
         return os.environ["MINIVLLM_COMMIT"]
+    # The checkout the measured code came from, wherever the bench was started.
+    here = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=here
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=here
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
