@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from gemv_table import gemv_table
 from gguf import GGMLQuantizationType as T
 from test_triton_gemv import random_weight  # noqa: E402
 from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
@@ -185,26 +186,17 @@ def test_concatenated_rows_and_their_views_unpack_to_the_file_bytes(ggml_type):
 def test_unmeasured_fused_shapes_take_the_nearest_measured_row(tmp_path, monkeypatch):
     # A table measuring only the 3584 and 18944 rows of K = 3584 (the committed sm90 table
     # has the fused shapes measured since): the fused shapes take their nearest measured N.
-    import json
-
-    from minivllm.kernels.gemv_configs import TABLE_ENV, default_config, reload_table
+    from minivllm.kernels.gemv_configs import default_config
 
     square = {"block_nb": 4, "block_g": 64, "split": 1, "num_warps": 8, "num_stages": 3}
     wide = {"block_nb": 8, "block_g": 16, "split": 1, "num_warps": 4, "num_stages": 2}
-    table = tmp_path / "gemv_configs.json"
-    table.write_text(json.dumps({"sm90": {"configs": {"Q4_K:3584x3584": square, "Q4_K:18944x3584": wide},
-                                          "configs_int8": {}}}))
-    monkeypatch.setenv(TABLE_ENV, str(table))
-    reload_table()  # an earlier test may have loaded the committed table
-    try:
+    with gemv_table(tmp_path, monkeypatch, {"sm90": {"configs": {"Q4_K:3584x3584": square, "Q4_K:18944x3584": wide},
+                                                     "configs_int8": {}}}):
         assert lookup("sm90", "Q4_K", 4608, 3584) == GemvConfig(**square)  # Q|K|V of the 7B
         assert lookup("sm90", "Q4_K", 37888, 3584) == GemvConfig(**wide)  # gate|up of the 7B
         assert lookup("sm90", "Q4_K", 4096, 3584) == GemvConfig(**square)  # Q|K (V in Q6_K)
         assert lookup("sm90", "Q5_0", 1152, 896) == default_config(1152, 896)  # nothing measured at K = 896
         assert lookup("sm90", "Q4_K", 152064, 3584) == default_config(152064, 3584)  # over 4x from 18944
-    finally:
-        monkeypatch.undo()
-        reload_table()
 
 
 class _count_launches:
@@ -320,19 +312,10 @@ def few_programs(tmp_path, monkeypatch):
     """A launch table with 8 row groups and the whole K per program for the tiny model's
     shapes (the nearest-N rule covers the fused ones): the interpreter runs each program
     in Python, so fewer of them keep the test fast. Both runs use the same table."""
-    import json
-
-    from minivllm.kernels import gemv_configs
-
     big = {"block_nb": 8, "block_g": 8, "split": 1, "num_warps": 4, "num_stages": 2}
-    path = tmp_path / "gemv_configs.json"
-    path.write_text(json.dumps({"sm90": {"configs": {"Q4_K:256x256": big, "Q6_K:128x256": big,
-                                                     "Q8_0:256x128": big}}}))
-    monkeypatch.setenv(gemv_configs.TABLE_ENV, str(path))
-    gemv_configs.reload_table()
-    yield
-    monkeypatch.undo()
-    gemv_configs.reload_table()
+    with gemv_table(tmp_path, monkeypatch, {"sm90": {"configs": {"Q4_K:256x256": big, "Q6_K:128x256": big,
+                                                                 "Q8_0:256x128": big}}}):
+        yield
 
 
 @cpu_only

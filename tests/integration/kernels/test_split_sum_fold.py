@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemv_table import gemv_table
 from gguf import GGMLQuantizationType as T
 from test_triton_gemv import random_weight  # noqa: E402
 from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
@@ -142,21 +143,15 @@ def test_quant_linear_partials_on_the_int8_and_float_paths(ggml_type, monkeypatc
     GEMV (MINIVLLM_Q8_GEMV=1) and the float tiled GEMV give their partials where the
     table splits K, and add_rms_norm of them equals add_rms_norm of the layer's output;
     the GEMM path (more rows than gemv_max_rows) gives the layer's tensor."""
-    import json
 
-    from minivllm.kernels import gemv_configs
     from minivllm.kernels.kernel_options import KernelOptions, kernel_options_for_call
     from minivllm.kernels.linear import QuantLinear
 
     n, k = 64, 512
     split2 = {"block_nb": 4, "block_g": 4, "split": 2, "num_warps": 4, "num_stages": 2}
-    table = tmp_path / "gemv_configs.json"
     key = f"{ggml_type.name}:{n}x{k}"
-    table.write_text(json.dumps({"sm90": {"configs": {key: split2}, "configs_int8": {key: split2}}}))
     monkeypatch.setenv("MINIVLLM_TRITON_CPU", "1")
-    monkeypatch.setenv(gemv_configs.TABLE_ENV, str(table))
-    gemv_configs.reload_table()
-    try:
+    with gemv_table(tmp_path, monkeypatch, {"sm90": {"configs": {key: split2}, "configs_int8": {key: split2}}}):
         gen = torch.Generator().manual_seed(8)
         opts = KernelOptions(gemv_max_rows=1, dequant_cache=False)
         lin = QuantLinear(random_weight(ggml_type, n, k, seed=3), torch.randn(n, generator=gen), options=opts,
@@ -174,9 +169,6 @@ def test_quant_linear_partials_on_the_int8_and_float_paths(ggml_type, monkeypatc
                 assert isinstance(both, torch.Tensor) and torch.equal(both, lin(x))
             assert opts.path_counts == {"gemv": 2, "gemm": 2}
             opts.path_counts.clear()
-    finally:
-        monkeypatch.undo()
-        gemv_configs.reload_table()
 
 
 @pytest.mark.cuda
@@ -222,22 +214,13 @@ def split_o_and_down(tmp_path, monkeypatch):
     256x256) projections 2 slices of K. By the nearest-N rule the fused Q|K|V, Q|K, V and
     gate|up of K = 256 take the 256x256 rows too (split, summed by their own launch, as
     nothing folds them); the LM head (Q6_K 32x256, 8x away) keeps the default, unsplit."""
-    import json
-
-    from minivllm.kernels import gemv_configs
-
     k256 = {"block_nb": 8, "block_g": 4, "split": 2, "num_warps": 4, "num_stages": 2}  # 8 groups: 4 + 4
     k128 = {"block_nb": 8, "block_g": 2, "split": 2, "num_warps": 4, "num_stages": 2}  # 4 groups: 2 + 2
-    path = tmp_path / "gemv_configs.json"
-    path.write_text(json.dumps({"sm90": {"configs": {"Q4_K:256x256": k256, "Q6_K:256x256": k256,
-                                                     "Q8_0:256x128": k128}}}))
     monkeypatch.setenv("MINIVLLM_TRITON_CPU", "1")
     monkeypatch.delenv("MINIVLLM_FUSED_PROJECTIONS", raising=False)
-    monkeypatch.setenv(gemv_configs.TABLE_ENV, str(path))
-    gemv_configs.reload_table()
-    yield
-    monkeypatch.undo()
-    gemv_configs.reload_table()
+    with gemv_table(tmp_path, monkeypatch, {"sm90": {"configs": {"Q4_K:256x256": k256, "Q6_K:256x256": k256,
+                                                                 "Q8_0:256x128": k128}}}):
+        yield
 
 
 @cpu_only
@@ -296,13 +279,11 @@ def test_fold_on_and_off_give_the_same_bits_on_cuda(tiny_qwen_gguf, tmp_path, mo
     """A small synthetic Qwen2 file on CUDA (CUDA graphs on, as by default), its o and down
     projections split in 2 by a launch table: fold on and off give the same logits bit for
     bit and the same greedy tokens, solo and batched, also in batch-invariant mode."""
-    import json
 
     from conftest import TINY_QWEN_PROMPTS
     from synthetic_gguf import minivllm_logits
 
     from minivllm.engine.llm import LLM
-    from minivllm.kernels import gemv_configs
     from minivllm.kernels.fused_projection import FOLD_SPLIT_SUM_ENV
     from minivllm.sampling.sampling_params import SamplingParams
 
@@ -312,13 +293,10 @@ def test_fold_on_and_off_give_the_same_bits_on_cuda(tiny_qwen_gguf, tmp_path, mo
     rows = {}
     for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
         rows[f"{t}:896x896"], rows[f"{t}:896x1024"] = k896, k1024
-    table = tmp_path / "gemv_configs.json"
-    table.write_text(json.dumps({key: {"configs": rows, "configs_int8": rows} for key in ("sm90", "sm80", "sm75")}))
-    monkeypatch.setenv(gemv_configs.TABLE_ENV, str(table))
-    gemv_configs.reload_table()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = {}
-    try:
+    with gemv_table(tmp_path, monkeypatch, {key: {"configs": rows, "configs_int8": rows}
+                                            for key in ("sm90", "sm80", "sm75")}):
         for fold in ("0", "1"):
             monkeypatch.setenv(FOLD_SPLIT_SUM_ENV, fold)
             llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=128, device="cuda", dtype="f16")
@@ -332,9 +310,6 @@ def test_fold_on_and_off_give_the_same_bits_on_cuda(tiny_qwen_gguf, tmp_path, mo
                           [inv.generate([p], params)[0].token_ids for p in TINY_QWEN_PROMPTS])
             del llm, inv
             torch.cuda.empty_cache()
-    finally:
-        monkeypatch.undo()
-        gemv_configs.reload_table()
     (logits0, toks0, inv0, solo0), (logits1, toks1, inv1, solo1) = runs["0"], runs["1"]
     assert torch.equal(logits0, logits1)
     assert toks0 == toks1 and inv0 == inv1 and solo0 == solo1

@@ -28,6 +28,7 @@ import random
 from collections import Counter
 
 import pytest
+import single_sequence
 import torch
 from engine_invariants import check_invariants, free_equals_total
 
@@ -137,42 +138,16 @@ def next_logits(model, ids: list[int]) -> torch.Tensor:
         return model.forward(torch.tensor(ids), 0, cache).double()
 
 
-_greedy_memo: dict = {}
-
-
-@torch.inference_mode()
 def greedy_reference(model, ids: list[int], max_tokens: int, *, stops=(), max_model_len: int = TINY_LEN):
-    """One request alone, greedy: (tokens, top-2 logit margins). Ends at a stop id,
-    max_tokens or max_model_len."""
-    key = (id(model), tuple(ids), max_tokens, tuple(stops), max_model_len)
-    if key in _greedy_memo:
-        return _greedy_memo[key]
-    c = model.config
-    n = min(max_tokens, max_model_len - len(ids))
-    cache = ContiguousKVCache(c.n_layers, len(ids) + n, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
-    out, margins = [], []
-    with model.using(KernelOptions(gemv_max_rows=0)):
-        logits = model.forward(torch.tensor(ids), 0, cache)
-        for i in range(n):
-            top = torch.topk(logits, 2).values
-            margins.append(float(top[0] - top[1]))
-            token = int(torch.argmax(logits))
-            out.append(token)
-            if token in stops or i + 1 == n:
-                break
-            logits = model.forward(torch.tensor([token]), len(ids) + i, cache)
-    _greedy_memo[key] = (out, margins)
-    return out, margins
+    """One request alone, greedy, on the plain f32 GEMM path: (tokens, top-2 logit margins).
+    Ends at a stop id, max_tokens or max_model_len."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stops))
+    return single_sequence.reference_tokens(model, None, ids, params, max_model_len=max_model_len,
+                                            kernel_options=KernelOptions(gemv_max_rows=0))
 
 
 def check_greedy(got: list[int], want: list[int], margins: list[float], label: str) -> None:
-    """got == want, except from a flipped near-tie of the reference on."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            assert margins[i] < NEAR_TIE, (f"{label}: token {i} is {g}, the single-sequence reference gives {w} "
-                                            f"with top-2 margin {margins[i]:.3e} >= {NEAR_TIE}: not a near-tie")
-            return
-    assert len(got) == len(want), f"{label}: {got} vs reference {want}"
+    single_sequence.check_greedy(got, want, margins, label, NEAR_TIE)
 
 
 # Length controllers written from spec/draft_policy.py's documented rules (not its code).
