@@ -189,6 +189,12 @@ else
     step "decode $s (+ llama-bench)" "$R/decode-$s.log" \
       $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
   done
+  # programmatic dependent launch (kernels/triton/pdl.py; opt-in until measured): batch 1 both files, 7B batched
+  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
+  done
+  step "batched pdl 7b" "$R/batched-pdl-7b.log" env MINIVLLM_PDL=1 python3 scripts/gpu_batched_decode.py "$S7" \
+    "$R/batched-pdl-7b.json" --npl 1,8,32
   step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
     python3 -m minivllm bench offline --model "$S05" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
   step "batched 7b (bench offline --llama-batched-bench)" "$R/batched-7b.log" \
@@ -223,6 +229,7 @@ else
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
+  step "profile pdl 512" "$R/profile-pdl.log" env MINIVLLM_PDL=1 $P --prompt-tokens 512 --synthetic qwen2.5-7b-q4_k_m
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   # the GEMV/GEMM crossover from batched decode (Deliver 6): GEMV vs dequantize+GEMM per N

@@ -104,7 +104,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
         n, p = minivllm_row(native), minivllm_row(native, "llama.cpp-cuda")
         for kind, label in (("sync", "async scheduling off"), ("sm75", "T4 profile (MINIVLLM_GPU_PROFILE=sm75)"),
                             ("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)"),
-                            ("unfolded", "split-K sums launched apart (MINIVLLM_FOLD_SPLIT_SUM=0)")):
+                            ("unfolded", "split-K sums launched apart (MINIVLLM_FOLD_SPLIT_SUM=0)"),
+                            ("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]
@@ -117,6 +118,16 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             t.row(f"prefill graphs off, {s} pp512", "prefill of a 512-token prompt, tok/s", p["prefill_tok_s"],
                   f"{v:.0f} (graphs, same run: {n['prefill_tok_s_median']:.0f})", v / p["prefill_tok_s_median"],
                   f.name)
+    pdl, dflt = r2.get("batched-pdl-7b.json"), r2.get("batched-7b.json")
+    if pdl and dflt:
+        base = {r["sequences"]: r for r in json.loads(dflt.read_text())["rows"] if r["engine"] == "minivllm"}
+        for a in json.loads(pdl.read_text())["minivllm"]:
+            b = base.get(a["sequences"])
+            if b:
+                t.row("programmatic dependent launch (MINIVLLM_PDL=1), batched decode 7b",
+                      f"{a['sequences']} sequences, 128 + 128, decode tok/s", f"{b['llama_cpp_decode_tok_s']:.1f}",
+                      f"{a['decode_tok_s']:.1f} (default, same run: {b['decode_tok_s']:.1f})",
+                      a["decode_tok_s"] / b["llama_cpp_decode_tok_s"], pdl.name)
     inv, dflt = r2.get("batched-invariant-0.5b.json"), r2.get("batched-default-0.5b.json")
     if inv and dflt:
         for a, b in zip(json.loads(inv.read_text())["minivllm"], json.loads(dflt.read_text())["minivllm"]):
@@ -131,7 +142,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             top = ", ".join(f"{k['kernel']} {k['calls_per_step']:.0f}×{k['us_per_call']:.1f} µs"
                             for k in p["kernels"][:4])
             t.row(
-                f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)",
+                f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)"
+                f"{', PDL (MINIVLLM_PDL=1)' if p.get('pdl') else ''}",
                 f"µs per {p['context']}-token prefill (eager)" if p.get("prefill")
                 else "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
                 "—",

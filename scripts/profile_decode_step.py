@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.synthetic_model import ensure_synthetic_model
+from minivllm.kernels.triton.pdl import pdl_requested
 
 
 def sync(device: str) -> None:
@@ -173,7 +174,8 @@ def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, ou
 
 def markdown(r: dict) -> str:
     lines = [
-        f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}",
+        f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
+        f"{', PDL' if r.get('pdl') else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
         f"median {r['step_wall_us']['median'] or 0:.0f} µs",
@@ -213,8 +215,10 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 — one failed profile must not lose the others
                 r = {"model": name, "context": ctx, "error": f"{type(exc).__name__}: {exc}"}
                 print(r, file=sys.stderr)
+            r["pdl"] = pdl_requested()  # launched with programmatic dependent launch (MINIVLLM_PDL=1, sm_90+)
             results.append(r)
-            tag = f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
+            tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
+                   f"{'-pdl' if r['pdl'] else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)

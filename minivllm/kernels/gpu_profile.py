@@ -43,6 +43,12 @@ class GpuProfile:
         return self.capability >= (8, 0)
 
     @property
+    def programmatic_launch(self) -> bool:
+        """Whether kernels may be launched with programmatic dependent launch (sm_90+;
+        `kernels/triton/pdl.py`, which also needs MINIVLLM_PDL=1)."""
+        return self.capability >= (9, 0)
+
+    @property
     def int8_gemv(self) -> bool:
         """The int8-activation GEMV, for f16/bf16 activations (float32 stays float32), on
         every profile only when asked for by name (MINIVLLM_Q8_GEMV=1): it rounds

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from minivllm.kernels.triton.kv_store import store_row_heads
 from minivllm.kernels.triton.paged_attention import require_triton_device
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.split_sum import SplitPartials, round_to, slice_sum
 
 _MAX_BLOCK = 1 << 15
@@ -34,10 +35,11 @@ _MAX_BLOCK = 1 << 15
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, h_out_ptr, x_out_ptr, bias_ptr, stride_h, stride_y, stride_ys,
                          stride_ho, stride_xo, n_cols, eps, HAS_Y: tl.constexpr, SPLIT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y: the delta (SPLIT = 1, any float dtype), or a split GEMV's float32 partials
     (SPLIT slices `stride_ys` apart), summed and rounded as the GEMV's own split sum would
     have (`split_sum.py`) before the residual add."""
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -78,7 +80,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | SplitPartials | None, we
                                    x.stride(0), d, float(eps), HAS_Y=delta is not None,
                                    SPLIT=partials.split if partials is not None else 1, HAS_BIAS=bias is not None,
                                    ROUND=partials.round_code if partials is not None else 0, BLOCK=block,
-                                   num_warps=4 if block <= 4096 else 8)
+                                   num_warps=4 if block <= 4096 else 8, **pdl_args(h.device))
     return h_out, x
 
 
@@ -145,7 +147,9 @@ def _rope_qk_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     STORE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c,
@@ -192,7 +196,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                                 qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), *cache_args,
                                 H=h, KVH=kvh, HALF=half, ADJACENT=style == "adjacent",
                                 BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
-                                STORE=store is not None)
+                                STORE=store is not None, **pdl_args(q.device))
     return qo, ko
 
 
@@ -204,7 +208,9 @@ def silu_mul(g, u):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -223,5 +229,6 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Te
     out = torch.empty((t, n), dtype=out_dtype, device=g.device)
     block = 1024
     if t:
-        _swiglu_kernel[(t, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), out.stride(0), BLOCK=block)
+        _swiglu_kernel[(t, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), out.stride(0), BLOCK=block,
+                                                   **pdl_args(g.device))
     return out

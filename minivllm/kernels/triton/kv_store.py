@@ -20,6 +20,7 @@ import triton.language as tl
 
 from minivllm.errors import ConfigError
 from minivllm.kernels.triton.paged_attention import require_triton_device
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 
 
 @triton.jit
@@ -32,7 +33,9 @@ def store_row_heads(cache_ptr, slot, stride_cs, stride_ch, heads, dims, values, 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcs, stride_kch, stride_vcs, stride_vch,
-                     KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -64,4 +67,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                KVH=kvh, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(kvh),
-                               BLOCK_D=triton.next_power_of_2(d), num_warps=1 if kvh * d <= 512 else 2)
+                               BLOCK_D=triton.next_power_of_2(d), num_warps=1 if kvh * d <= 512 else 2,
+                               **pdl_args(k.device))

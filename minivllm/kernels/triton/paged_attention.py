@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from minivllm.errors import ConfigError, DeviceError
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 
 # Keys per split, one tile per split. A length in tokens, a multiple of the default
 # page size (16): a split reads whole pages. 64 keys × 128 dims is 16 KB of f16 K (and
@@ -86,8 +87,9 @@ def _paged_attention_split_kernel(
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_table, n_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     first = tl.program_id(2)
@@ -147,7 +149,9 @@ def _paged_attention_merge_kernel(
     part_ptr, ml_ptr, out_ptr, row_pos_ptr,
     stride_ot, stride_oh, stride_od, n_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     pos = tl.load(row_pos_ptr + row)
@@ -220,11 +224,11 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         GROUP=h // kvh, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(h // kvh),
         BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
         num_warps=launch.num_warps or split_warps(split, block_d),
-        **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}),
+        **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}), **pdl_args(q.device),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
-        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=merge_chunk(block_d),
+        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=merge_chunk(block_d), **pdl_args(q.device),
     )
     return out
 

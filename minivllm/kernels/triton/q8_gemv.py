@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 
 from minivllm.kernels.gemv_configs import GemvConfig, default_config
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.repacked_decode import store_rows, word_tile
 from minivllm.kernels.triton.split_sum import SplitPartials
 
@@ -48,7 +49,9 @@ def _interpreting() -> bool:
 
 
 @triton.jit
-def _quantize_q8_kernel(x_ptr, xw_ptr, dx_ptr, stride_xm, N_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+def _quantize_q8_kernel(x_ptr, xw_ptr, dx_ptr, stride_xm, N_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None, None]
     b = tl.arange(0, 4)[None, :, None]
@@ -78,7 +81,8 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dx = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     block = 32
     if m:
-        _quantize_q8_kernel[(m, triton.cdiv(groups, block))](x, xw, dx, x.stride(0), N_GROUPS=groups, BLOCK_G=block)
+        _quantize_q8_kernel[(m, triton.cdiv(groups, block))](x, xw, dx, x.stride(0), N_GROUPS=groups, BLOCK_G=block,
+                                                             **pdl_args(x.device))
     return xw, dx
 
 
@@ -146,10 +150,11 @@ def _q8_gemv_kernel(
     M, N, stride_om, stride_os, G_PER_SPLIT, N_RB,
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Tiled like `tiled_gemv.py` (BLOCK_NB row groups x one K slice per program, float32
     partials reduced in slice order when IS_SPLIT), with integer dot products per word."""
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -270,5 +275,6 @@ def q8_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig | None = None
         xw, dx, w.qs, *ptrs, bias if has_bias else dest, dest, m, n, n, m * n, g_per, triton.cdiv(n, R),
         N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
-        EMULATE=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
+        EMULATE=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_args(xw.device))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.triton.paged_attention import require_triton_device
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 
 # One block must hold a whole row; wider rows would spill registers badly (no model
 # minivllm loads is near this: Qwen2.5-7B has d = 3584).
@@ -25,7 +26,9 @@ _MAX_BLOCK = 1 << 15
 
 
 @triton.jit
-def _rms_norm_rows_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_rows_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,6 +71,6 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0]:
         _rms_norm_rows_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.stride(0), out.stride(0), d, float(eps), BLOCK=block
+            rows, weight, out, rows.stride(0), out.stride(0), d, float(eps), BLOCK=block, **pdl_args(x.device)
         )
     return out.view(x.shape)

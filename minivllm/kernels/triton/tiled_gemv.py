@@ -35,6 +35,7 @@ import triton.language as tl
 from minivllm.kernels.gemv_configs import GemvConfig
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.fused import silu_mul
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.repacked_decode import (
     decode_field,
     group_scales,
@@ -52,12 +53,13 @@ def _tiled_gemv_kernel(
     M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB, PAIR_RB,
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PAIRED: tl.constexpr, ROUND: tl.constexpr,
+    PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
     N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
     each) and the epilogue writes silu(g) * u, g and u first rounded to the matmul dtype
     (ROUND: 16 = f16, 17 = bf16, 0 = none) as the separate GEMVs would have returned them."""
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -148,11 +150,13 @@ def _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, strid
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, stride_ws, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PAIRED: tl.constexpr, ROUND: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PAIRED: tl.constexpr, ROUND: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """out = the SPLIT partials summed by `split_sum.slice_sum` (slice order, then bias),
     rounded once. PAIRED: the workspace rows hold gate (columns < N) and up (columns
     N..2N) partials; out [M, N] gets silu(g) * u of the two sums (each rounded as its
     GEMV's output would be)."""
+    wait_for_producers(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     if PAIRED:
@@ -188,7 +192,8 @@ def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, *
     has_bias = bias is not None
     _sum_splits_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, bias if has_bias else out, out, m * n, n, ws.stride(0),
                                                           SPLIT=split, HAS_BIAS=has_bias, BLOCK=_SUM_BLOCK,
-                                                          PAIRED=paired, ROUND=ROUND_CODES[mid_dtype], num_warps=4)
+                                                          PAIRED=paired, ROUND=ROUND_CODES[mid_dtype], num_warps=4,
+                                                          **pdl_args(out.device))
 
 
 def _planes(w: RepackedWeight) -> list[torch.Tensor]:
@@ -227,7 +232,7 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
         x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
         triton.cdiv(n, R), 0, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x.device))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)
 
 
@@ -257,7 +262,7 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
         x, w.qs, *_planes(w), bias if has_bias else out, dest, m, half, x.stride(0), half, m * n2, g_per, half // R,
         half // R, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x.device))
     if split > 1:
         sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)
     return out

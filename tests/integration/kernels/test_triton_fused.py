@@ -84,7 +84,8 @@ for split in (1, 3):  # a plain delta, and a split GEMV's partials summed in the
     sig = {"h_ptr": "*fp32", "y_ptr": "*fp16" if split == 1 else "*fp32", "w_ptr": "*fp32", "h_out_ptr": "*fp32",
            "x_out_ptr": "*fp16", "bias_ptr": "*fp32", "stride_h": "i32", "stride_y": "i32", "stride_ys": "i32",
            "stride_ho": "i32", "stride_xo": "i32", "n_cols": "i32", "eps": "fp32"}
-    const = {"HAS_Y": True, "SPLIT": split, "HAS_BIAS": split > 1, "ROUND": 16 if split > 1 else 0, "BLOCK": 4096}
+    const = {"HAS_Y": True, "SPLIT": split, "HAS_BIAS": split > 1, "ROUND": 16 if split > 1 else 0, "BLOCK": 4096,
+             "PDL": False}
     sig.update({n: "constexpr" for n in const})
     k = triton.compile(ASTSource(f._add_rms_norm_kernel, sig, const, attrs=attrs),
                        target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
@@ -95,15 +96,16 @@ sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh
 sig.update({"v_ptr": "*fp16", "kc_ptr": "*fp16", "vc_ptr": "*fp16", "slots_ptr": "*i64"})
 sig.update({n: "i32" for n in ("stride_vt", "stride_vh", "stride_kcs", "stride_kch", "stride_vcs", "stride_vch")})
 for store in (False, True):  # RoPE alone, and RoPE storing K and V into their page slots
-    const = {"H": 28, "KVH": 4, "HALF": 64, "ADJACENT": False, "BLOCK_H": 32, "BLOCK_KVH": 4, "STORE": store}
+    const = {"H": 28, "KVH": 4, "HALF": 64, "ADJACENT": False, "BLOCK_H": 32, "BLOCK_KVH": 4, "STORE": store,
+             "PDL": False}
     sig.update({n: "constexpr" for n in const})
     k = triton.compile(ASTSource(f._rope_qk_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
                        options={"num_warps": 4})
     out[f"rope_qk/store={store}"] = k.asm["ptx"]
 sig = {"g_ptr": "*fp16", "u_ptr": "*fp16", "out_ptr": "*fp16", "n_cols": "i32", "stride_g": "i32", "stride_u": "i32",
-       "stride_o": "i32", "BLOCK": "constexpr"}
-k = triton.compile(ASTSource(f._swiglu_kernel, sig, {"BLOCK": 1024}, attrs=attrs), target=GPUTarget("cuda", 75, 32),
-                   options={"num_warps": 4})
+       "stride_o": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}
+k = triton.compile(ASTSource(f._swiglu_kernel, sig, {"BLOCK": 1024, "PDL": False}, attrs=attrs),
+                   target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
 out["swiglu"] = k.asm["ptx"]
 print(json.dumps({key: {"target": ".target sm_75" in p, "bf16": "bf16" in p, "mma": "mma." in p}
                   for key, p in out.items()}))

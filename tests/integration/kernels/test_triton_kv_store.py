@@ -130,14 +130,16 @@ out = {}
 sig = {"k_ptr": "*fp16", "v_ptr": "*fp16", "kc_ptr": "*fp16", "vc_ptr": "*fp16", "slots_ptr": "*i64"}
 sig.update({n: "i32" for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kcs", "stride_kch",
                                "stride_vcs", "stride_vch")})
-const = {"KVH": 4, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128}
+const = {"KVH": 4, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "PDL": False}
 sig.update({n: "constexpr" for n in const})
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(13)}
 for cc in (75, 90):
+    const["PDL"] = cc >= 90
     k = triton.compile(ASTSource(ks._store_kv_kernel, sig, const, attrs=attrs),
                        target=GPUTarget("cuda", cc, 32 if cc < 90 else 128), options={"num_warps": 2})
     out[f"sm{cc}"] = k.asm["ptx"]
-print(json.dumps({key: {"target": f".target sm_{key[2:]}" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+print(json.dumps({key: {"target": f".target sm_{key[2:]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
+                         "gdc": "griddepcontrol.wait" in p}
                   for key, p in out.items()}))
 """
 
@@ -151,4 +153,4 @@ def test_store_kernel_compiles_for_sm75_and_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {f"sm{cc}": {"target": True, "bf16": False, "mma": False} for cc in (75, 90)}
+    assert result == {f"sm{cc}": {"target": True, "bf16": False, "mma": False, "gdc": cc == 90} for cc in (75, 90)}

@@ -342,20 +342,21 @@ for cc in (75, 90):
             sig[n] = "i32"
         const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
                  "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS,
-                 "NUM_STAGES": pa.SplitLaunch().num_stages}
+                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90}
         sig.update({k: "constexpr" for k in const})
         k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
                            options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
         out[f"sm{cc}/split/{cache}/{g}x{d}"] = k.asm["ptx"]
         sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32",
                "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
-        const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(d)}
+        const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(d), "PDL": cc >= 90}
         sig.update({k: "constexpr" for k in const})
         merge_attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
         k = triton.compile(ASTSource(pa._paged_attention_merge_kernel, sig, const, attrs=merge_attrs), target=target,
                            options={"num_warps": 4})
         out[f"sm{cc}/merge/{d}"] = k.asm["ptx"]
 print(json.dumps({key: {"target": f".target sm_{key[2:4]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
+                        "gdc": "griddepcontrol.wait" in p,
                         # 16-byte loads, direct or (pipelined, sm_80+) through cp.async
                         "vector_loads": "ld.global.v4" in p or "ld.global.nc.v4" in p
                         or re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", p) is not None}
@@ -379,5 +380,6 @@ def test_kernels_compile_for_t4_sm75_and_h100_sm90_without_bf16_or_mma():
     assert len(result) == 10
     for key, r in result.items():
         assert r["target"] and not r["bf16"] and not r["mma"], (key, r)
+        assert r["gdc"] == key.startswith("sm90"), key  # compiled with PDL on for sm_90 only
         if "/split/" in key:
             assert r["vector_loads"], key

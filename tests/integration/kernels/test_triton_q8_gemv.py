@@ -140,14 +140,14 @@ for kind, (a, b, c, e) in planes.items():
            "bias_ptr": "*fp32", "out_ptr": "*fp16", "M": "i32", "N": "i32", "stride_om": "i32", "stride_os": "i32",
            "G_PER_SPLIT": "i32", "N_RB": "i32"}
     const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
-             "BLOCK_G": 32, "IS_SPLIT": False, "HAS_BIAS": True, "EMULATE": False}
+             "BLOCK_G": 32, "IS_SPLIT": False, "HAS_BIAS": True, "EMULATE": False, "PDL": False}
     sig.update({k: "constexpr" for k in const})
     k = triton.compile(ASTSource(q._q8_gemv_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
                        options={"num_warps": 4})
     out[f"gemv/{kind}"] = k.asm["ptx"]
 sig = {"x_ptr": "*fp16", "xw_ptr": "*i32", "dx_ptr": "*fp32", "stride_xm": "i32", "N_GROUPS": "constexpr",
-       "BLOCK_G": "constexpr"}
-k = triton.compile(ASTSource(q._quantize_q8_kernel, sig, {"N_GROUPS": 112, "BLOCK_G": 32},
+       "BLOCK_G": "constexpr", "PDL": "constexpr"}
+k = triton.compile(ASTSource(q._quantize_q8_kernel, sig, {"N_GROUPS": 112, "BLOCK_G": 32, "PDL": False},
                              attrs={(i,): [["tt.divisibility", 16]] for i in range(3)}),
                    target=GPUTarget("cuda", 75, 32), options={"num_warps": 4})
 out["quantize"] = k.asm["ptx"]

@@ -125,7 +125,8 @@ for kind, (a, b, c, e) in planes.items():
                    "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32",
                    "PAIR_RB": "i32"}
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
-                     "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16}
+                     "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
+                     "PDL": int(sys.argv[1]) >= 90}
             sig.update({k: "constexpr" for k in const})
             k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
                                options={"num_warps": 4, "num_stages": 2})
@@ -133,11 +134,13 @@ for kind, (a, b, c, e) in planes.items():
 for paired in (False, True):
     sig = {"ws_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp16", "MN": "i32", "N": "i32", "stride_ws": "i32",
            "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr", "PAIRED": "constexpr",
-           "ROUND": "constexpr"}
+           "ROUND": "constexpr", "PDL": "constexpr"}
     k = triton.compile(ASTSource(_sum_splits_kernel, sig, {"SPLIT": 4, "HAS_BIAS": True, "BLOCK": 1024,
-                                                          "PAIRED": paired, "ROUND": 16}), target=target)
+                                                          "PAIRED": paired, "ROUND": 16,
+                                                          "PDL": int(sys.argv[1]) >= 90}), target=target)
     out[f"sum_splits/{paired}"] = k.asm["ptx"]
-print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf16" in p, "mma": "mma." in p}
+print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
+                         "gdc": "griddepcontrol.wait" in p and "griddepcontrol.launch_dependents" in p}
                   for key, p in out.items()}))
 """
 
@@ -145,7 +148,8 @@ print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf1
 @pytest.mark.parametrize("arch", ["75", "90"])
 def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     """Every kind, split or not, plain or paired with the SwiGLU epilogue (the gate+up
-    launch), and both split sums, compile for a T4 and an H100 without a device."""
+    launch), and both split sums, compile for a T4 and an H100 without a device; for
+    the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in."""
     import json
     import os
     import subprocess
@@ -158,4 +162,4 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result) == 24 + 2
     for key, r in result.items():
-        assert r == {"target": True, "bf16": False, "mma": False}, key
+        assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90"}, key

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the kernels of a decode step.
+
+Why: a 7B decode step is about 360 launches in a row, each depending on the one before.
+Without PDL a kernel's programs are scheduled only after the previous kernel has fully
+drained, so every boundary costs the launch and the ramp-up of the next grid on top of
+the previous one's tail. With PDL (`launch_pdl=True`) the next grid is scheduled once
+every program of the running one has passed its `griddepcontrol.launch_dependents`, and
+it waits for that kernel's completion (and memory flush) at its own
+`griddepcontrol.wait`. llama.cpp launches its CUDA kernels this way on Hopper.
+
+The rule every kernel here follows (`wait_for_producers`, its first statement):
+
+    gdc_wait()                # the previous kernel has finished; its writes are visible
+    gdc_launch_dependents()   # only now may the next kernel's programs be scheduled
+
+Waiting before anything is read or written keeps a kernel ordered after every earlier
+one (each kernel starts after its predecessor has passed the same wait, so the ordering
+is transitive), and triggering only after the wait means at most two grids overlap, the
+newer one parked at its wait. A launch that is not PDL (torch ops, cuBLAS) is ordered as
+always. Numerics are untouched: the same programs compute the same values.
+
+`pdl_args(device)` is the one switch: the launch keywords that turn both halves on
+together (never one without the other: a PDL launch of a kernel without the wait would
+race its producer). On only where the GPU profile allows it (`gpu_profile.py`: sm_90+,
+so never on the T4 profile) and MINIVLLM_PDL=1 asks for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+PDL_ENV = "MINIVLLM_PDL"
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """A PDL-launched kernel's first step (see the module docstring); nothing when PDL is off."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_requested() -> bool:
+    return os.environ.get(PDL_ENV, "0").strip() == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def _enabled(device_type: str, index: int | None, requested: bool, profile: str) -> bool:
+    if not requested or device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import torch
+
+    from minivllm.kernels.gpu_profile import gpu_profile
+
+    return gpu_profile(torch.device(device_type, index)).programmatic_launch
+
+
+def pdl_args(device) -> dict:
+    """Launch keywords for a kernel that starts with `wait_for_producers(PDL)`:
+    {"PDL": True, "launch_pdl": True} where PDL is on for `device`, else {}."""
+    from minivllm.kernels.gpu_profile import PROFILE_ENV
+
+    device_type = getattr(device, "type", str(device))
+    index = getattr(device, "index", None)
+    if _enabled(device_type, index, pdl_requested(), os.environ.get(PROFILE_ENV, "")):
+        return {"PDL": True, "launch_pdl": True}
+    return {}
