@@ -195,15 +195,13 @@ class Timer:
 
 
 def sweep_launches(pa) -> list[tuple[str, object]]:
-    """The new kernel's other launches (--sweep): split length × warps, programs per SM,
-    pipeline stages, a register cap."""
-    out = [(f"new split={s} warps={w}", pa.SplitLaunch(split_tokens=s, num_warps=w))
-           for s in (32, 64, 128) for w in (2, 4, 8)]
-    out += [(f"new programs_per_sm={n}", pa.SplitLaunch(programs_per_sm=n)) for n in (1, 4, 8, 16)]
-    out += [(f"new num_stages={n}", pa.SplitLaunch(num_stages=n)) for n in (1, 3)]
-    out += [("new maxnreg=128", pa.SplitLaunch(maxnreg=128)),
-            ("new maxnreg=128 programs_per_sm=4", pa.SplitLaunch(maxnreg=128, programs_per_sm=4))]
-    return out
+    """The new kernel's other launches (--sweep): query heads per program (one, or all of
+    a KV head's) × split length × warps. (The sweep of split × warps, programs per SM,
+    stages and a register cap at all heads per program is
+    benchmarks/results/h100-s40-attention-sweep.json.)"""
+    return [(f"new heads={h or 'all'} split={s} warps={w}",
+             pa.SplitLaunch(split_tokens=s, num_warps=w, heads_per_program=h))
+            for h in (1, None) for s in (32, 64) for w in (1, 2, 4)]
 
 
 def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, variants, rows, save):

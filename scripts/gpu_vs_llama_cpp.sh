@@ -161,6 +161,8 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
   BASE=""; [ -f ../paged_attention_b738059.py ] && BASE="--baseline-module ../paged_attention_b738059.py"
   BUDGET=$(( $(date +%s) - T0 + ${ATTN_BUDGET:-70} )) step "attention bench" "$R/attention-bench.log" \
     python3 scripts/attention_bench.py "$R/attention-bench.json" $BASE
+  BUDGET=$(( $(date +%s) - T0 + ${ATTN_SWEEP_BUDGET:-75} )) step "attention sweep" "$R/attention-sweep.log" \
+    python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --sweep-only --batches 1,8
   if [ "${DISAGG:-1}" != 0 ]; then  # issue 43: prefill on the GPU, decode on 8 of the CPU cores, K/V moved
     S05=$(sed -n 1p "$W/synthetic.log")
     step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \

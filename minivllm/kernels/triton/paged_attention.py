@@ -77,6 +77,7 @@ class SplitLaunch:
     programs_per_sm: int = _PROGRAMS_PER_SM
     num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
     maxnreg: int | None = None  # a register cap (2 resident programs per SM at 8 warps: 128)
+    heads_per_program: int | None = None  # query heads a program attends for (None: all of its KV head's)
 
 
 @triton.jit
@@ -88,10 +89,16 @@ def _paged_attention_split_kernel(
     stride_table, n_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    HPP: tl.constexpr = 0,
 ):
+    """HPP: query heads per program (a divisor of GROUP; 0: all GROUP of the KV head).
+    Each head's arithmetic is the same either way; fewer heads a program means more
+    programs in flight, each re-reading its KV head's tile (from L2)."""
     wait_for_producers(PDL)
+    HEADS: tl.constexpr = GROUP if HPP == 0 else HPP
     row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // (GROUP // HEADS)
+    g0 = (tl.program_id(1) % (GROUP // HEADS)) * HEADS  # this program's first head of the group
     first = tl.program_id(2)
     pos = tl.load(row_pos_ptr + row)
     seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
@@ -100,12 +107,12 @@ def _paged_attention_split_kernel(
         # 64-bit offsets: a large pool (pages × page stride) overflows int32.
         row64 = row.to(tl.int64)
         kv_head64 = kv_head.to(tl.int64)
-        n_heads = tl.num_programs(1) * GROUP
+        n_heads = tl.num_programs(1) * HEADS
         offs_n = tl.arange(0, SPLIT)
         offs_d = tl.arange(0, BLOCK_D)
         offs_g = tl.arange(0, BLOCK_G)
         d_mask = offs_d < HEAD_DIM
-        g_mask = offs_g < GROUP
+        g_mask = offs_g < HEADS
         table = tables_ptr + seq.to(tl.int64) * stride_table
         # Pipelined (sm_80+: cp.async into shared memory): a program that walks several
         # splits (large batches) loads the next ones' K/V while it computes this one.
@@ -124,8 +131,8 @@ def _paged_attention_split_kernel(
             # keys serve every head (each head a column of its own; padding columns stay 0,
             # finite, and are never stored).
             scores = tl.zeros([SPLIT, BLOCK_G], tl.float32)
-            for g in tl.static_range(GROUP):  # the KV head's query heads share the tile
-                q = tl.load(q_ptr + row64 * stride_qt + (kv_head * GROUP + g) * stride_qh + offs_d * stride_qd,
+            for g in tl.static_range(HEADS):  # the program's query heads share the tile
+                q = tl.load(q_ptr + row64 * stride_qt + (kv_head * GROUP + g0 + g) * stride_qh + offs_d * stride_qd,
                             mask=d_mask, other=0.0)
                 q = q.to(tl.float32) * scale  # scaling q once is cheaper than scaling every score
                 s = tl.sum(k * q[None, :], axis=1)  # (SPLIT,)
@@ -134,11 +141,11 @@ def _paged_attention_split_kernel(
             m = tl.max(scores, axis=0)  # (G,); the split's first key is <= pos, so finite
             p = tl.exp(scores - m[None, :])
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # unnormalised p · V per head
-            for g in tl.static_range(GROUP):
+            for g in tl.static_range(HEADS):
                 p_g = tl.sum(tl.where(offs_g[None, :] == g, p, 0.0), axis=1)  # column g, exactly
                 acc = tl.where(offs_g[:, None] == g, tl.sum(p_g[:, None] * v, axis=0)[None, :], acc)
             # Partial results: acc (T, H, splits, BLOCK_D) and (m, l) (T, H, splits, 2).
-            part = (row64 * n_heads + kv_head * GROUP + offs_g) * n_splits + split
+            part = (row64 * n_heads + kv_head * GROUP + g0 + offs_g) * n_splits + split
             tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
             tl.store(ml_ptr + part * 2, m, mask=g_mask)
             tl.store(ml_ptr + part * 2 + 1, tl.sum(p, axis=0), mask=g_mask)
@@ -215,16 +222,22 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     split = launch.split_tokens or SPLIT_TOKENS
     block_d = triton.next_power_of_2(d)
     n_splits = triton.cdiv(block_tables.shape[1] * page_size, split)
-    programs = split_programs(t * kvh, n_splits, _sm_count(q.device) * launch.programs_per_sm)
+    group = h // kvh
+    heads = launch.heads_per_program or group
+    if group % heads:
+        raise ConfigError("heads_per_program", heads, f"must divide the {group} query heads of a KV head")
+    head_programs = kvh * (group // heads)
+    programs = split_programs(t * head_programs, n_splits, _sm_count(q.device) * launch.programs_per_sm)
     part = torch.empty((t, h, n_splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((t, h, n_splits, 2), dtype=torch.float32, device=q.device)
-    _paged_attention_split_kernel[(t, kvh, programs)](
+    _paged_attention_split_kernel[(t, head_programs, programs)](
         q, k_pages, v_pages, part, ml, block_tables, row_seq, row_pos, float(d ** -0.5 if scale is None else scale),
         *q.stride(), *k_pages.stride(), *v_pages.stride(), block_tables.stride(0), n_splits,
-        GROUP=h // kvh, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(h // kvh),
+        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(heads),
         BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
         num_warps=launch.num_warps or split_warps(split, block_d),
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}), **pdl_args(q.device),
+        **({} if heads == group else {"HPP": heads}),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,

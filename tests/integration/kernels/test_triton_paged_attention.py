@@ -17,6 +17,7 @@ from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.attention import causal_attention  # noqa: E402
 from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
+from minivllm.kernels.triton import paged_attention as pa  # noqa: E402
 from minivllm.kernels.triton.paged_attention import paged_attention  # noqa: E402
 
 # (n_heads, n_kv_heads) of SmolLM2-135M and Qwen2.5-0.5B.
@@ -280,18 +281,26 @@ MODEL_SHAPES = [pytest.param(28, 4, 128, id="7B"), pytest.param(14, 2, 64, id="0
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
-def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim, cache_dtype):
+@pytest.mark.parametrize("heads_per_program", [None, 1], ids=["group-per-program", "head-per-program"])
+def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim, cache_dtype, heads_per_program):
     """The real models' shapes (group 7, head_dim 128 and 64) with a CUDA graph's wide
     block table (most programs have no split to do): decode rows whose keys end on both
     sides of page and split boundaries, beside a prefill chunk that crosses both, each
-    against softmax attention in float64 over its sequence's dense keys."""
+    against softmax attention in float64 over its sequence's dense keys; with a
+    program per KV head (its 7 query heads) and a program per query head."""
     seq_lens = [150, 70, 16, 129, 1]
     k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=cache_dtype,
                                        device=device, seed=heads + head_dim, head_dim=head_dim, width=24)
     rows = [(0, 149), (2, 15), (3, 128), (4, 0), (3, 63)] + [(1, p) for p in range(61, 67)]
     q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(4)).to(device)
     out = paged_attention(q, k, v, tables, torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device),
-                          torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device))
+                          torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device),
+                          launch=pa.SplitLaunch(heads_per_program=heads_per_program))
+    if heads_per_program is not None:
+        with pytest.raises(ConfigError, match="heads_per_program"):
+            paged_attention(q, k, v, tables, torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device),
+                            torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device),
+                            launch=pa.SplitLaunch(heads_per_program=2))  # 2 does not divide 7
     for i, (s, p) in enumerate(rows):
         ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
         torch.testing.assert_close(out[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
@@ -342,7 +351,7 @@ for cc in (75, 90):
             sig[n] = "i32"
         const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
                  "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS,
-                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90}
+                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90, "HPP": 0}
         sig.update({k: "constexpr" for k in const})
         k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
                            options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
