@@ -62,7 +62,7 @@ def read_blocks(pool, block_table: list[int], token_ids: list[int]) -> KVBlocks:
     n_layers, _, _, kvh, d = pool.k.shape
     k = pool.k[:, pages].reshape(n_layers, len(token_ids), kvh, d)
     v = pool.v[:, pages].reshape(n_layers, len(token_ids), kvh, d)
-    return KVBlocks(list(token_ids), k.clone(), v.clone(), pool_shape(pool))
+    return KVBlocks(list(token_ids), k, v, pool_shape(pool))  # indexing by a page list already copied
 
 
 def check_blocks(pool, blocks: KVBlocks) -> None:
@@ -80,8 +80,9 @@ def check_blocks(pool, blocks: KVBlocks) -> None:
 
 
 def write_page(pool, page: int, blocks: KVBlocks, block: int) -> None:
-    """Block `block` of `blocks` (page_size tokens) into pool page `page`, in the pool's dtype."""
+    """Block `block` of `blocks` (page_size tokens) into pool page `page`, in the pool's
+    dtype: one copy_, which converts the dtype and crosses devices on the way."""
     ps = pool.page_size
     sl = slice(block * ps, (block + 1) * ps)
-    pool.k[:, page].copy_(blocks.k[:, sl].to(pool.k.device, pool.k.dtype))
-    pool.v[:, page].copy_(blocks.v[:, sl].to(pool.v.device, pool.v.dtype))
+    pool.k[:, page].copy_(blocks.k[:, sl])
+    pool.v[:, page].copy_(blocks.v[:, sl])

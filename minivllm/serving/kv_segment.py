@@ -4,8 +4,9 @@
 The K/V tensors' bytes go into one POSIX shared-memory segment (`multiprocessing.
 shared_memory`: k's bytes, then v's); everything else (token ids, shapes, dtype, the
 sampler's RNG state) is small and rides in the JSON message that names the segment
-(`handoff_to_wire` / `handoff_from_wire`). One copy out of the exporter's pool into the
-segment, one copy from the segment into the importer's tensors: nothing is pickled.
+(`handoff_to_wire` / `mapped_handoff`). One copy out of the exporter's pool into the
+segment, one copy from the segment into the importer's pool pages (the dtype converted on the
+way): nothing is pickled.
 
 Who owns a segment, so none outlives its request:
 - the controller names it (`segment_name`) before the exporter creates it, so it can
@@ -94,9 +95,13 @@ def handoff_to_wire(handoff: Handoff, name: str) -> dict:
             "generator_device": handoff.generator_device, "write_ms": (time.perf_counter() - t0) * 1e3}
 
 
-def handoff_from_wire(meta: dict, params) -> Handoff:
-    """The Handoff `meta` describes, its K/V copied out of the segment, which is unlinked
-    here whatever happens (the importer is its last reader)."""
+@contextmanager
+def mapped_handoff(meta: dict, params):
+    """The Handoff `meta` describes, while the block runs, its K/V *views* of the mapped
+    segment: the importer copies them straight into its pool's pages (converting dtype on
+    the way), with no private copy in between. After the block the segment is unmapped
+    and unlinked whatever happened (the importer is its last reader); the block must not
+    keep the K/V tensors."""
     try:
         shape = tuple(meta["kv_shape"])
         dtype = _dtype(meta["dtype"])
@@ -105,21 +110,30 @@ def handoff_from_wire(meta: dict, params) -> Handoff:
             half = meta["nbytes"] // 2
             if half:
                 flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=2 * half)
-                k = flat[:half].clone().view(dtype).reshape(shape)
-                v = flat[half:].clone().view(dtype).reshape(shape)
-                del flat
+                k = flat[:half].view(dtype).reshape(shape)
+                v = flat[half:].view(dtype).reshape(shape)
             else:
-                k = v = torch.empty(shape, dtype=dtype)
+                flat, k, v = None, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            state = meta.get("generator_state")
+            handoff = Handoff(list(meta["prompt_ids"]), list(meta["output_ids"]), params,
+                              KVBlocks(list(meta["kv_token_ids"]), k, v, tuple(meta["model_shape"])),
+                              None if state is None
+                              else torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8),
+                              meta.get("generator_device"))
+            del k, v
+            try:
+                yield handoff
+            finally:
+                handoff.kv.k = handoff.kv.v = None
+                del handoff, flat
         finally:
-            shm.close()
+            try:
+                shm.close()
+            except BufferError:  # a view still alive (an error's traceback): freed with it
+                pass
             _unlink(shm)
     finally:
-        unlink_segment(meta["segment"])  # if the copy failed before its own unlink
-    state = meta.get("generator_state")
-    kv = KVBlocks(list(meta["kv_token_ids"]), k, v, tuple(meta["model_shape"]))
-    return Handoff(list(meta["prompt_ids"]), list(meta["output_ids"]), params, kv,
-                   None if state is None else torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8),
-                   meta.get("generator_device"))
+        unlink_segment(meta["segment"])  # if mapping it failed before its own unlink
 
 
 def _unlink(shm: shared_memory.SharedMemory) -> bool:
