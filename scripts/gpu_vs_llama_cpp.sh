@@ -6,6 +6,7 @@
 #   run 2:    (the same, with 2) right after run 1, on the same warm machine
 #   here:     python3 scripts/gpu_vs_llama_cpp_table.py run1.tgz run2.tgz   # the one JSON + Markdown table
 #   any time: ... profile   # pytest -m cuda in both profiles, then a profile of decode steps (no peer)
+#   short of device time: ... once   # the most important rows of runs 1 and 2 in one call
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -23,7 +24,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | profile}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -136,6 +137,43 @@ elif [ "$MODE" = 3 ]; then
     step "batched int8 7b (no peer: build unfinished)" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 \
       python3 scripts/gpu_batched_decode.py "$S7" "$R/batched-int8-7b.json"
   fi
+elif [ "$MODE" = once ]; then
+  # Everything that matters most in ONE device call, for a session with too little device
+  # time left for runs 1 and 2: the llama.cpp build in the background while the GPU does the
+  # attention sweep and the newest CUDA tests, then both engines' batch-1 decode (PDL on and
+  # off), the 4096-token context row, and the disaggregation bench if time is left.
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
+  [ -x "$LLAMA_BIN/llama-bench" ] || setsid nohup bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 \
+    > "$W/llama-build.log" 2>&1 < /dev/null &
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  setsid nohup bash -c "python3 -c \"
+from minivllm.bench.synthetic_model import ensure_synthetic_model as e
+print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
+\"" >> "$W/synthetic.log" 2>&1 < /dev/null &
+  BUDGET=$(( $(date +%s) - T0 + 60 )) step "attention sweep" "$R/attention-sweep.log" \
+    python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --batches 1,8 --contexts 512,4096
+  BUDGET=$(( $(date +%s) - T0 + 120 )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
+    -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
+    tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py
+  stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
+  while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 200 ]; do sleep 3; done
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
+  stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | grep -c llama-) binaries; files: $S05 $S7"
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
+    step "decode $s (+ llama-bench)" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
+    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
+  done
+  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \
+    -n 128 -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b-depth.json'"
+  step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
+    --prompt-tokens 4096
+  step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench disaggregation --model "$S05" \
+    --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 --outputs 128,512 --backlogs 0,24 --runs 1
 elif [ "$MODE" = 1 ]; then
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
