@@ -4,7 +4,7 @@
 The K/V tensors' bytes go into one POSIX shared-memory segment (`multiprocessing.
 shared_memory`: k's bytes, then v's); everything else (token ids, shapes, dtype, the
 sampler's RNG state) is small and rides in the JSON message that names the segment
-(`handoff_to_wire` / `mapped_handoff`). One copy out of the exporter's pool into the
+(`handoff_to_wire` / `handoff_from_wire`). One copy out of the exporter's pool into the
 segment, one copy from the segment into the importer's pool pages (the dtype converted on the
 way): nothing is pickled.
 
@@ -23,6 +23,7 @@ exporter's mapping is untracked at once; an attached mapping is forgotten by its
 from __future__ import annotations
 
 import base64
+import os
 import time
 from contextlib import contextmanager
 from multiprocessing import resource_tracker, shared_memory
@@ -95,45 +96,47 @@ def handoff_to_wire(handoff: Handoff, name: str) -> dict:
             "generator_device": handoff.generator_device, "write_ms": (time.perf_counter() - t0) * 1e3}
 
 
-@contextmanager
-def mapped_handoff(meta: dict, params):
-    """The Handoff `meta` describes, while the block runs, its K/V *views* of the mapped
-    segment: the importer copies them straight into its pool's pages (converting dtype on
-    the way), with no private copy in between. After the block the segment is unmapped
-    and unlinked whatever happened (the importer is its last reader); the block must not
-    keep the K/V tensors."""
+def handoff_from_wire(meta: dict, params) -> Handoff:
+    """The Handoff `meta` describes, its K/V *views* of the segment mapped by torch (Linux:
+    /dev/shm), which is unlinked here whatever happens (the importer is its last reader).
+    The importer copies the views straight into its pool's pages, converting the dtype on
+    the way: no private copy in between. The mapping belongs to the views' storage, so it
+    lives exactly as long as the last of them, wherever one ends up (an error's traceback
+    included); a mapping closed under a live view would crash the worker."""
     try:
         shape = tuple(meta["kv_shape"])
         dtype = _dtype(meta["dtype"])
-        shm = shared_memory.SharedMemory(name=meta["segment"])
-        try:
-            half = meta["nbytes"] // 2
-            if half:
-                flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=2 * half)
-                k = flat[:half].view(dtype).reshape(shape)
-                v = flat[half:].view(dtype).reshape(shape)
-            else:
-                flat, k, v = None, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-            state = meta.get("generator_state")
-            handoff = Handoff(list(meta["prompt_ids"]), list(meta["output_ids"]), params,
-                              KVBlocks(list(meta["kv_token_ids"]), k, v, tuple(meta["model_shape"])),
-                              None if state is None
-                              else torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8),
-                              meta.get("generator_device"))
-            del k, v
-            try:
-                yield handoff
-            finally:
-                handoff.kv.k = handoff.kv.v = None
-                del handoff, flat
-        finally:
-            try:
-                shm.close()
-            except BufferError:  # a view still alive (an error's traceback): freed with it
-                pass
-            _unlink(shm)
+        half = meta["nbytes"] // 2
+        path = os.path.join(_SHM_DIR, meta["segment"])
+        if not half:
+            k = v = torch.empty(shape, dtype=dtype)
+        elif os.path.exists(path):
+            flat = torch.from_file(path, shared=False, size=2 * half, dtype=torch.uint8)  # copy-on-write, only read
+            k, v = flat[:half].view(dtype).reshape(shape), flat[half:].view(dtype).reshape(shape)
+        else:  # no /dev/shm (not Linux): a private copy, then the mapping closes
+            k, v = _copied_out(meta["segment"], half, dtype, shape)
     finally:
-        unlink_segment(meta["segment"])  # if mapping it failed before its own unlink
+        unlink_segment(meta["segment"])
+    state = meta.get("generator_state")
+    kv = KVBlocks(list(meta["kv_token_ids"]), k, v, tuple(meta["model_shape"]))
+    return Handoff(list(meta["prompt_ids"]), list(meta["output_ids"]), params, kv,
+                   None if state is None else torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8),
+                   meta.get("generator_device"))
+
+
+_SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments, by name
+
+
+def _copied_out(name: str, half: int, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=2 * half)
+        k, v = flat[:half].clone().view(dtype).reshape(shape), flat[half:].clone().view(dtype).reshape(shape)
+        del flat
+    finally:
+        shm.close()
+        _unlink(shm)
+    return k, v
 
 
 def _unlink(shm: shared_memory.SharedMemory) -> bool:

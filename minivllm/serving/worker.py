@@ -35,7 +35,7 @@ import traceback
 
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
-from minivllm.serving.kv_segment import handoff_to_wire, mapped_handoff, unlink_segment
+from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
 from minivllm.serving.protocol import event_to_wire, params_from_wire
 from minivllm.serving.transport import Endpoint, TransportClosed
@@ -303,10 +303,9 @@ class Worker:
         started = time.perf_counter()
         try:
             with trace_scope("handoff", "import", request=rid):
-                with mapped_handoff(meta, params_from_wire(msg["params"])) as handoff:
-                    self.engine.import_request(handoff, request_id=rid)  # K/V straight from the segment into pages
-                    del handoff
+                handoff = handoff_from_wire(meta, params_from_wire(msg["params"]))  # views of the segment
                 read_ms = (time.perf_counter() - started) * 1e3
+                self.engine.import_request(handoff, request_id=rid)  # their one copy, into this pool's pages
         except Exception as exc:  # noqa: BLE001 - a bad import fails its request, not the worker
             unlink_segment(meta["segment"])
             field = exc.field if isinstance(exc, ConfigError) else None

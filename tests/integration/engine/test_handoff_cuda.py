@@ -27,7 +27,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.cache.kv_transfer import read_blocks
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
-from minivllm.serving.kv_segment import SEGMENT_PREFIX, handoff_to_wire, mapped_handoff
+from minivllm.serving.kv_segment import SEGMENT_PREFIX, handoff_from_wire, handoff_to_wire
 
 pytestmark = pytest.mark.cuda
 PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
@@ -66,10 +66,9 @@ def test_gpu_prefill_cpu_decode(small_gpu_model_path, cpu_llm, gpu_dtype):
     name = f"{SEGMENT_PREFIX}test-{uuid.uuid4().hex[:12]}"
     meta = handoff_to_wire(handoff, name)
     a.abort(rid)
-    with mapped_handoff(meta, handoff.params) as moved:  # the segment's views, straight into B's pages
-        rid_b = b.import_request(moved)
-        del moved
-    assert not os.path.exists(f"/dev/shm/{name}")  # unlinked once read
+    moved = handoff_from_wire(meta, handoff.params)  # views of the segment, copied once into B's pages
+    assert not os.path.exists(f"/dev/shm/{name}")  # unlinked once mapped
+    rid_b = b.import_request(moved)
     b.step()  # admission restores the imported pages
     view = b.request_state(rid_b)
     n = handoff.kv.n_tokens
