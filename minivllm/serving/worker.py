@@ -304,8 +304,8 @@ class Worker:
         try:
             with trace_scope("handoff", "import", request=rid):
                 handoff = handoff_from_wire(meta, params_from_wire(msg["params"]))  # views of the segment
-                read_ms = (time.perf_counter() - started) * 1e3
                 self.engine.import_request(handoff, request_id=rid)  # their one copy, into this pool's pages
+                read_ms = (time.perf_counter() - started) * 1e3  # the read side of the link: map and copy
         except Exception as exc:  # noqa: BLE001 - a bad import fails its request, not the worker
             unlink_segment(meta["segment"])
             field = exc.field if isinstance(exc, ConfigError) else None
