@@ -74,27 +74,38 @@ def decode_field(w, w_hi, h_lo, h_hi, P: tl.constexpr, KIND: tl.constexpr):
 
 
 @triton.jit
-def group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND: tl.constexpr):
+def load(ptr, ok, other, MASKED: tl.constexpr, POLICY: tl.constexpr = ""):
+    """tl.load under `ok` (other where false), or, MASKED off (a tile known to lie inside
+    the matrix), without a mask: no predicates, no zeroing of the registers."""
+    if MASKED:
+        v = tl.load(ptr, mask=ok, other=other, eviction_policy=POLICY)
+    else:
+        v = tl.load(ptr, eviction_policy=POLICY)
+    return v
+
+
+@triton.jit
+def group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND: tl.constexpr, MASKED: tl.constexpr = True):
     """(d, m, s_lo, s_hi) as float32 for the tile's groups: `gr` addresses the
     per-(group, row) planes, `sb` the per-(super-block, row) ones (K-quants). Q4_1: d, m;
     Q4_K: d, dmin, sc, mn; Q6_K: d, -, sc of elements 0-15, sc of 16-31; others: d."""
     if KIND == 5:
-        s_lo = i8_to_f32(tl.load(c_ptr + gr, mask=ok, other=0))
-        s_hi = i8_to_f32(tl.load(e_ptr + gr, mask=ok, other=0))
-        d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
+        s_lo = i8_to_f32(load(c_ptr + gr, ok, 0, MASKED))
+        s_hi = i8_to_f32(load(e_ptr + gr, ok, 0, MASKED))
+        d = load(a_ptr + sb, ok, 0.0, MASKED).to(tl.float32)
         m = d
     elif KIND == 4:
-        d = tl.load(a_ptr + sb, mask=ok, other=0.0).to(tl.float32)
-        m = tl.load(b_ptr + sb, mask=ok, other=0.0).to(tl.float32)
-        s_lo = u8_to_f32(tl.load(c_ptr + gr, mask=ok, other=0))
-        s_hi = u8_to_f32(tl.load(e_ptr + gr, mask=ok, other=0))
+        d = load(a_ptr + sb, ok, 0.0, MASKED).to(tl.float32)
+        m = load(b_ptr + sb, ok, 0.0, MASKED).to(tl.float32)
+        s_lo = u8_to_f32(load(c_ptr + gr, ok, 0, MASKED))
+        s_hi = u8_to_f32(load(e_ptr + gr, ok, 0, MASKED))
     elif KIND == 1:
-        d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
-        m = tl.load(b_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+        d = load(a_ptr + gr, ok, 0.0, MASKED).to(tl.float32)
+        m = load(b_ptr + gr, ok, 0.0, MASKED).to(tl.float32)
         s_lo = d
         s_hi = d
     else:
-        d = tl.load(a_ptr + gr, mask=ok, other=0.0).to(tl.float32)
+        d = load(a_ptr + gr, ok, 0.0, MASKED).to(tl.float32)
         m = d
         s_lo = d
         s_hi = d
@@ -120,13 +131,15 @@ def scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND: tl.constexpr):
 
 
 @triton.jit
-def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr):
+def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+              MASKED: tl.constexpr = True):
     """(words, mask, per-(group, row) offsets) of a [NB, G, T, R] tile: row groups `nb`,
-    groups `gg` below g_hi. 16-byte loads (ld.global.v4 in the sm_90 PTX), evict-first:
-    each weight byte is read once per call."""
+    groups `gg` below g_hi (MASKED off: the caller knows the tile is inside the matrix).
+    16-byte loads (ld.global.v4 in the sm_90 PTX), evict-first: each weight byte is read
+    once per call."""
     ok = nb_ok & (gg < g_hi)
     gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-    w = tl.load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0, eviction_policy="evict_first")
+    w = load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, "evict_first")
     return w, ok, gr
 
 

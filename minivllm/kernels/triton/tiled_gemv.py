@@ -40,11 +40,56 @@ from minivllm.kernels.triton.repacked_decode import (
     decode_field,
     group_scales,
     high_fields,
+    load,
     scaled_sum,
     store_rows,
     word_tile,
 )
 from minivllm.kernels.triton.split_sum import ROUND_CODES, SplitPartials, round_to, slice_sum
+
+
+@triton.jit
+def _trip(acc, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
+          N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr, BLOCK_NB: tl.constexpr,
+          BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
+    """One trip of the K loop: groups g0 .. g0 + BLOCK_G of the tile's rows added to acc
+    (MASKED: groups past g_hi or rows past the matrix read as zeros)."""
+    gg = g0 + g4
+    w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR, MASKED)
+    w_hi = w >> 16
+    h_lo = w  # unused by the types without a high-bit plane
+    h_hi = w
+    if KIND == 5:  # Q6_K: 2-bit plane, word-shaped
+        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, "evict_first").to(tl.int32)
+        h_lo, h_hi = high_fields(h, KIND)
+    elif KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
+        h_lo, h_hi = high_fields(load(b_ptr + gr, ok, 0, MASKED) >> t4, KIND)
+    # x[g*32 + p*T + t]: one value per (g, t), shared by every row of the tile. Built
+    # from [G, T] offsets (the weight tile's slice layout: no layout conversion).
+    g2 = g0 + offs_g[:, None]
+    x_off = g2 * 32 + offs_t[None, :]
+    x_ok = g2 < g_hi
+    ps = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
+    ps_hi = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
+    sx = tl.zeros([1, BLOCK_G, T, 1], dtype=tl.float32)
+    for p in tl.static_range(32 // T):
+        xp = load(x_row + x_off + p * T, x_ok, 0.0, MASKED, "evict_last")
+        xp = xp.to(tl.float32)[None, :, :, None]
+        f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+        if KIND == 5:  # two 16-element scales per group
+            if p < 4:
+                ps += f * xp
+            else:
+                ps_hi += f * xp
+        else:
+            ps += f * xp
+        if KIND == 1:
+            sx += xp
+        elif KIND == 4:
+            sx += xp
+    sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0  # per-(super-block, row) planes
+    d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND, MASKED)
+    return acc + scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND)
 
 
 @triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB"])
@@ -53,12 +98,14 @@ def _tiled_gemv_kernel(
     M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB, PAIR_RB,
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False,
+    PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):  # fmt: skip
     """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
     N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
     each) and the epilogue writes silu(g) * u, g and u first rounded to the matmul dtype
-    (ROUND: 16 = f16, 17 = bf16, 0 = none) as the separate GEMVs would have returned them."""
+    (ROUND: 16 = f16, 17 = bf16, 0 = none) as the separate GEMVs would have returned them.
+    EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
+    program's row groups), so whole trips load without masks."""
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -80,44 +127,16 @@ def _tiled_gemv_kernel(
     g_lo = pid_s * G_PER_SPLIT
     g_hi = tl.minimum(g_lo + G_PER_SPLIT, N_GROUPS)
     acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-    for i in range(0, G_PER_SPLIT, BLOCK_G):
-        gg = g_lo + i + g4
-        w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR)
-        w_hi = w >> 16
-        h_lo = w  # unused by the types without a high-bit plane
-        h_hi = w
-        if KIND == 5:  # Q6_K: 2-bit plane, word-shaped
-            h = tl.load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, mask=ok, other=0,
-                        eviction_policy="evict_first").to(tl.int32)
-            h_lo, h_hi = high_fields(h, KIND)
-        elif KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
-            h_lo, h_hi = high_fields(tl.load(b_ptr + gr, mask=ok, other=0) >> t4, KIND)
-        # x[g*32 + p*T + t]: one value per (g, t), shared by every row of the tile. Built
-        # from [G, T] offsets (the weight tile's slice layout: no layout conversion).
-        g2 = g_lo + i + offs_g[:, None]
-        x_off = g2 * 32 + offs_t[None, :]
-        x_ok = g2 < g_hi
-        ps = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-        ps_hi = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-        sx = tl.zeros([1, BLOCK_G, T, 1], dtype=tl.float32)
-        for p in tl.static_range(32 // T):
-            xp = tl.load(x_row + x_off + p * T, mask=x_ok, other=0.0, eviction_policy="evict_last")
-            xp = xp.to(tl.float32)[None, :, :, None]
-            f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
-            if KIND == 5:  # two 16-element scales per group
-                if p < 4:
-                    ps += f * xp
-                else:
-                    ps_hi += f * xp
-            else:
-                ps += f * xp
-            if KIND == 1:
-                sx += xp
-            elif KIND == 4:
-                sx += xp
-        sb = (nb * (N_GROUPS // 8) + gg // 8) * RR + r4 + t4 * 0  # per-(super-block, row) planes
-        d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND)
-        acc += scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND)
+    # Whole trips first, loaded without masks where the tile's rows are all inside the
+    # matrix (EVEN_N), then the slice's last partial trip, if any, masked. Same trips in
+    # the same order as one masked loop: the same sums, fewer instructions a weight.
+    n_full = (g_hi - g_lo) // BLOCK_G * BLOCK_G
+    for i in range(0, n_full, BLOCK_G):
+        acc = _trip(acc, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
+                    e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
+    if n_full < g_hi - g_lo:
+        acc = _trip(acc, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
+                    c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
     if PAIRED:
         _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT,
@@ -232,7 +251,8 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
         x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
         triton.cdiv(n, R), 0, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x.device))
+        EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_args(x.device))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)
 
 
@@ -262,7 +282,8 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
         x, w.qs, *_planes(w), bias if has_bias else out, dest, m, half, x.stride(0), half, m * n2, g_per, half // R,
         half // R, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x.device))
+        EVEN_N=(half // R) % (block_nb // 2) == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_args(x.device))
     if split > 1:
         sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)
     return out

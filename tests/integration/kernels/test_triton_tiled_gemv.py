@@ -46,6 +46,20 @@ def test_matches_reference_interpreted(ggml_type, config):
     )
 
 
+@cpu_only
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("split", [1, 2])
+def test_whole_trips_unmasked_then_a_partial_one_interpreted(ggml_type, split):
+    """24 rows in row groups that fill every program (whole trips load without masks), and
+    K = 768: 24 groups, so each slice ends in a partial trip of 8 groups, masked."""
+    n, k = 24, 768
+    w = random_weight(ggml_type, n, k, seed=48)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(49))
+    config = GemvConfig(block_nb=2, block_g=16, split=split)
+    assert_close_to_reference(tiled_gemv(x, repack(w), config), reference(x, w), k)
+    _check_invariance(repack(w), w, k, config, "cpu")
+
+
 def _check_invariance(rw, w, k, config, device):
     gen = torch.Generator().manual_seed(43)
     batch = torch.randn(5, k, generator=gen).to(device)
@@ -126,7 +140,7 @@ for kind, (a, b, c, e) in planes.items():
                    "PAIR_RB": "i32"}
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
-                     "PDL": int(sys.argv[1]) >= 90}
+                     "PDL": int(sys.argv[1]) >= 90, "EVEN_N": split}  # both the masked and the unmasked trips
             sig.update({k: "constexpr" for k in const})
             k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
                                options={"num_warps": 4, "num_stages": 2})
