@@ -155,23 +155,27 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
     python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --batches 1,8 --contexts 512,4096
   BUDGET=$(( $(date +%s) - T0 + 120 )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
     -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
-    tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py
+    tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py \
+    tests/integration/kernels/test_triton_tiled_gemv.py
   stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
-  while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 200 ]; do sleep 3; done
   while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
   S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
-  stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | grep -c llama-) binaries; files: $S05 $S7"
+  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
   DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
   for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
-    step "decode $s (+ llama-bench)" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
+    step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
     step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
   done
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \
-    -n 128 -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b-depth.json'"
   step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 4096
+  while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 45 ]; do sleep 3; done
+  stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | grep -c llama-) binaries; $(tail -n 1 "$W/llama-build.log")"
+  step "llama-bench 7b" "$R/llama-bench-7b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 512 -n 128 \
+    -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b.json'"
+  step "llama-bench 0.5b" "$R/llama-bench-0.5b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S05' -ngl 99 -p 512 \
+    -n 128 -d 0,512 -r 3 -o json > '$R/llama-bench-0.5b.json'"
   step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench disaggregation --model "$S05" \
     --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 --outputs 128,512 --backlogs 0,24 --runs 1
 elif [ "$MODE" = 1 ]; then
