@@ -42,34 +42,35 @@ def high_fields(h, KIND: tl.constexpr):
 
 
 @triton.jit
-def decode_field(w, w_hi, h_lo, h_hi, P: tl.constexpr, KIND: tl.constexpr):
+def decode_field(w, w_hi, h_lo, h_hi, P: tl.constexpr, KIND: tl.constexpr, ONES=None):
     """Field P of every word as float32, the type's offset removed, before the group's
-    scale (h_lo / h_hi: `high_fields`, ignored by the types without high bits)."""
+    scale (h_lo / h_hi: `high_fields`, ignored by the types without high bits). ONES: 15
+    as a runtime number, or None (quant_fields.py says why a kernel passes it)."""
     if KIND == 3:  # Q8_0: 4 bytes per word, stored as q + 128
         if P < 2:
-            f = field(w, P, 8, 128)
+            f = field(w, P, 8, 128, ONES)
         else:
-            f = field(w_hi, P - 2, 8, 128)
+            f = field(w_hi, P - 2, 8, 128, ONES)
     elif KIND == 5:  # Q6_K: a nibble and 2 high bits, q - 32
         if P < 4:
-            f = field_hi(w, h_lo, P, 2, 32)
+            f = field_hi(w, h_lo, P, 2, 32, ONES)
         else:
-            f = field_hi(w_hi, h_hi, P - 4, 2, 32)
+            f = field_hi(w_hi, h_hi, P - 4, 2, 32, ONES)
     elif KIND == 2:  # Q5_0: a nibble and 1 high bit, q - 16
         if P < 4:
-            f = field_hi(w, h_lo, P, 1, 16)
+            f = field_hi(w, h_lo, P, 1, 16, ONES)
         else:
-            f = field_hi(w_hi, h_hi, P - 4, 1, 16)
+            f = field_hi(w_hi, h_hi, P - 4, 1, 16, ONES)
     elif KIND == 0:  # Q4_0: q - 8
         if P < 4:
-            f = field(w, P, 4, 8)
+            f = field(w, P, 4, 8, ONES)
         else:
-            f = field(w_hi, P - 4, 4, 8)
+            f = field(w_hi, P - 4, 4, 8, ONES)
     else:  # Q4_1, Q4_K: q (the min comes through the activation sum)
         if P < 4:
-            f = field(w, P, 4, 0)
+            f = field(w, P, 4, 0, ONES)
         else:
-            f = field(w_hi, P - 4, 4, 0)
+            f = field(w_hi, P - 4, 4, 0, ONES)
     return f
 
 

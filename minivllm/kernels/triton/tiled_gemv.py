@@ -49,7 +49,7 @@ from minivllm.kernels.triton.split_sum import ROUND_CODES, SplitPartials, round_
 
 
 @triton.jit
-def _trip(acc, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
+def _trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
           N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr, BLOCK_NB: tl.constexpr,
           BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
     """One trip of the K loop: groups g0 .. g0 + BLOCK_G of the tile's rows added to acc
@@ -75,7 +75,7 @@ def _trip(acc, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_
     for p in tl.static_range(32 // T):
         xp = load(x_row + x_off + p * T, x_ok, 0.0, MASKED, "evict_last")
         xp = xp.to(tl.float32)[None, :, :, None]
-        f = decode_field(w, w_hi, h_lo, h_hi, p, KIND)
+        f = decode_field(w, w_hi, h_lo, h_hi, p, KIND, ONES)
         if KIND == 5:  # two 16-element scales per group
             if p < 4:
                 ps += f * xp
@@ -92,10 +92,10 @@ def _trip(acc, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_
     return acc + scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND)
 
 
-@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB"])
+@triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB", "ONES"])
 def _tiled_gemv_kernel(
     x_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
-    M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB, PAIR_RB,
+    M, N, stride_xm, stride_om, stride_os, G_PER_SPLIT, N_RB, PAIR_RB, ONES,
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False, EVEN_N: tl.constexpr = False,
@@ -104,6 +104,7 @@ def _tiled_gemv_kernel(
     N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
     each) and the epilogue writes silu(g) * u, g and u first rounded to the matmul dtype
     (ROUND: 16 = f16, 17 = bf16, 0 = none) as the separate GEMVs would have returned them.
+    ONES: 15, passed at run time (quant_fields.py: keeps the field masks in registers).
     EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
     program's row groups), so whole trips load without masks."""
     wait_for_producers(PDL)
@@ -132,10 +133,10 @@ def _tiled_gemv_kernel(
     # the same order as one masked loop: the same sums, fewer instructions a weight.
     n_full = (g_hi - g_lo) // BLOCK_G * BLOCK_G
     for i in range(0, n_full, BLOCK_G):
-        acc = _trip(acc, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
+        acc = _trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
                     e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
     if n_full < g_hi - g_lo:
-        acc = _trip(acc, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
+        acc = _trip(acc, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
                     c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
     if PAIRED:
@@ -190,6 +191,7 @@ def _sum_splits_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, stride_ws, SPLIT: tl.co
 
 
 _SUM_BLOCK = 1024
+FIELD_ONES = 15  # the kernel's ONES argument (quant_fields.py)
 
 
 def launch_shape(n: int, k: int, m: int, config: GemvConfig) -> tuple[tuple[int, int, int], int, int]:
@@ -249,8 +251,8 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
             else torch.empty((split, m, n), dtype=torch.float32, device=x.device))
     _tiled_gemv_kernel[grid](
         x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
-        triton.cdiv(n, R), 0, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=config.block_nb,
-        BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
+        triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,
+        BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_args(x.device))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)
@@ -280,7 +282,7 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
     dest = out if split == 1 else torch.empty((split, m, n2), dtype=torch.float32, device=x.device)
     _tiled_gemv_kernel[grid](
         x, w.qs, *_planes(w), bias if has_bias else out, dest, m, half, x.stride(0), half, m * n2, g_per, half // R,
-        half // R, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
+        half // R, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
         EVEN_N=(half // R) % (block_nb // 2) == 0, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_args(x.device))

@@ -137,7 +137,7 @@ for kind, (a, b, c, e) in planes.items():
             sig = {"x_ptr": "*fp16", "q_ptr": "*i32", "a_ptr": a, "b_ptr": b, "c_ptr": c, "e_ptr": e,
                    "bias_ptr": "*fp32", "out_ptr": "*fp32" if split else "*fp16", "M": "i32", "N": "i32",
                    "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32",
-                   "PAIR_RB": "i32"}
+                   "PAIR_RB": "i32", "ONES": "i32"}
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
                      "PDL": int(sys.argv[1]) >= 90, "EVEN_N": split}  # both the masked and the unmasked trips
