@@ -27,11 +27,12 @@ so never on the T4 profile) and MINIVLLM_PDL=1 asks for it.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import triton
 import triton.language as tl
+
+from minivllm.kernels.gpu_profile import gpu_profile
 
 PDL_ENV = "MINIVLLM_PDL"
 
@@ -48,24 +49,30 @@ def pdl_requested() -> bool:
     return os.environ.get(PDL_ENV, "0").strip() == "1"
 
 
-@functools.lru_cache(maxsize=16)
-def _enabled(device_type: str, index: int | None, requested: bool, profile: str) -> bool:
-    if not requested or device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def _enabled(device_type: str, index: int | None) -> bool:
+    if not pdl_requested() or device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     import torch
-
-    from minivllm.kernels.gpu_profile import gpu_profile
 
     return gpu_profile(torch.device(device_type, index)).programmatic_launch
 
 
+_ON = {"PDL": True, "launch_pdl": True}
+_DECIDED: dict = {}  # torch.device -> launch keywords: the switches are read once a process
+
+
 def pdl_args(device) -> dict:
     """Launch keywords for a kernel that starts with `wait_for_producers(PDL)`:
-    {"PDL": True, "launch_pdl": True} where PDL is on for `device`, else {}."""
-    from minivllm.kernels.gpu_profile import PROFILE_ENV
+    {"PDL": True, "launch_pdl": True} where PDL is on for `device`, else {}. Decided once
+    per device and process (a launch pays one dict lookup); `reset()` after changing
+    MINIVLLM_PDL or the GPU profile in a running process."""
+    args = _DECIDED.get(device)
+    if args is None:
+        args = _DECIDED[device] = _ON if _enabled(getattr(device, "type", str(device)),
+                                                  getattr(device, "index", None)) else {}
+    return args
 
-    device_type = getattr(device, "type", str(device))
-    index = getattr(device, "index", None)
-    if _enabled(device_type, index, pdl_requested(), os.environ.get(PROFILE_ENV, "")):
-        return {"PDL": True, "launch_pdl": True}
-    return {}
+
+def reset() -> None:
+    """Forget the per-device decisions (tests, and A/B runs within one process)."""
+    _DECIDED.clear()

@@ -22,11 +22,11 @@ ON = {"PDL": True, "launch_pdl": True}
 
 @pytest.fixture
 def fresh(monkeypatch):
-    pdl._enabled.cache_clear()
+    pdl.reset()
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     yield monkeypatch
-    pdl._enabled.cache_clear()
+    pdl.reset()
 
 
 def _as_gpu(monkeypatch, capability):
@@ -38,6 +38,7 @@ def test_off_unless_asked(fresh):
     fresh.delenv(pdl.PDL_ENV, raising=False)
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}
     fresh.setenv(pdl.PDL_ENV, "0")
+    pdl.reset()
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}
 
 
@@ -45,7 +46,7 @@ def test_on_when_asked_on_sm90_and_later(fresh):
     fresh.setenv(pdl.PDL_ENV, "1")
     for cap in ((9, 0), (10, 0)):
         _as_gpu(fresh, cap)
-        pdl._enabled.cache_clear()
+        pdl.reset()
         assert pdl.pdl_args(torch.device("cuda", 0)) == ON, cap
 
 
@@ -62,8 +63,11 @@ def test_never_on_the_t4_profile_or_the_cpu_path(fresh):
     fresh.setenv(PROFILE_ENV, "sm75")
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}
     fresh.delenv(PROFILE_ENV)
+    pdl.reset()
+    assert pdl.pdl_args(torch.device("cuda", 0)) == ON  # the check that each case below can fail
     assert pdl.pdl_args(torch.device("cpu")) == {}
     fresh.setenv("TRITON_INTERPRET", "1")
+    pdl.reset()
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}
 
 
@@ -95,7 +99,7 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv(pdl.PDL_ENV, flag)
-        pdl._enabled.cache_clear()
+        pdl.reset()
         llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16")
         ids = llm.tokenizer.encode(TINY_QWEN_PROMPTS[2])
         inv = llm.fork(batch_invariant=True)
