@@ -48,7 +48,9 @@ def check_invariants(engine: LLMEngine) -> None:
     cached = cached_pages(engine)
     for r in live:
         assert len(set(r.block_table)) == len(r.block_table), f"{r.id} holds a page twice"
-    owners = held + Counter(cached)
+    # Pages reserved for another worker's K/V (a split request's decode half) until it lands.
+    landing = Counter(p for pages in engine.kv_ownership()["landing"].values() for p in pages)
+    owners = held + Counter(cached) + landing
     if engine.graph_runner is not None:  # CUDA graphs keep one scratch page for padding rows
         owners[engine.graph_runner.scratch_page] += 1
     # Only cached pages may be shared between requests.

@@ -14,6 +14,10 @@ for the draft's pool (one manager per `Drafter`, no prefix cache). Callers ask:
     free(t)                       drop every page (finish, abort, error, preemption)
     publish(req) / computed(req)  index the request's full computed pages in the prefix
                                   cache (always / when the publication policy is incremental)
+    reserve_landing(ids) / land(r, n) / drop_landing(r)
+                                  pages set aside for another worker's K/V of `ids` (a split
+                                  request's decode half, cache/kv_transfer.py), then indexed
+                                  once written, or given back
 
 Invariants (tests/engine_invariants.py recomputes them after every step):
 - a page's refcount is the number of block tables holding it plus one if the prefix
@@ -35,11 +39,34 @@ decision) until its leader has published the prompt's pages, which `admit` resto
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 
 # The methods that change block tables, the pool or the prefix index.
-MUTATORS = frozenset({"admit", "allocate_slots", "truncate", "free", "publish", "computed", "clear_cache", "adopt"})
+MUTATORS = frozenset({"admit", "allocate_slots", "truncate", "free", "publish", "computed", "clear_cache", "adopt",
+                      "reserve_landing", "land", "drop_landing"})
+
+
+@dataclass
+class Reservation:
+    """Pages set aside for the K/V of `token_ids`, block by block: `held`, the leading
+    blocks this prefix cache had already (one reference each), then `pages`, taken free for
+    the next blocks (as many as fitted), to be written by another worker."""
+
+    token_ids: list[int]
+    keys: list[int]
+    held: list[int]
+    pages: list[int]
+
+    @property
+    def have(self) -> int:
+        return len(self.held)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.held) + len(self.pages)
 
 
 class KVManager:
@@ -153,25 +180,48 @@ class KVManager:
         Returns how many tokens were newly cached; 0 without a prefix cache or free pages."""
         from minivllm.cache.kv_transfer import check_blocks, write_page
 
-        index, pool = self._prefix, self.pool
-        if index is None:
+        if self._prefix is None:
             return 0
-        check_blocks(pool, blocks)
-        ids = blocks.token_ids
-        keys = index.keys_for(ids, [])
-        # Blocks this cache holds already: held while the rest are allocated, so an
-        # allocation cannot evict a page the chain is about to point at.
-        held = index.hold(index.match(ids, keys))
-        table = list(held)
-        for i in range(len(held), len(keys)):
+        check_blocks(self.pool, blocks)
+        reservation = self.reserve_landing(blocks.token_ids)
+        for i, page in enumerate(reservation.pages):
+            write_page(self.pool, page, blocks, reservation.have + i)
+        return self.land(reservation, reservation.blocks)
+
+    def reserve_landing(self, token_ids: list[int]) -> "Reservation":
+        """Pages for the K/V of `token_ids` (whole pages) that another worker will write:
+        the blocks this cache holds already are held (so no allocation evicts a page the
+        chain will point at), free pages are taken for as many of the rest as fit. Nothing
+        is indexed until `land`; `drop_landing` gives it all back."""
+        index, pool = self._prefix, self.pool
+        ps = pool.page_size
+        ids = list(token_ids[:len(token_ids) // ps * ps])
+        keys = index.keys_for(ids, []) if index is not None else []
+        held = index.hold(index.match(ids, keys)) if index is not None else []
+        pages: list[int] = []
+        for _ in range(len(held), len(keys)):
             if pool.num_available < 1:
                 break
-            page = pool.allocate(1, after=table[-1] if table else None)[0]
-            write_page(pool, page, blocks, i)
-            table.append(page)
-        added = index.publish(ids, keys, table, len(held), len(table)) if len(table) > len(held) else 0
-        pool.release(table[::-1])  # the index keeps its reference: cached-idle, deepest first
-        return added * pool.page_size
+            last = pages[-1] if pages else held[-1] if held else None
+            pages.append(pool.allocate(1, after=last)[0])
+        return Reservation(ids, keys, held, pages)
+
+    def land(self, reservation: "Reservation", blocks: int) -> int:
+        """The first `blocks` blocks of `reservation` hold their K/V now: index them (held
+        by the index alone, cached-idle) and free the reserved pages past them. Returns the
+        tokens newly cached."""
+        r, ps = reservation, self.pool.page_size
+        table = r.held + r.pages
+        blocks = max(len(r.held), min(blocks, len(table)))
+        added = self._prefix.publish(r.token_ids, r.keys, table, len(r.held), blocks) if blocks > len(r.held) else 0
+        self.pool.release(table[::-1])  # the unwritten tail is freed, the rest stays indexed
+        r.pages, r.held = [], []
+        return added * ps
+
+    def drop_landing(self, reservation: "Reservation") -> None:
+        """Give a reservation's pages back unwritten (its cached blocks stay cached)."""
+        self.pool.release((reservation.held + reservation.pages)[::-1])
+        reservation.pages, reservation.held = [], []
 
     # -- the prefix cache as a whole -----------------------------------------------------------
 

@@ -40,11 +40,59 @@ class KVBlocks:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def blocks(self) -> "KVBlocks":
+        return self
+
     def to(self, device, dtype: torch.dtype | None = None, *, non_blocking: bool = False) -> "KVBlocks":
         """The same blocks on `device` (in `dtype`): the transport's copy."""
         dtype = dtype or self.k.dtype
         return KVBlocks(list(self.token_ids), self.k.to(device, dtype, non_blocking=non_blocking),
                         self.v.to(device, dtype, non_blocking=non_blocking), self.shape)
+
+
+@dataclass
+class PageSpan:
+    """`token_ids`' K/V still in the exporter's `pool`, one page of `pages` per page of
+    tokens: what a transport copies from, once, to wherever the K/V go (a segment, or the
+    importer's own pages). Valid only while the request holding those pages does."""
+
+    pool: object
+    pages: list[int]
+    token_ids: list[int]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        k = self.pool.k
+        return 2 * self.n_tokens * k[:, 0, 0].numel() * k.element_size()
+
+    def blocks(self) -> KVBlocks:
+        """The K/V copied out of the pool (its device and dtype)."""
+        return read_blocks(self.pool, self.pages, self.token_ids)
+
+
+@dataclass
+class LandedBlocks:
+    """K/V another worker wrote straight into this pool's reserved pages (`reserve_import`):
+    the first `blocks` blocks of `token_ids`."""
+
+    token_ids: list[int]
+    blocks: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def dtype_named(name: str, field: str) -> torch.dtype:
+    """The torch dtype a message names ("float16"), or a ConfigError naming `field`."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(field, name, "a torch dtype name such as float32, float16, bfloat16")
+    return dtype
 
 
 def pool_shape(pool) -> tuple[int, int, int]:

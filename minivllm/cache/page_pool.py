@@ -31,13 +31,22 @@ PAGE_STATES = (FREE, OWNED, CACHED_IDLE, CACHED_IN_USE, SHARED)
 
 class PagePool:
     def __init__(self, *, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, shareable: bool = False):
+        """`shareable`: a CPU pool in memory another local worker can map and write into
+        (cache/shared_pool_memory.py); `self.shared` then describes it, else it is None."""
         if num_pages < 1:
             raise ConfigError("kv_num_pages", num_pages, "the KV memory budget must hold at least one page; "
                               "raise kv_memory_bytes / kv_memory_fraction or lower max_model_len / page_size")
         shape = (n_layers, num_pages, page_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.shared = None
+        if shareable and torch.device(device).type == "cpu":
+            from minivllm.cache.shared_pool_memory import SharedPoolMemory
+
+            self.shared = SharedPoolMemory(shape, dtype)  # zero-filled, like torch.zeros
+            self.k, self.v = self.shared.k, self.shared.v
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages = num_pages
         self.page_size = page_size
         self.refcount = [0] * num_pages

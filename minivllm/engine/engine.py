@@ -32,6 +32,7 @@ import torch
 
 from minivllm.cache.flight_coordinator import FlightCoordinator
 from minivllm.cache.kv_manager import KVManager
+from minivllm.cache.kv_transfer import LandedBlocks
 from minivllm.cache.page_pool import PagePool
 from minivllm.cache.prefix_index import PrefixIndex
 from minivllm.engine.engine_config import EngineConfig
@@ -73,7 +74,8 @@ class LLMEngine:
                                          head_dim=cfg.head_dim, dtype=model.dtype)
         num_pages = config.kv_budget_bytes(model.device, self.max_model_len, page_bytes, page_size) // page_bytes
         self.pool = PagePool(n_layers=cfg.n_layers, num_pages=num_pages, page_size=page_size,
-                             n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device)
+                             n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=model.dtype, device=model.device,
+                             shareable=config.kv_shareable)
         # The only writer of block tables (driven by the scheduler alone), and the owner of the prefix index.
         prefix = PrefixIndex(self.pool) if config.prefix_cache_enabled else None
         self._kv = KVManager(self.pool, prefix, publication=config.publication)
@@ -126,21 +128,58 @@ class LLMEngine:
 
     # -- moving a request to another engine (engine/handoff.py) -------------------------
 
-    def export_request(self, request_id: str) -> Handoff:
+    def export_request(self, request_id: str, *, copy: bool = True) -> Handoff:
         """What another engine needs to continue this request (its tokens, the K/V of its
-        full computed pages, its sampler state); this engine keeps the request until told."""
-        return export_request(self._requests[request_id], self.pool)
+        full computed pages, its sampler state); this engine keeps the request until told.
+        `copy=False`: the K/V stay in this pool (a `PageSpan`, valid only while the request
+        is held here) for a transport to copy once, straight to where they go."""
+        return export_request(self._requests[request_id], self.pool, copy=copy)
+
+    def reserve_import(self, request_id: str, token_ids: list[int]) -> dict:
+        """Set free pages aside for the K/V of `token_ids` that another worker will write
+        straight into this pool (`{"have": blocks cached here already, "pages": one per
+        next block, "page_size"}`), for `import_request` of a `LandedBlocks` handoff or
+        `drop_reservation` to end."""
+        if not self._kv.caching:
+            raise ConfigError("prefix_cache", False, "importing a request needs the prefix cache (kv_mode='paged')")
+        r = self._scheduler.reserve_kv(request_id, token_ids)
+        return {"have": r.have, "pages": list(r.pages), "page_size": self.pool.page_size}
+
+    def drop_reservation(self, request_id: str) -> bool:
+        """Give `reserve_import`'s pages back unwritten; False if there were none."""
+        return self._scheduler.cancel_kv(request_id)
 
     def import_request(self, handoff: Handoff, *, request_id: str | None = None) -> str:
         """Continue another engine's request here: its pages go into this prefix cache
-        (prefix_cache must be on), then a request with its tokens as prompt restores them."""
-        if not self._kv.caching:
-            raise ConfigError("prefix_cache", False, "importing a request needs the prefix cache (kv_mode='paged')")
-        prompt_ids, params = continuation(handoff)
-        self._scheduler.import_kv(handoff.kv)
+        (prefix_cache must be on), then a request with its tokens as prompt restores them.
+        A `LandedBlocks` handoff was written into this request's reservation already."""
+        try:
+            if not self._kv.caching:
+                raise ConfigError("prefix_cache", False,
+                                  "importing a request needs the prefix cache (kv_mode='paged')")
+            prompt_ids, params = continuation(handoff)
+            if isinstance(handoff.kv, LandedBlocks):
+                self._land(handoff.kv, request_id)
+            else:
+                self._scheduler.cancel_kv(request_id)
+                self._scheduler.import_kv(handoff.kv)
+        except BaseException:
+            self._scheduler.cancel_kv(request_id)
+            raise
         rid = self.add_request(prompt_ids, params, request_id=request_id)
         restore_generator(self._requests[rid], handoff)
         return rid
+
+    def _land(self, landed: LandedBlocks, request_id: str | None) -> None:
+        reservation = self._scheduler.reservations.get(request_id)
+        if reservation is None:
+            raise ConfigError("handoff", f"K/V landed for request {request_id!r}",
+                              "no pages were reserved here for it (reserve_import first)")
+        n = min(landed.blocks, reservation.blocks)
+        if landed.token_ids[:n * self.pool.page_size] != reservation.token_ids[:n * self.pool.page_size]:
+            raise ConfigError("handoff", "the landed K/V's token ids",
+                              "the tokens its pages were reserved for: the exporter wrote another prefix")
+        self._scheduler.land_kv(request_id, n)
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request at any moment; its pages are freed at once."""
@@ -295,6 +334,7 @@ class LLMEngine:
         return {"requests": {r.id: list(r.block_table) for r in live},
                 "draft": {r.id: list(r.spec.block_table) for r in live if r.spec is not None},
                 "cache": self._kv.cache_contents(),
+                "landing": {rid: r.held + r.pages for rid, r in self._scheduler.reservations.items()},
                 "reserved": [self.graph_runner.scratch_page] if self.graph_runner is not None else []}
 
     def clear_prefix_cache(self) -> int:

@@ -40,6 +40,10 @@ class EngineConfig(KernelSettings):
         "1 GiB on CPU and at half of the free memory on a GPU)", "kv cache")
     kv_memory_fraction: float | None = option(None, "KV pool budget as a fraction of free GPU memory, in (0, 0.95]",
                                               "kv cache")
+    kv_shareable: bool = option(
+        False, "a CPU KV pool in memory another local worker can map, so the prefill worker of a split request "
+        "writes its K/V straight into this pool's pages (cache/shared_pool_memory.py); CPU serving workers set it",
+        "kv cache")
     max_model_len: int | None = option(None, "longest sequence (prompt + output); default min(model context, 4096)",
                                        "scheduler")
     max_batched_tokens: int = option(512, "per-step token budget (decode rows + prefill chunks)", "scheduler")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.cache.kv_transfer import KVBlocks, read_blocks
+from minivllm.cache.kv_transfer import KVBlocks, LandedBlocks, PageSpan
 from minivllm.errors import ConfigError
 from minivllm.sampling.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ class Handoff:
     prompt_ids: list[int]
     output_ids: list[int]
     params: SamplingParams
-    kv: KVBlocks
+    kv: KVBlocks | PageSpan | LandedBlocks  # copied out / still in the exporter's pool / written into ours
     generator_state: torch.Tensor | None  # torch.Generator.get_state(), or None for greedy
     generator_device: str | None
 
@@ -43,9 +43,10 @@ class Handoff:
         return self.kv.nbytes
 
 
-def export_request(req, pool) -> Handoff:
+def export_request(req, pool, *, copy: bool = True) -> Handoff:
     """`req`'s state for another engine: it must have its first token (decode), and its
-    K/V of every full computed page are copied out."""
+    K/V of every full computed page, copied out (`copy=False`: a `PageSpan` of the pool's
+    pages, valid only while the request holds them)."""
     if req.finish_reason is not None:
         raise ConfigError("request", req.id, f"has finished ({req.finish_reason}): export a request still running")
     if not req.output_ids:
@@ -53,7 +54,8 @@ def export_request(req, pool) -> Handoff:
     if req.params.structured is not None:
         raise ConfigError("request", req.id, "is constrained: moving a constraint's matcher is not supported yet")
     full = (min(req.num_computed, req.num_tokens - 1) // pool.page_size) * pool.page_size
-    kv = read_blocks(pool, req.block_table, req.all_ids[:full])
+    span = PageSpan(pool, list(req.block_table[:full // pool.page_size]), req.all_ids[:full])
+    kv = span.blocks() if copy else span
     gen = req.generator
     return Handoff(list(req.prompt_ids), list(req.output_ids), req.params, kv,
                    gen.get_state() if gen is not None else None, gen.device.type if gen is not None else None)

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.cache.flight_coordinator import FlightCoordinator
-from minivllm.cache.kv_manager import KVManager
+from minivllm.cache.kv_manager import KVManager, Reservation
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, Status
 from minivllm.engine.runner_output import RowError, RowOutput, RunnerOutput
@@ -118,6 +118,7 @@ class Scheduler:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.flight_logits: dict = {}  # leader id -> its prompt's last logits
         self.released_events: list[TokenEvent] = []  # followers' first tokens, owed to the next step's caller
+        self.reservations: dict[str, Reservation] = {}  # request id -> pages another worker writes (import_kv)
         # The snapshot schema promises every key, also before the first step.
         self.last_step: dict = describe_step(0, ScheduledStep(), time.perf_counter(), logits_rows=0)
 
@@ -131,6 +132,26 @@ class Scheduler:
         """Another engine's full pages (cache/kv_transfer.KVBlocks) into the prefix cache,
         for an imported request's admission to restore; returns the tokens newly cached."""
         return self.kv.adopt(blocks)
+
+    def reserve_kv(self, request_id: str, token_ids: list[int]) -> Reservation:
+        """Set pages aside for request `request_id`'s K/V of `token_ids`, which another
+        worker writes into them directly (a split request's decode half); one at a time
+        per request (a second replaces the first)."""
+        self.cancel_kv(request_id)
+        reservation = self.reservations[request_id] = self.kv.reserve_landing(token_ids)
+        return reservation
+
+    def land_kv(self, request_id: str, blocks: int) -> int:
+        """The first `blocks` blocks of the reservation are written: into the prefix cache
+        with them, for the request's admission to restore; returns the tokens newly cached."""
+        return self.kv.land(self.reservations.pop(request_id), blocks)
+
+    def cancel_kv(self, request_id: str) -> bool:
+        """Give a reservation back unwritten; False if there is none (idempotent)."""
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is not None:
+            self.kv.drop_landing(reservation)
+        return reservation is not None
 
     def remove(self, request: Request) -> None:
         """Take a request out of every queue and free its pages (finish, abort or error)."""

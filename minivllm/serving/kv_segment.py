@@ -30,9 +30,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from minivllm.cache.kv_transfer import KVBlocks
+from minivllm.cache.kv_transfer import KVBlocks, dtype_named
 from minivllm.engine.handoff import Handoff
-from minivllm.errors import ConfigError
 
 SEGMENT_PREFIX = "minivllm-kv-"
 
@@ -49,13 +48,6 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
         resource_tracker.unregister("/" + shm.name, "shared_memory")
     except Exception:  # noqa: BLE001 - a tracker that never saw it has nothing to forget
         pass
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError("handoff dtype", name, "a torch dtype name such as float32, float16, bfloat16")
-    return dtype
 
 
 @contextmanager
@@ -77,23 +69,37 @@ def new_segment(name: str, nbytes: int):
 def handoff_to_wire(handoff: Handoff, name: str) -> dict:
     """Write `handoff`'s K/V into a new segment `name` and return the message fields that
     describe the rest. The caller releases the request after this."""
-    kv = handoff.kv
+    t0 = time.perf_counter()
+    kv = handoff.kv.blocks()  # from a pool's pages (PageSpan): one gather on its device
     # From a GPU pool the tensors go straight into the segment: one device-to-host copy,
     # not one into a staging tensor and another into the segment.
     k, v = kv.k.contiguous(), kv.v.contiguous()
-    t0 = time.perf_counter()
     with new_segment(name, k.nbytes + v.nbytes) as buf:
         if k.nbytes:
             flat = torch.frombuffer(buf, dtype=torch.uint8, count=k.nbytes + v.nbytes)
             flat[:k.nbytes].copy_(k.view(-1).view(torch.uint8))
             flat[k.nbytes:].copy_(v.view(-1).view(torch.uint8))
             del flat
+    return {**handoff_fields(handoff), "segment": name, "nbytes": k.nbytes + v.nbytes,
+            "dtype": str(k.dtype).removeprefix("torch."), "kv_shape": list(k.shape), "model_shape": list(kv.shape),
+            "write_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def handoff_fields(handoff: Handoff) -> dict:
+    """A handoff's message fields other than its K/V: tokens and the sampler's RNG state."""
     state = handoff.generator_state
-    return {"segment": name, "nbytes": k.nbytes + v.nbytes, "dtype": str(k.dtype).removeprefix("torch."),
-            "kv_shape": list(k.shape), "model_shape": list(kv.shape), "kv_token_ids": list(kv.token_ids),
-            "prompt_ids": list(handoff.prompt_ids), "output_ids": list(handoff.output_ids),
+    return {"kv_token_ids": list(handoff.kv.token_ids), "prompt_ids": list(handoff.prompt_ids),
+            "output_ids": list(handoff.output_ids),
             "generator_state": None if state is None else base64.b64encode(state.numpy().tobytes()).decode(),
-            "generator_device": handoff.generator_device, "write_ms": (time.perf_counter() - t0) * 1e3}
+            "generator_device": handoff.generator_device}
+
+
+def handoff_from_fields(meta: dict, params, kv) -> Handoff:
+    """The Handoff whose other fields `handoff_fields` wrote, with K/V `kv`."""
+    state = meta.get("generator_state")
+    return Handoff(list(meta["prompt_ids"]), list(meta["output_ids"]), params, kv,
+                   None if state is None else torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8),
+                   meta.get("generator_device"))
 
 
 def handoff_from_wire(meta: dict, params) -> Handoff:
@@ -105,7 +111,7 @@ def handoff_from_wire(meta: dict, params) -> Handoff:
     included); a mapping closed under a live view would crash the worker."""
     try:
         shape = tuple(meta["kv_shape"])
-        dtype = _dtype(meta["dtype"])
+        dtype = dtype_named(meta["dtype"], "handoff dtype")
         half = meta["nbytes"] // 2
         path = os.path.join(_SHM_DIR, meta["segment"])
         if not half:
@@ -117,11 +123,7 @@ def handoff_from_wire(meta: dict, params) -> Handoff:
             k, v = _copied_out(meta["segment"], half, dtype, shape)
     finally:
         unlink_segment(meta["segment"])
-    state = meta.get("generator_state")
-    kv = KVBlocks(list(meta["kv_token_ids"]), k, v, tuple(meta["model_shape"]))
-    return Handoff(list(meta["prompt_ids"]), list(meta["output_ids"]), params, kv,
-                   None if state is None else torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8),
-                   meta.get("generator_device"))
+    return handoff_from_fields(meta, params, KVBlocks(list(meta["kv_token_ids"]), k, v, tuple(meta["model_shape"])))
 
 
 _SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments, by name

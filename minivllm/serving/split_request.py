@@ -138,7 +138,15 @@ class SplitRequests:
                            "prompt_tokens": len(prompt_ids), "max_tokens": params.max_tokens,
                            "chosen": prefill.name, "split": {"prefill": prefill.name, "decode": decode.name},
                            "candidates": []}
-        prefill.submit(split, prompt_ids, params, 0, export={"export_after": 1, "segment": split.segment})
+        # Where the decode worker's pool is mappable (a CPU worker), it reserves pages for the
+        # prompt's full pages now, while the prefill runs, and the prefill worker writes into
+        # them (kv_landing.py); else, or if the answer comes late, the K/V go through the segment.
+        pool = (decode.info or {}).get("kv_landing")
+        ps = pool["shape"][2] if pool else 0
+        landing = bool(pool) and len(prompt_ids) >= ps and decode.reserve(split, prompt_ids[:len(prompt_ids) // ps * ps])
+        split.reserve_sent = landing
+        prefill.submit(split, prompt_ids, params, 0,
+                       export={"export_after": 1, "segment": split.segment, "await_landing": landing})
         return stream.decision
 
     def cancel(self, request_id: str) -> bool:
@@ -190,9 +198,28 @@ class SplitRequest:
         self.phase = "prefill"
         self.cancelled = False
         self.cancelled_in: str | None = None  # the phase a cancel found it in
+        self.reserve_sent = False  # the decode worker was asked for pages (kv_landing.py)
         self._lock = threading.RLock()
         self.record: dict = {"request_id": self.request_id, "prefill_worker": prefill.name,
-                             "decode_worker": decode.name, "segment": segment, "handed_off": False}
+                             "decode_worker": decode.name, "segment": segment, "handed_off": False,
+                             "landing": None}
+
+    # -- from the decode worker's reader thread, while the prefill runs -----------------------
+
+    def reserved(self, msg: dict) -> None:
+        """The decode worker's pages for our K/V (or None): forwarded to the prefill worker
+        while it still holds the request; otherwise handed straight back."""
+        landing = msg.get("landing")
+        with self._lock:
+            self.record["landing"] = None if landing is None else {"have": landing["have"], "pages": len(landing["pages"])}
+            if landing is not None and self.phase == "prefill" and not self.cancelled:
+                self.prefill.send_landing(self.request_id, landing)
+                return
+        if landing is None:
+            self.record["landing_error"] = msg.get("error")
+            self.prefill.send_landing(self.request_id, None)  # no need to wait for it: the segment then
+        else:
+            self.decode.unreserve(self.request_id)  # the request is past its prefill, or over
 
     # -- from the prefill worker's reader thread --------------------------------------------
 
@@ -200,7 +227,7 @@ class SplitRequest:
         handoff = msg["handoff"]
         with self._lock:
             self.record.update(tokens_on_prefill_worker=len(handoff["output_ids"]), kv_bytes=handoff["nbytes"],
-                               kv_tokens=len(handoff["kv_token_ids"]), write_ms=handoff["write_ms"],
+                               kv_tokens=handoff.get("landed_tokens", len(handoff["kv_token_ids"])), write_ms=handoff["write_ms"],
                                export_ms=msg["export_ms"], started_at=msg["started_at"],
                                prefill_metrics=msg["metrics"])
             if self.cancelled or self.phase != "prefill":
@@ -222,6 +249,7 @@ class SplitRequest:
             copy_ms = self.record.get("write_ms", 0.0) + msg["read_ms"]
             started = self.record.get("started_at", msg["finished_at"])
             self.record.update(handed_off=True, read_ms=msg["read_ms"], import_ms=msg["import_ms"],
+                               transport="landing" if msg.get("landed") else "segment",
                                handoff_ms=(msg["finished_at"] - started) * 1e3,
                                copy_mb_per_s=nbytes / 1e6 / (copy_ms / 1e3) if copy_ms > 0 else None)
             if self.phase == "transfer":
@@ -238,6 +266,8 @@ class SplitRequest:
                 self.stream.push(event, metrics)
                 return
             unlink_segment(self.segment)  # a no-op unless it ended mid-transfer
+            if self.reserve_sent:  # a no-op once imported; the prefill worker is done writing by now
+                self.decode.unreserve(self.request_id)
             metrics = self._whole_metrics(metrics)
             self.owner.ended(self, event.finish_reason, self.cancelled_in or phase)
         self.stream.push(event, metrics)

@@ -35,6 +35,7 @@ import traceback
 
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
+from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
 from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
 from minivllm.serving.protocol import event_to_wire, params_from_wire
@@ -43,6 +44,9 @@ from minivllm.serving.worker_rates import WorkerRates, load_profile
 
 DEFAULT_STATE_INTERVAL_S = 0.25
 DEFAULT_HEARTBEAT_S = 0.5
+# How long a split request whose first token is due waits (decoding on here meanwhile) for
+# the decode worker's reserved pages before it goes through a segment instead.
+LANDING_WAIT_S = 1.0
 
 
 def worker_main(conn, config: dict | None = None) -> None:
@@ -96,8 +100,11 @@ class Worker:
         dtype = config.get("dtype") or "f32"
         if dtype == "auto":  # f32 where it is fast (CPU), f16 on GPUs (a T4 has no bf16)
             dtype = "f32" if device["kind"] == "cpu" else "f16"
+        options = dict(config.get("engine_options", {}))
+        if device["kind"] == "cpu":  # a split request's prefill worker writes into this pool directly
+            options.setdefault("kv_shareable", True)
         self.llm = LLM(config["model"], device=device["torch_device"], dtype=dtype,
-                       progress=False, draft_model=config.get("draft_model"), **config.get("engine_options", {}))
+                       progress=False, draft_model=config.get("draft_model"), **options)
         self.engine = self.llm.engine
         endpoint.send({"op": "loading", "stage": "warm-up"})
         warm_up(self.engine)
@@ -116,7 +123,7 @@ class Worker:
         self.stopping = threading.Event()
         self.last_loop = time.monotonic()
         self._last_running: dict[str, int] = {}
-        self.exports: dict[str, tuple[int, str]] = {}  # split requests here: id -> (export after N tokens, segment)
+        self.exports: dict[str, dict] = {}  # split requests here: id -> how and when they leave (_export_due)
         self._last_state = 0.0  # when the last state snapshot went out
         self.state_interval = float(config.get("state_interval_s", DEFAULT_STATE_INTERVAL_S))
         self.heartbeat_s = float(config.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
@@ -128,6 +135,8 @@ class Worker:
             "placement": config.get("placement") or {},
             "vocab_size": self.llm.model.config.vocab_size,
             "max_active_requests": self.engine.config.max_active_requests,
+            # Where a split request's prefill worker may write its K/V straight in (kv_landing.py).
+            "kv_landing": self.engine.pool.shared.describe() if self.engine.pool.shared is not None else None,
         }
         endpoint.send({"op": "ready", "info": info, "rates": self.rates.as_dict()})
 
@@ -215,6 +224,13 @@ class Worker:
                 self._send_events([event])
         elif op == "import":
             self._import(msg)
+        elif op == "reserve":  # the decode half of a split request, before its prefill is done
+            self._reserve(msg)
+        elif op == "unreserve":
+            self.engine.drop_reservation(msg["request_id"])
+        elif op == "landing" and msg["request_id"] in self.exports:
+            export = self.exports[msg["request_id"]]
+            export["landing"], export["await_landing"] = msg["landing"], False  # None: through the segment
         elif op == "snapshot":
             self._send({"op": "reply", "qid": msg["qid"], "result": self.engine.snapshot()})
         elif op == "shutdown":
@@ -231,7 +247,8 @@ class Worker:
             params = msg.get("parsed_params") or params_from_wire(msg["params"])
             self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid)
             if msg.get("export_after"):
-                self.exports[rid] = (int(msg["export_after"]), msg["segment"])
+                self.exports[rid] = {"after": int(msg["export_after"]), "segment": msg["segment"],
+                                     "await_landing": bool(msg.get("await_landing")), "landing": None, "due": None}
         except ConfigError as exc:
             self._send({"op": "rejected", "request_id": rid, "field": exc.field, "error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a bad request must not take the worker down
@@ -267,9 +284,10 @@ class Worker:
 
     def _export_due(self) -> None:
         """Split requests that have their tokens here leave now, before another step: the
-        K/V into their segment, one `exported` message, then the request and its pages go."""
+        K/V into the decode worker's reserved pages (its landing, when one came in time) or
+        else into their segment, one `exported` message, then the request and its pages go."""
         engine = self.engine
-        for rid, (after, segment) in list(self.exports.items()):
+        for rid, export in list(self.exports.items()):
             try:
                 state = engine.request_state(rid)
             except KeyError:  # finished here (and popped) before it was due
@@ -277,15 +295,21 @@ class Worker:
             if state is None or state.finished:
                 del self.exports[rid]
                 continue
-            if len(state.output_ids) < after:
+            if len(state.output_ids) < export["after"]:
                 continue
+            export["due"] = export["due"] or time.monotonic()
+            if export["await_landing"] and export["landing"] is None \
+                    and time.monotonic() - export["due"] < LANDING_WAIT_S:
+                continue  # the decode worker's reservation is on its way; the request goes on here meanwhile
             del self.exports[rid]
             started = time.time()
             try:
                 with trace_scope("handoff", "export", request=rid):
-                    meta = handoff_to_wire(engine.export_request(rid), segment)
+                    handoff = engine.export_request(rid, copy=False)  # its pages, copied once below
+                    meta = (handoff_to_landing(handoff, export["landing"]) if export["landing"] is not None
+                            else handoff_to_wire(handoff, export["segment"]))
             except Exception as exc:  # noqa: BLE001 - this request fails, the worker goes on
-                unlink_segment(segment)
+                unlink_segment(export["segment"])
                 event = engine.abort(rid)
                 if event is not None:
                     event.finish_reason = "error"
@@ -297,23 +321,41 @@ class Worker:
             self._send({"op": "exported", "request_id": rid, "handoff": meta, "metrics": metrics,
                         "started_at": started, "export_ms": (time.time() - started) * 1e3})
 
+    def _reserve(self, msg: dict) -> None:
+        """Pages for a split request's K/V, which its prefill worker will write in directly."""
+        rid = msg["request_id"]
+        try:
+            landing = {**self.engine.reserve_import(rid, msg["token_ids"]), "pool": self.engine.pool.shared.describe()}
+        except Exception as exc:  # noqa: BLE001 - no landing: the split goes through a segment
+            self.engine.drop_reservation(rid)
+            self._send({"op": "reserved", "request_id": rid, "landing": None, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        self._send({"op": "reserved", "request_id": rid, "landing": landing})
+
     def _import(self, msg: dict) -> None:
-        """Continue a split request exported by another worker; its segment is gone after this."""
+        """Continue a split request exported by another worker: its K/V landed in this pool's
+        reserved pages already, or wait in a segment, gone after this."""
         rid, meta = msg["request_id"], msg["handoff"]
         started = time.perf_counter()
         try:
             with trace_scope("handoff", "import", request=rid):
-                handoff = handoff_from_wire(meta, params_from_wire(msg["params"]))  # views of the segment
-                self.engine.import_request(handoff, request_id=rid)  # their one copy, into this pool's pages
+                params = params_from_wire(msg["params"])
+                if "landed" in meta:
+                    handoff = handoff_from_landing(meta, params)  # only indexed here: no copy
+                else:
+                    handoff = handoff_from_wire(meta, params)  # views of the segment
+                self.engine.import_request(handoff, request_id=rid)  # a segment's one copy, into this pool's pages
                 read_ms = (time.perf_counter() - started) * 1e3  # the read side of the link: map and copy
         except Exception as exc:  # noqa: BLE001 - a bad import fails its request, not the worker
-            unlink_segment(meta["segment"])
+            if meta.get("segment"):
+                unlink_segment(meta["segment"])
+            self.engine.drop_reservation(rid)
             field = exc.field if isinstance(exc, ConfigError) else None
             self._send({"op": "rejected", "request_id": rid, "field": field,
                         "error": f"worker {self.name} could not import the request: {type(exc).__name__}: {exc}"})
             return
         self._send({"op": "imported", "request_id": rid, "read_ms": read_ms, "finished_at": time.time(),
-                    "import_ms": (time.perf_counter() - started) * 1e3})
+                    "import_ms": (time.perf_counter() - started) * 1e3, "landed": "landed" in meta})
 
     def _send_events(self, events) -> None:
         wire = []

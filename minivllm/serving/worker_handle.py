@@ -78,6 +78,7 @@ class WorkerHandle:
         self.snapshot: dict | None = None
         self.running: dict[str, int] = {}  # request id -> prompt tokens computed, after the worker's last step
         self.in_flight: dict[str, InFlight] = {}
+        self.reserving: dict[str, object] = {}  # split requests waiting for pages reserved here (`reserve`)
         self.lock = threading.RLock()
         self.last_message = time.monotonic()
         self.loop_age_s = 0.0
@@ -147,6 +148,35 @@ class WorkerHandle:
         self._send_request(stream, InFlight(stream, tokens, len(handoff["kv_token_ids"]), left),
                            {"op": "import", "request_id": stream.request_id, "handoff": handoff,
                             "params": params_to_wire(params)})
+
+    def reserve(self, split, token_ids: list[int]) -> bool:
+        """Ask for pages for a split request's K/V of `token_ids`, which its prefill worker
+        will write straight into this worker's pool; the answer goes to `split.reserved`."""
+        with self.lock:
+            self.reserving[split.request_id] = split
+        if not self._send_control({"op": "reserve", "request_id": split.request_id, "token_ids": token_ids}):
+            with self.lock:
+                self.reserving.pop(split.request_id, None)
+            return False
+        return True
+
+    def unreserve(self, request_id: str) -> None:
+        """Give back the pages `reserve` took (a no-op once imported or never reserved)."""
+        self._send_control({"op": "unreserve", "request_id": request_id})
+
+    def send_landing(self, request_id: str, landing: dict | None) -> None:
+        """Tell this (prefill) worker where to write a split request's K/V (None: nowhere,
+        through a segment then)."""
+        self._send_control({"op": "landing", "request_id": request_id, "landing": landing})
+
+    def _send_control(self, msg: dict) -> bool:
+        if not self.healthy:
+            return False
+        try:
+            self.transport.send(msg)
+        except TransportClosed:
+            return False
+        return True
 
     def _send_request(self, stream, flight: InFlight, msg: dict) -> None:
         with self.lock:
@@ -305,6 +335,11 @@ class WorkerHandle:
                 self.counters["rejected"] += 1
             if flight is not None:
                 flight.stream.fail(msg["error"], rejected=True, rejected_field=msg.get("field"))
+        elif op == "reserved":  # pages for a split request's K/V (split_request.py)
+            with self.lock:
+                split = self.reserving.pop(msg["request_id"], None)
+            if split is not None:
+                split.reserved(msg)
         elif op in ("exported", "imported"):  # a split request's handoff (split_request.py)
             with self.lock:
                 flight = self.in_flight.get(msg["request_id"])
@@ -351,6 +386,7 @@ class WorkerHandle:
                 self.error = reason
             flights = list(self.in_flight.values())
             self.in_flight.clear()
+            self.reserving.clear()  # their splits learn of it when their import fails
         if state == "dead" and self.on_down is not None:
             try:
                 note = self.on_down(self, reason)

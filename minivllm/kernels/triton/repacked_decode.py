@@ -75,13 +75,27 @@ def decode_field(w, w_hi, h_lo, h_hi, P: tl.constexpr, KIND: tl.constexpr, ONES=
 
 
 @triton.jit
-def load(ptr, ok, other, MASKED: tl.constexpr, POLICY: tl.constexpr = ""):
+def load(ptr, ok, other, MASKED: tl.constexpr, EVICT: tl.constexpr):
     """tl.load under `ok` (other where false), or, MASKED off (a tile known to lie inside
-    the matrix), without a mask: no predicates, no zeroing of the registers."""
-    if MASKED:
-        v = tl.load(ptr, mask=ok, other=other, eviction_policy=POLICY)
+    the matrix), without a mask: no predicates, no zeroing of the registers. EVICT: 0 no
+    hint, 1 evict_first (streamed once: weights), 2 evict_last (reused: activations); a
+    number passed explicitly, because Triton 3.6 hands a jit helper's *string* constexpr
+    default over as a plain str and fails to compile ("'str' object has no attribute 'type'")."""
+    if EVICT == 1:
+        if MASKED:
+            v = tl.load(ptr, mask=ok, other=other, eviction_policy="evict_first")
+        else:
+            v = tl.load(ptr, eviction_policy="evict_first")
+    elif EVICT == 2:
+        if MASKED:
+            v = tl.load(ptr, mask=ok, other=other, eviction_policy="evict_last")
+        else:
+            v = tl.load(ptr, eviction_policy="evict_last")
     else:
-        v = tl.load(ptr, eviction_policy=POLICY)
+        if MASKED:
+            v = tl.load(ptr, mask=ok, other=other)
+        else:
+            v = tl.load(ptr)
     return v
 
 
@@ -91,22 +105,22 @@ def group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok, KIND: tl.constexpr, MAS
     per-(group, row) planes, `sb` the per-(super-block, row) ones (K-quants). Q4_1: d, m;
     Q4_K: d, dmin, sc, mn; Q6_K: d, -, sc of elements 0-15, sc of 16-31; others: d."""
     if KIND == 5:
-        s_lo = i8_to_f32(load(c_ptr + gr, ok, 0, MASKED))
-        s_hi = i8_to_f32(load(e_ptr + gr, ok, 0, MASKED))
-        d = load(a_ptr + sb, ok, 0.0, MASKED).to(tl.float32)
+        s_lo = i8_to_f32(load(c_ptr + gr, ok, 0, MASKED, 0))
+        s_hi = i8_to_f32(load(e_ptr + gr, ok, 0, MASKED, 0))
+        d = load(a_ptr + sb, ok, 0.0, MASKED, 0).to(tl.float32)
         m = d
     elif KIND == 4:
-        d = load(a_ptr + sb, ok, 0.0, MASKED).to(tl.float32)
-        m = load(b_ptr + sb, ok, 0.0, MASKED).to(tl.float32)
-        s_lo = u8_to_f32(load(c_ptr + gr, ok, 0, MASKED))
-        s_hi = u8_to_f32(load(e_ptr + gr, ok, 0, MASKED))
+        d = load(a_ptr + sb, ok, 0.0, MASKED, 0).to(tl.float32)
+        m = load(b_ptr + sb, ok, 0.0, MASKED, 0).to(tl.float32)
+        s_lo = u8_to_f32(load(c_ptr + gr, ok, 0, MASKED, 0))
+        s_hi = u8_to_f32(load(e_ptr + gr, ok, 0, MASKED, 0))
     elif KIND == 1:
-        d = load(a_ptr + gr, ok, 0.0, MASKED).to(tl.float32)
-        m = load(b_ptr + gr, ok, 0.0, MASKED).to(tl.float32)
+        d = load(a_ptr + gr, ok, 0.0, MASKED, 0).to(tl.float32)
+        m = load(b_ptr + gr, ok, 0.0, MASKED, 0).to(tl.float32)
         s_lo = d
         s_hi = d
     else:
-        d = load(a_ptr + gr, ok, 0.0, MASKED).to(tl.float32)
+        d = load(a_ptr + gr, ok, 0.0, MASKED, 0).to(tl.float32)
         m = d
         s_lo = d
         s_hi = d
@@ -140,7 +154,7 @@ def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.
     once per call."""
     ok = nb_ok & (gg < g_hi)
     gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-    w = load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, "evict_first")
+    w = load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1)
     return w, ok, gr
 
 

@@ -60,10 +60,10 @@ def _trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_p
     h_lo = w  # unused by the types without a high-bit plane
     h_hi = w
     if KIND == 5:  # Q6_K: 2-bit plane, word-shaped
-        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, "evict_first").to(tl.int32)
+        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1).to(tl.int32)
         h_lo, h_hi = high_fields(h, KIND)
     elif KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
-        h_lo, h_hi = high_fields(load(b_ptr + gr, ok, 0, MASKED) >> t4, KIND)
+        h_lo, h_hi = high_fields(load(b_ptr + gr, ok, 0, MASKED, 0) >> t4, KIND)
     # x[g*32 + p*T + t]: one value per (g, t), shared by every row of the tile. Built
     # from [G, T] offsets (the weight tile's slice layout: no layout conversion).
     g2 = g0 + offs_g[:, None]
@@ -73,7 +73,7 @@ def _trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_p
     ps_hi = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
     sx = tl.zeros([1, BLOCK_G, T, 1], dtype=tl.float32)
     for p in tl.static_range(32 // T):
-        xp = load(x_row + x_off + p * T, x_ok, 0.0, MASKED, "evict_last")
+        xp = load(x_row + x_off + p * T, x_ok, 0.0, MASKED, 2)
         xp = xp.to(tl.float32)[None, :, :, None]
         f = decode_field(w, w_hi, h_lo, h_hi, p, KIND, ONES)
         if KIND == 5:  # two 16-element scales per group

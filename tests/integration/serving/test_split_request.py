@@ -122,16 +122,23 @@ def test_the_cost_router_splits_where_its_prices_say_it_pays(cluster):
 def test_split_request_equals_the_whole_request(cluster, sampled):
     params = (SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True) if sampled
               else SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    whole = {w: cluster.submit(PROMPT, params, worker=w).result(120) for w in (A, B)}
-    stream = cluster.submit(PROMPT, params, placement=(A, B))
+    # A prompt neither worker has cached, split first: B has none of its pages, so A writes
+    # every full one. Then the whole request on each worker; A's restores what A computed,
+    # the independent reference for what B decoded from the pages A wrote.
+    prompt = f"Case {sampled}. {PROMPT}"
+    stream = cluster.submit(prompt, params, placement=(A, B))
     events = list(stream)
     out = stream.result(1)
+    whole = {w: cluster.submit(prompt, params, worker=w).result(120) for w in (A, B)}
     assert out.finish_reason == "length" and out.error is None
     assert out.token_ids == whole[A].token_ids == whole[B].token_ids
     assert [e.token_id for e in events if e.token_id >= 0] == out.token_ids and sum(e.finished for e in events) == 1
     split = stream.metrics["split"]
     assert (split["prefill_worker"], split["decode_worker"], split["handed_off"]) == (A, B, True)
-    assert split["tokens_on_prefill_worker"] == 1
+    # A writes straight into pages B reserved while A prefilled (kv_landing.py); A decodes on
+    # while that reservation is on its way, so it may have made more than the first token.
+    assert split["transport"] == "landing" and split["landing"]["pages"] > 0
+    assert split["tokens_on_prefill_worker"] >= 1
     prompt_tokens = len(stream.prompt_token_ids)
     page = cluster.snapshot()["workers"][0]["snapshot"]["kv"]["page_size"]
     assert split["kv_tokens"] == (prompt_tokens // page) * page > 0  # the prompt's full pages
@@ -218,9 +225,11 @@ def test_200_split_requests_with_a_fifth_cancelled_leave_nothing_behind(cluster)
 def test_a_decode_worker_killed_during_the_import_fails_only_that_request(smollm2_path, tmp_path):
     with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=256,
                  batch_invariant=True, rates_profile=profile_file(tmp_path), max_worker_restarts=0) as cluster:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        # B cannot reserve pages (A waits for them a second, decoding on, then writes a
+        # segment) nor take the import: both wait in its pipe.
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         pid_b = cluster.workers[B].transport.pid
-        os.kill(pid_b, signal.SIGSTOP)  # B cannot take the import: it waits in its pipe
+        os.kill(pid_b, signal.SIGSTOP)
         try:
             split = cluster.submit(PROMPT, params, placement=(A, B))
             other = cluster.submit("An unrelated question: why is the sky blue?", params, worker=A)
@@ -232,23 +241,29 @@ def test_a_decode_worker_killed_during_the_import_fails_only_that_request(smollm
             os.kill(pid_b, signal.SIGCONT)
         out = split.result(30)
         assert out.finish_reason == "error" and f"worker {B}" in out.error and "SIGKILL" in out.error, out.error
-        assert split.token_ids and len(split.token_ids) == 1  # A's token reached the client
+        assert split.token_ids  # A's tokens reached the client
         assert other.result(60).finish_reason == "length"
         assert segments(cluster) == []
         assert cluster.health()["status"] == "degraded"
         again = cluster.submit(PROMPT, params, worker=A).result(60)  # the server goes on
-        assert again.finish_reason == "length" and len(again.token_ids) == 12
+        assert again.finish_reason == "length" and len(again.token_ids) == 200
         counters = cluster.snapshot()["splits"]["counters"]
         assert counters["failed"] == 1 and counters["handed_off"] == 0
 
 
-def test_both_workers_trace_the_handoff(smollm2_path, tmp_path):
-    # Reference: the trace files themselves (Chrome trace JSON, one per worker process).
+def test_both_workers_trace_the_handoff_through_a_segment(smollm2_path, tmp_path):
+    # Reference: the trace files themselves (Chrome trace JSON, one per worker process), and
+    # the whole request on A. Pools nobody else can map: the K/V cross in a segment.
     with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=256,
-                 calibrate=False, trace_directory=str(tmp_path)) as cluster:
-        stream = cluster.submit(PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                                placement=(A, B))
-        assert stream.result(120).finish_reason == "length"
+                 calibrate=False, trace_directory=str(tmp_path), batch_invariant=True, kv_shareable=False) as cluster:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        whole = cluster.submit(PROMPT, params, worker=A).result(120)
+        stream = cluster.submit(PROMPT, params, placement=(A, B))
+        out = stream.result(120)
+        assert out.finish_reason == "length" and out.token_ids == whole.token_ids
+        split = stream.metrics["split"]
+        assert split["transport"] == "segment" and split["landing"] is None and split["tokens_on_prefill_worker"] == 1
+        assert segments(cluster) == []
         rid = stream.request_id
     events = {}
     for path in tmp_path.glob("minivllm-trace-*.json"):

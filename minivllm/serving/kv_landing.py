@@ -1,0 +1,91 @@
+"""A split request's K/V written straight into the decode worker's own pages (issue 43).
+
+The decode worker's CPU pool lives in memory this process can map (cache/shared_pool_
+memory.py). Before the prefill worker's first token is due, the decode worker reserves
+pages for the prompt's full pages (`LLMEngine.reserve_import`: blocks it has cached
+already are kept, free pages taken for the rest) and the controller forwards that
+*landing* to the prefill worker. At export, the prefill worker copies its pages into the
+reserved ones: one copy, converted to the importer's dtype on the way (on a GPU exporter
+the conversion runs on the GPU, then the device copies into the mapped pool by DMA, the
+pool being host-registered). The importer then only indexes the pages (`LandedBlocks`):
+no segment, no second copy.
+
+    landing = {"pool": <SharedPoolMemory.describe()>, "have": n, "pages": [...], "page_size": ps}
+
+Why the pages cannot be reused under the writer: the importer gives a reservation back
+only when told by the controller, and the controller says so only after the prefill
+worker is done with the request (its `exported` or terminal event, or its death); the
+importer's own end frees the memory with it. The wire fields besides the K/V are the
+segment path's (`handoff_fields`), so the importer's side differs in one field:
+`landed` (how many blocks were written) instead of `segment`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minivllm.cache.kv_transfer import LandedBlocks, PageSpan
+from minivllm.cache.shared_pool_memory import attach
+from minivllm.engine.handoff import Handoff
+from minivllm.serving.kv_segment import handoff_fields, handoff_from_fields
+
+
+def handoff_to_landing(handoff: Handoff, landing: dict) -> dict:
+    """Write `handoff`'s K/V (a PageSpan of this pool) into the importer's reserved pages and
+    return the message fields for its import. Writes only the reserved blocks past those
+    the importer had cached; the importer recomputes any tail past what was reserved."""
+    span: PageSpan = handoff.kv
+    t0 = time.perf_counter()
+    src_k, src_v = span.pool.k, span.pool.v
+    dst_k, dst_v = attach(landing["pool"], src_k.device)
+    ps, dst_ps = span.pool.page_size, int(landing["page_size"])
+    have, pages = int(landing["have"]), [int(p) for p in landing["pages"]]
+    blocks = min(have + len(pages), span.n_tokens // dst_ps)
+    if ps == dst_ps:  # page to page, in runs of consecutive pages on both sides
+        pairs = [(span.pages[j], pages[j - have]) for j in range(have, blocks)]
+        for src, dst, n in _runs(pairs):
+            _copy(dst_k, src_k[:, src:src + n], dst, n)
+            _copy(dst_v, src_v[:, src:src + n], dst, n)
+    elif blocks > have:  # other page sizes: the tokens gathered first, then cut into the importer's pages
+        kv = span.blocks()
+        shape = (kv.k.shape[0], -1, dst_ps, *kv.k.shape[2:])
+        gk, gv = kv.k[:, :blocks * dst_ps].reshape(shape), kv.v[:, :blocks * dst_ps].reshape(shape)
+        pairs = [(j, pages[j - have]) for j in range(have, blocks)]
+        for src, dst, n in _runs(pairs):
+            _copy(dst_k, gk[:, src:src + n], dst, n)
+            _copy(dst_v, gv[:, src:src + n], dst, n)
+    if src_k.device.type == "cuda":
+        torch.cuda.synchronize(src_k.device)  # written before the importer is told
+    written = max(0, blocks - have) * dst_ps
+    per_token = 2 * src_k[:, 0, 0].numel() * src_k.element_size()
+    return {**handoff_fields(handoff), "landed": blocks, "landed_tokens": written, "nbytes": written * per_token,
+            "dtype": str(src_k.dtype).removeprefix("torch."), "write_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def handoff_from_landing(meta: dict, params) -> Handoff:
+    """The importer's Handoff for K/V already in its reserved pages."""
+    return handoff_from_fields(meta, params, LandedBlocks(list(meta["kv_token_ids"]), int(meta["landed"])))
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(source start, destination start, length) of the runs where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, start: int, n: int) -> None:
+    """`src` (layers × n pages × ...) into pages start..start+n of the mapped pool `dst`."""
+    if src.device.type == "cpu":
+        dst[:, start:start + n].copy_(src)  # one strided copy, converting the dtype on the way
+        return
+    # From a GPU: convert there, then one DMA per layer (each a contiguous range of the pool).
+    src = src.to(dst.dtype).contiguous()
+    for layer in range(src.shape[0]):
+        dst[layer, start:start + n].copy_(src[layer], non_blocking=True)
