@@ -24,7 +24,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | profile}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | quick | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -137,6 +137,30 @@ elif [ "$MODE" = 3 ]; then
     step "batched int8 7b (no peer: build unfinished)" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 \
       python3 scripts/gpu_batched_decode.py "$S7" "$R/batched-int8-7b.json"
   fi
+elif [ "$MODE" = quick ]; then
+  # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
+  # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  setsid nohup bash -c "python3 -c \"
+from minivllm.bench.synthetic_model import ensure_synthetic_model as e
+print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
+\"" >> "$W/synthetic.log" 2>&1 < /dev/null &
+  BUDGET=$(( $(date +%s) - T0 + 150 )) step "pytest gemv cuda" "$R/pytest-cuda-gemv.log" python3 -m pytest -q -m cuda \
+    -p no:cacheprovider -rfE -x tests/integration/kernels/test_triton_tiled_gemv.py \
+    tests/integration/kernels/test_triton_repacked_gemv.py tests/integration/kernels/test_split_sum_fold.py \
+    tests/integration/kernels/test_pdl.py tests/integration/kernels/test_fused_projection.py
+  stamp "pytest: $(tail -n 1 "$R/pytest-cuda-gemv.log")"
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
+    step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
+    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
+  done
+  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
 elif [ "$MODE" = once ]; then
   # Everything that matters most in ONE device call, for a session with too little device
   # time left for runs 1 and 2: the llama.cpp build in the background while the GPU does the
