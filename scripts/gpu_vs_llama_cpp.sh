@@ -147,7 +147,7 @@ elif [ "$MODE" = quick ]; then
 from minivllm.bench.synthetic_model import ensure_synthetic_model as e
 print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
 \"" >> "$W/synthetic.log" 2>&1 < /dev/null &
-  BUDGET=$(( $(date +%s) - T0 + 150 )) step "pytest gemv cuda" "$R/pytest-cuda-gemv.log" python3 -m pytest -q -m cuda \
+  BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-150} )) step "pytest gemv cuda" "$R/pytest-cuda-gemv.log" python3 -m pytest -q -m cuda \
     -p no:cacheprovider -rfE -x tests/integration/kernels/test_triton_tiled_gemv.py \
     tests/integration/kernels/test_triton_repacked_gemv.py tests/integration/kernels/test_split_sum_fold.py \
     tests/integration/kernels/test_pdl.py tests/integration/kernels/test_fused_projection.py

@@ -61,7 +61,7 @@ def check_invariants(engine: LLMEngine) -> None:
             f"page {p}: refcount {pool.refcount[p]}, holders {owners.get(p, 0)}"
         )
     assert len(owners) == pool.num_pages - pool.num_free
-    idle = {p for p in cached if p not in held}
+    idle = {p for p in cached if p not in held and p not in landing}
     assert set(engine.kv_ownership()["cache"]["idle"]) == idle, (
         "the index's idle list disagrees with who holds its pages"
     )

@@ -143,7 +143,8 @@ class SplitRequests:
         # them (kv_landing.py); else, or if the answer comes late, the K/V go through the segment.
         pool = (decode.info or {}).get("kv_landing")
         ps = pool["shape"][2] if pool else 0
-        landing = bool(pool) and len(prompt_ids) >= ps and decode.reserve(split, prompt_ids[:len(prompt_ids) // ps * ps])
+        landing = bool(pool) and len(prompt_ids) >= ps \
+            and decode.reserve(split, prompt_ids[:len(prompt_ids) // ps * ps])
         split.reserve_sent = landing
         prefill.submit(split, prompt_ids, params, 0,
                        export={"export_after": 1, "segment": split.segment, "await_landing": landing})
@@ -211,7 +212,8 @@ class SplitRequest:
         while it still holds the request; otherwise handed straight back."""
         landing = msg.get("landing")
         with self._lock:
-            self.record["landing"] = None if landing is None else {"have": landing["have"], "pages": len(landing["pages"])}
+            self.record["landing"] = (None if landing is None
+                                      else {"have": landing["have"], "pages": len(landing["pages"])})
             if landing is not None and self.phase == "prefill" and not self.cancelled:
                 self.prefill.send_landing(self.request_id, landing)
                 return
@@ -227,7 +229,8 @@ class SplitRequest:
         handoff = msg["handoff"]
         with self._lock:
             self.record.update(tokens_on_prefill_worker=len(handoff["output_ids"]), kv_bytes=handoff["nbytes"],
-                               kv_tokens=handoff.get("landed_tokens", len(handoff["kv_token_ids"])), write_ms=handoff["write_ms"],
+                               kv_tokens=handoff.get("landed_tokens", len(handoff["kv_token_ids"])),
+                               write_ms=handoff["write_ms"],
                                export_ms=msg["export_ms"], started_at=msg["started_at"],
                                prefill_metrics=msg["metrics"])
             if self.cancelled or self.phase != "prefill":

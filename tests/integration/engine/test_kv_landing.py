@@ -1,0 +1,152 @@
+"""A split request's K/V written straight into the decode engine's reserved pages
+(serving/kv_landing.py, cache/shared_pool_memory.py), in one process: engine B's pool is a
+memfd that this process maps back through /proc, as the prefill worker would.
+
+References: the same request served whole by one engine in batch-invariant mode (token for
+token); the page arithmetic by hand (which blocks were reserved, written, restored); the
+engines' own page invariants (tests/engine_invariants.py) while a reservation is held and
+after it ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import DATA_DIR
+from engine_invariants import check_invariants, free_equals_total
+
+from minivllm import LLM, SamplingParams
+from minivllm.cache.kv_transfer import LandedBlocks
+from minivllm.cache.shared_pool_memory import attach, forget_all
+from minivllm.engine.engine import LLMEngine
+from minivllm.engine.engine_config import EngineConfig
+from minivllm.engine.handoff import Handoff
+from minivllm.errors import ConfigError
+from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = json.loads((DATA_DIR / "prompts.json").read_text())["prompts"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    yield LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=256, progress=False)
+    forget_all()
+
+
+def engine(llm, **options) -> LLMEngine:
+    return LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=256, batch_invariant=True, **options))
+
+
+def run(e: LLMEngine, rid: str) -> list[int]:
+    while e.has_unfinished():
+        e.step()
+    return e.pop_output(rid).token_ids
+
+
+def prefill(a: LLMEngine, prompt_ids, params=GREEDY) -> str:
+    rid = a.add_request(prompt_ids, params, request_id="split-1")
+    while not a.request_state(rid).output_ids:
+        a.step()
+    return rid
+
+
+def land(a: LLMEngine, b: LLMEngine, rid: str, prompt_ids) -> tuple[dict, Handoff]:
+    """B reserves pages for the prompt's full pages, A writes into them, B imports."""
+    ps = b.pool.page_size
+    landing = {**b.reserve_import(rid, prompt_ids[:len(prompt_ids) // ps * ps]), "pool": b.pool.shared.describe()}
+    check_invariants(b)  # the reserved pages are accounted for while held
+    meta = handoff_to_landing(a.export_request(rid, copy=False), landing)
+    a.release(rid)
+    handoff = handoff_from_landing(meta, GREEDY)
+    return meta, handoff
+
+
+@pytest.mark.parametrize("page_a,page_b", [(16, 16), (8, 16), (16, 8)])
+def test_landed_split_equals_the_whole_request(llm, page_a, page_b):
+    prompt_ids = llm.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
+    ref = engine(llm)
+    want = run(ref, ref.add_request(prompt_ids, GREEDY))
+    a, b = engine(llm, page_size=page_a), engine(llm, page_size=page_b, kv_shareable=True)
+    assert b.pool.shared is not None and a.pool.shared is None
+    rid = prefill(a, prompt_ids)
+    first = list(a.request_state(rid).output_ids)
+    meta, handoff = land(a, b, rid, prompt_ids)
+    # By hand: A holds floor(L / page_a) full pages; B reserved floor(L / page_b) blocks; what
+    # lands is the B blocks inside A's full pages, all of them written (B had none cached).
+    full_a = len(prompt_ids) // page_a * page_a
+    blocks = min(len(prompt_ids) // page_b, full_a // page_b)
+    assert meta["landed"] == blocks > 0 and meta["landed_tokens"] == blocks * page_b
+    assert meta["nbytes"] == meta["landed_tokens"] * 30 * 3 * 64 * 4 * 2  # SmolLM2: layers, KV heads, dim, f32, K+V
+    b.import_request(handoff, request_id=rid)
+    out = b.output(rid)
+    assert first + run(b, rid) == want
+    assert out.metrics.cached_prompt_tokens == blocks * page_b  # restored from the landed pages, not recomputed
+    free_equals_total(b)
+
+
+def test_blocks_the_decode_engine_has_cached_are_not_written(llm):
+    prompt_ids = llm.tokenizer.encode(PROMPTS[2] + " " + PROMPTS[3])
+    a, b = engine(llm), engine(llm, kv_shareable=True)
+    run(b, b.add_request(prompt_ids, GREEDY))  # B computed (and cached) this prompt itself
+    rid = prefill(a, prompt_ids)
+    first = list(a.request_state(rid).output_ids)
+    ps = b.pool.page_size
+    reserved = b.reserve_import(rid, prompt_ids[:len(prompt_ids) // ps * ps])
+    assert reserved["have"] == len(prompt_ids) // ps and reserved["pages"] == []
+    b.drop_reservation(rid)
+    meta, handoff = land(a, b, rid, prompt_ids)
+    assert meta["landed_tokens"] == 0 and meta["nbytes"] == 0
+    b.import_request(handoff, request_id=rid)
+    ref = engine(llm)
+    want = run(ref, ref.add_request(prompt_ids, GREEDY))
+    assert first + run(b, rid) == want
+    free_equals_total(b)
+
+
+def test_a_reservation_given_back_or_bypassed_leaves_no_page(llm):
+    prompt_ids = llm.tokenizer.encode(PROMPTS[4] + " " + PROMPTS[6])
+    b = engine(llm, kv_shareable=True)
+    ps = b.pool.page_size
+    ids = prompt_ids[:len(prompt_ids) // ps * ps]
+    assert len(b.reserve_import("r", ids)["pages"]) == len(ids) // ps > 0
+    assert b.snapshot()["kv"]["free_pages"] == b.pool.num_pages - len(ids) // ps
+    assert b.drop_reservation("r") and not b.drop_reservation("r")  # idempotent
+    free_equals_total(b)
+    # A reservation whose K/V then come as plain tensors (the segment path) is given back
+    # before those are adopted.
+    a = engine(llm)
+    rid = prefill(a, prompt_ids)
+    b.reserve_import(rid, ids)
+    handoff = a.export_request(rid)
+    a.release(rid)
+    b.import_request(handoff, request_id=rid)
+    check_invariants(b)
+    run(b, rid)
+    free_equals_total(b)
+
+
+def test_landed_blocks_for_another_prefix_are_refused_and_the_pages_freed(llm):
+    prompt_ids = llm.tokenizer.encode(PROMPTS[5] + " " + PROMPTS[7])
+    a, b = engine(llm), engine(llm, kv_shareable=True)
+    rid = prefill(a, prompt_ids)
+    _, handoff = land(a, b, rid, prompt_ids)
+    wrong = Handoff(handoff.prompt_ids, handoff.output_ids, GREEDY,
+                    LandedBlocks([t + 1 for t in handoff.kv.token_ids], handoff.kv.blocks), None, None)
+    with pytest.raises(ConfigError, match="another prefix"):
+        b.import_request(wrong, request_id=rid)
+    with pytest.raises(ConfigError, match="no pages were reserved"):
+        b.import_request(handoff, request_id=rid)  # the refusal gave the reservation back
+    free_equals_total(b)
+
+
+def test_the_pool_maps_back_through_proc_and_a_gone_owner_is_refused(llm):
+    b = engine(llm, kv_shareable=True)
+    k, v = attach(b.pool.shared.describe())
+    k[0, 0, 0, 0, 0] = 7.0  # the same memory as B's pool, not a copy
+    assert float(b.pool.k[0, 0, 0, 0, 0]) == 7.0 and v.shape == b.pool.v.shape
+    desc = dict(b.pool.shared.describe(), inode=0)  # an fd that now names another file
+    with pytest.raises(FileNotFoundError, match="gone"):
+        attach(desc)
