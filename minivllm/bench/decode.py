@@ -47,6 +47,7 @@ from minivllm.bench.results import write_results
 from minivllm.devices import resolve_device
 from minivllm.engine.llm import LLM
 from minivllm.errors import ConfigError
+from minivllm.kernels.fallbacks import fallbacks
 from minivllm.models.cache import sha256_file
 from minivllm.sampling.sampling_params import SamplingParams
 
@@ -258,6 +259,9 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
         row["same_tokens_as_first_row"] = common_prefix(tokens[i], tokens[0])
         if isinstance(r, MinivllmRunner):
             row["kernels"] = r.kernels()
+            row["kernel_fallbacks"] = fallbacks()  # kernels that could not run here: not their numbers
+            if row["kernel_fallbacks"]:
+                row["status"] = "degraded: " + "; ".join(row["kernel_fallbacks"]) + " fell back"
             row["cached_prompt_tokens"] = r.cached_prompt_tokens  # last run's; 0: the prefill computed every token
             row["engine_options"] = dict(engine_options or {})
         row["samples"] = {"prefill_tok_s": prefill[i], "decode_tok_s": decode[i]}
@@ -281,7 +285,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtypes: l
     for row in rows:
         print(f"{row['engine']:>12} {row['device']:>7} {row['dtype']}: {row['status']}"
               + (f"; prefill {row['prefill_tok_s']} tok/s, decode {row['decode_tok_s']} tok/s"
-                 if row["status"] == "ok" else ""), flush=True)
+                 if "decode_tok_s" in row else ""), flush=True)
 
     settings = {"model": str(model_path) if synthetic else model, "synthetic": synthetic, "devices": devices,
                 "dtypes": dtypes, "prompt_tokens": prompt_tokens, "decode_tokens": max_tokens, "repeats": repeats,

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from minivllm.kernels import fallbacks
 from minivllm.kernels.linear import QuantLinear
 from minivllm.obs.trace import trace_scope
 
@@ -117,7 +118,8 @@ class FusedProjection:
 
         lin = self.linear
         path = lin.path(x.shape[0])
-        if path == "gemm" or x.shape[0] == 0 or self.sizes[0] != self.sizes[1] or lin.kernel_key() in _EPILOGUE_FAILED:
+        if (path == "gemm" or x.shape[0] == 0 or self.sizes[0] != self.sizes[1]
+                or fallbacks.failed(_EPILOGUE, lin.kernel_key())):
             return None
         config = tiled_config(x, lin.repacked, invariant=path == "gemv-invariant")
         if config is None or not lin.kernel_usable():
@@ -131,17 +133,13 @@ class FusedProjection:
                 return tiled_gemv_swiglu(x, lin.repacked, config, mid_dtype=lin.compute_dtype, out_dtype=out_dtype,
                                          bias=lin.bias)
             except Exception as exc:  # a Triton compile/launch failure on this GPU
-                import warnings
-
                 lin.options.path_counts[path] -= 1
-                _EPILOGUE_FAILED.add(lin.kernel_key())
-                warnings.warn(f"Triton kernel tiled_gemv_swiglu[{lin.weight.type_name}] could not run on {x.device} "
-                              f"({type(exc).__name__}: {str(exc)[:200]}); gate+up take the GEMV then the swiglu "
-                              f"kernel", RuntimeWarning, stacklevel=3)
+                fallbacks.record(_EPILOGUE, lin.kernel_key(), x.device, exc,
+                                 "gate+up take the GEMV then the swiglu kernel")
                 return None
 
 
-_EPILOGUE_FAILED: set[tuple] = set()
+_EPILOGUE = "tiled_gemv_swiglu"
 
 
 def fuse_projections(linears, name: str) -> list[FusedProjection]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.kernels import fallbacks
 from minivllm.kernels.gpu_profile import runs_gpu_path
 from minivllm.kernels.kernel_options import KernelOptions, options_in_effect
 from minivllm.kernels.quant_weight import QuantizedWeight
@@ -274,7 +275,7 @@ class QuantLinear:
         from minivllm.kernels.triton.repacked_gemv import repacked_gemv
 
         key = self._repacked_key()
-        if key in _CUDA_KERNEL_FAILED:
+        if fallbacks.failed("repacked_gemv", key):
             return None
         if key in _CUDA_KERNEL_OK:
             return repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias,
@@ -283,12 +284,8 @@ class QuantLinear:
             y = repacked_gemv(x, self._repacked, invariant=invariant, out_dtype=self.compute_dtype, bias=self.bias,
                               defer_split_sum=defer_split_sum)
         except Exception as exc:  # a Triton compile/launch failure on this GPU (e.g. sm_75 on a newer Triton)
-            import warnings
-
-            _CUDA_KERNEL_FAILED.add(key)
-            warnings.warn(f"Triton kernel repacked_gemv[{self.weight.type_name}] could not run on {x.device} "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); {self.weight.type_name} layers fall back to "
-                          f"dequantize + cuBLAS", RuntimeWarning, stacklevel=3)
+            fallbacks.record("repacked_gemv", key, x.device, exc,
+                             f"{self.weight.type_name} layers fall back to dequantize + cuBLAS")
             return None
         _CUDA_KERNEL_OK.add(key)
         return y
@@ -310,13 +307,12 @@ class QuantLinear:
         return self._packed
 
 
-# (type, K, compute dtype) of the repacked-GEMV kernels that ran here / failed to compile.
+# (type, K, compute dtype) of the repacked-GEMV kernels that ran here (failures: fallbacks.py).
 _CUDA_KERNEL_OK: set[tuple] = set()
-_CUDA_KERNEL_FAILED: set[tuple] = set()
 
 
 def _cuda_kernel_usable(key: tuple) -> bool:
-    return key not in _CUDA_KERNEL_FAILED
+    return not fallbacks.failed("repacked_gemv", key)
 
 
 def project_many(linears, x: torch.Tensor) -> list[torch.Tensor]:

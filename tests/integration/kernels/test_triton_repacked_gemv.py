@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from test_triton_gemv import assert_close_to_reference, random_weight, reference  # noqa: E402
 from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
 
+from minivllm.kernels import fallbacks  # noqa: E402
 from minivllm.kernels.triton.repacked_gemv import REPACKED_TYPES, repack, repacked_gemv, unpack_raw  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
@@ -237,13 +238,14 @@ def test_quant_linear_uses_the_repacked_kernel_and_falls_back_with_a_warning(mon
         raise RuntimeError("PTX compile failed (simulated)")
 
     monkeypatch.setattr(rg, "repacked_gemv", fail)
-    monkeypatch.setattr(lin, "_CUDA_KERNEL_FAILED", set())
+    monkeypatch.setattr(fallbacks, "_failed", {})
     monkeypatch.setattr(lin, "_CUDA_KERNEL_OK", set())
     x6 = torch.randn(1, 512, device="cuda").half()
     with pytest.warns(RuntimeWarning, match=r"repacked_gemv\[Q6_K\].*dequantize \+ cuBLAS"):
         y6 = broken(x6)
     torch.testing.assert_close(y6.float(), reference(x6, w6), rtol=2e-3, atol=2e-3 * y6.abs().max().item())
     assert broken.gemv_kind == "dequant-cublas-Q6_K"
+    assert fallbacks.fallbacks() == ["repacked_gemv[Q6_K, 512, torch.float16]: RuntimeError"]  # what benches report
 
 
 @cpu_only
