@@ -31,8 +31,9 @@ mode, the split's measured verdict against whole:A (the formula's comparison) an
 formula's verdict from the same runs: A's ms per output token (whole:A) minus B's (the
 split's decode half) against transfer_ms / n. `router_agrees` says whether the router's
 pick was the measured fastest (or within 5% of it). The link row compares the handoff's
-copy rate (bytes over the write and the read) with one plain `copy_` of the same bytes
-from A's device to host memory (pinned where A is a GPU).
+copy rate (bytes over A's write into B's reserved pages, plus B's read where the K/V went
+through a segment instead) with one plain `copy_` of the same bytes from A's device to
+host memory (pinned where A is a GPU).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def one_run(cluster, mode: str, a: str, b: str, prompt: list[int], params: Sampl
         rec.update(kv_bytes=split["kv_bytes"], kv_tokens=split["kv_tokens"], handoff_ms=split["handoff_ms"],
                    write_ms=split["write_ms"], read_ms=split["read_ms"], copy_mb_per_s=split["copy_mb_per_s"],
                    decode_half_ms_per_token=after_ms / max(1, n - split["tokens_on_prefill_worker"]),
+                   transport=split.get("transport"),
                    prefill_worker=split["prefill_worker"], decode_worker=split["decode_worker"])
     if mode == "router":
         placed = decision.get("split")
@@ -181,17 +183,17 @@ def one_run(cluster, mode: str, a: str, b: str, prompt: list[int], params: Sampl
 
 
 def plain_copy_mb_per_s(nbytes: int, device: str, repeats: int = 5) -> float:
-    """One `copy_` of `nbytes` from `device` into host memory, the median of `repeats`: from a
-    GPU into one pinned buffer (the DMA a transfer could have); from a CPU into a fresh buffer
-    each time, since the handoff writes into a fresh segment and pays its page faults too."""
+    """One `copy_` of `nbytes` from `device` into a host buffer allocated once, the median of
+    `repeats`: from a GPU into pinned memory (the DMA a transfer could have), from a CPU into
+    ordinary memory. The handoff, too, writes into memory that exists already: the decode
+    worker's own pages (kv_landing.py)."""
     import torch
 
     dev = torch.device(device)
     src = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
-    pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True) if dev.type == "cuda" else None
+    dst = torch.zeros(src.shape, dtype=src.dtype, pin_memory=dev.type == "cuda")
     times = []
     for _ in range(repeats):
-        dst = pinned if pinned is not None else torch.empty(src.shape, dtype=src.dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
@@ -199,7 +201,6 @@ def plain_copy_mb_per_s(nbytes: int, device: str, repeats: int = 5) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-        del dst
     return src.nbytes / 1e6 / statistics.median(times)
 
 
@@ -213,12 +214,19 @@ def summarize_case(case: dict, runs: list[dict]) -> dict:
     row["fastest"] = min(medians, key=medians.get)
     row["split_vs_whole_A"] = medians["split"] / medians["whole:A"]
     row["split_vs_best_whole"] = medians["split"] / min(medians["whole:A"], medians["whole:B"])
-    splits = by_mode["split"]
+    # Only split runs whose K/V moved measure the split (one that ended on A first, e.g. a
+    # reservation later than the whole answer, is a whole:A run in disguise).
+    splits = [r for r in by_mode["split"] if "handoff_ms" in r]
+    row["split_runs_handed_off"] = f"{len(splits)}/{len(by_mode['split'])}"
+    if not splits:
+        raise RuntimeError(f"disaggregation: no split run of {case} handed its K/V off (each ended on A first); "
+                           "use longer answers")
     n = case["max_tokens"]
     transfer_ms = statistics.median(r["handoff_ms"] for r in splits)
     a_tpot = statistics.median(r["decode_ms_per_token"] for r in by_mode["whole:A"])
     b_tpot = statistics.median(r["decode_half_ms_per_token"] for r in splits)
     row.update(kv_bytes=splits[0]["kv_bytes"], transfer_ms=transfer_ms,
+               transport="/".join(sorted({str(r.get("transport")) for r in splits})),
                copy_mb_per_s=statistics.median(r["copy_mb_per_s"] for r in splits if r["copy_mb_per_s"]),
                a_ms_per_token=a_tpot, b_ms_per_token=b_tpot, advantage_ms_per_token=a_tpot - b_tpot,
                break_even_ms_per_token=transfer_ms / n)
@@ -341,6 +349,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     plain = plain_copy_mb_per_s(biggest["kv_bytes"], a_device)
     link = {"bytes": biggest["kv_bytes"], "from_device": a_device, "handoff_copy_mb_per_s": biggest["copy_mb_per_s"],
             "plain_copy_mb_per_s": plain, "plain_over_handoff": plain / biggest["copy_mb_per_s"],
+            "transport": biggest["transport"],
             "at_start": link_at_start, "at_end": link_end}
     settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "prompts": prompts,
                 "cached_on_a": cached_on_a,
@@ -369,7 +378,8 @@ def render(rows: list[dict], a: str, b: str, link: dict) -> str:
            "break-even = transfer ms / output tokens (the articles' formula): the split pays by the formula "
            "where advantage > break-even.", "",
            f"Link: the handoff copied {link['bytes'] / 1e6:.1f} MB at {link['handoff_copy_mb_per_s']:.0f} MB/s "
-           f"(write to the segment + read into B's pool); one plain copy_ of the same bytes from "
+           f"(A's write into B's pages, plus B's read where a segment carried it; transport: "
+           f"{link['transport']}); one plain copy_ of the same bytes from "
            f"{link['from_device']} to host memory: {link['plain_copy_mb_per_s']:.0f} MB/s "
            f"({link['plain_over_handoff']:.2f}x the handoff's rate).", "",
            "| prompt | cached on A | answer | backlog on A | whole:A | whole:B | split | router (pick) | fastest "

@@ -111,6 +111,14 @@ def attach(desc: dict, device: torch.device | str = "cpu") -> tuple[torch.Tensor
         return entry.k, entry.v
 
 
+def detach(desc: dict) -> None:
+    """Drop this process's mapping of the pool `desc` describes (a no-op if none)."""
+    with _lock:
+        entry = _attached.pop(_key(desc), None)
+    if entry is not None:
+        entry.drop()
+
+
 def forget_all() -> None:
     """Drop every mapping (tests; a process about to exit)."""
     with _lock:

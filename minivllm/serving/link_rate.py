@@ -2,22 +2,21 @@
 corrected by every split request's handoff (issue 43), as worker_rates.py does for the
 workers' prefill and decode rates.
 
-The measurement is the transfer's own path on a buffer the size of a long prompt's K/V
-(64 MiB by default): copy into a fresh shared-memory segment (what the exporter does),
-copy out of it (what the importer does), unlink. The link's rate is bytes over the two
-copies' time together, since a split request pays both; the best of a few repeats, as a
-calibration takes the steady state rather than the first touch of fresh pages.
+The measurement is the transfer's own path (serving/kv_landing.py) on a buffer the size
+of a long prompt's K/V (64 MiB by default): a pool-like memory file, mapped back through
+/proc as the exporter maps the importer's pool, and one copy into it; the importer then
+only indexes its pages, so there is no read side (`read_ms` 0). The best of a few repeats,
+as a calibration takes the steady state. Split requests that go through a segment instead
+(kv_segment.py: no mappable pool, or a late reservation) pay a write and a read, and their
+observed rates pull the link's down accordingly.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
-
-from minivllm.serving.kv_segment import SEGMENT_PREFIX, new_segment, unlink_segment
 
 DEFAULT_PROBE_BYTES = 64 << 20
 ALPHA = 0.2  # weight of each observed handoff in the corrected rate
@@ -59,21 +58,22 @@ class LinkRate:
 
 
 def measure_shared_memory_link(nbytes: int = DEFAULT_PROBE_BYTES, repeats: int = 3) -> LinkRate:
-    """Copy `nbytes` into a shared-memory segment and back out, `repeats` times; the best run."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = None
-    for _ in range(repeats):
-        name = f"{SEGMENT_PREFIX}probe-{uuid.uuid4().hex[:12]}"
-        try:
-            with new_segment(name, src.nbytes) as buf:
-                t0 = time.perf_counter()
-                torch.frombuffer(buf, dtype=torch.uint8, count=src.nbytes).copy_(src.view(torch.uint8))
-                t1 = time.perf_counter()
-                torch.frombuffer(buf, dtype=torch.uint8, count=src.nbytes).clone()
-                t2 = time.perf_counter()
-        finally:
-            unlink_segment(name)
-        if best is None or (t2 - t0) < sum(best):
-            best = (t1 - t0, t2 - t1)
-    write_s, read_s = best
-    return LinkRate(src.nbytes / (write_s + read_s), src.nbytes, write_s * 1e3, read_s * 1e3)
+    """Copy `nbytes` into a mapped pool-like memory file, `repeats` times; the best run."""
+    from minivllm.cache.shared_pool_memory import SharedPoolMemory, attach, detach
+
+    src = torch.ones(nbytes // 8, dtype=torch.float32)
+    pool = SharedPoolMemory(tuple(src.shape), torch.float32)  # k and v halves: nbytes in all
+    desc = pool.describe()
+    try:
+        k, v = attach(desc)
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            k.copy_(src)
+            v.copy_(src)
+            best = min(best or float("inf"), time.perf_counter() - t0)
+        del k, v
+    finally:
+        detach(desc)
+        pool.close()
+    return LinkRate(2 * src.nbytes / best, 2 * src.nbytes, best * 1e3, 0.0)

@@ -141,13 +141,16 @@ class SplitRequests:
         # Where the decode worker's pool is mappable (a CPU worker), it reserves pages for the
         # prompt's full pages now, while the prefill runs, and the prefill worker writes into
         # them (kv_landing.py); else, or if the answer comes late, the K/V go through the segment.
+        # The split's lock is held until the prefill worker has its submit: the reservation
+        # may come back first, and its landing must reach that worker after the request.
         pool = (decode.info or {}).get("kv_landing")
         ps = pool["shape"][2] if pool else 0
-        landing = bool(pool) and len(prompt_ids) >= ps \
-            and decode.reserve(split, prompt_ids[:len(prompt_ids) // ps * ps])
-        split.reserve_sent = landing
-        prefill.submit(split, prompt_ids, params, 0,
-                       export={"export_after": 1, "segment": split.segment, "await_landing": landing})
+        with split._lock:
+            landing = bool(pool) and len(prompt_ids) >= ps \
+                and decode.reserve(split, prompt_ids[:len(prompt_ids) // ps * ps])
+            split.reserve_sent = landing
+            prefill.submit(split, prompt_ids, params, 0,
+                           export={"export_after": 1, "segment": split.segment, "await_landing": landing})
         return stream.decision
 
     def cancel(self, request_id: str) -> bool:
@@ -200,6 +203,7 @@ class SplitRequest:
         self.cancelled = False
         self.cancelled_in: str | None = None  # the phase a cancel found it in
         self.reserve_sent = False  # the decode worker was asked for pages (kv_landing.py)
+        self.created = time.perf_counter()
         self._lock = threading.RLock()
         self.record: dict = {"request_id": self.request_id, "prefill_worker": prefill.name,
                              "decode_worker": decode.name, "segment": segment, "handed_off": False,
@@ -214,6 +218,7 @@ class SplitRequest:
         with self._lock:
             self.record["landing"] = (None if landing is None
                                       else {"have": landing["have"], "pages": len(landing["pages"])})
+            self.record["reserved_after_ms"] = (time.perf_counter() - self.created) * 1e3
             if landing is not None and self.phase == "prefill" and not self.cancelled:
                 self.prefill.send_landing(self.request_id, landing)
                 return

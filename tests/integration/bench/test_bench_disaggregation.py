@@ -75,6 +75,7 @@ def test_quick_disaggregation_bench(results_dir, smollm2_path):
     link = meta["link"]
     assert link["bytes"] == max(r["kv_bytes"] for r in data["rows"])
     assert link["plain_copy_mb_per_s"] > 0 and link["handoff_copy_mb_per_s"] > 0
+    assert link["transport"] == "landing"  # CPU workers: A writes into B's pages (kv_landing.py)
     assert link["at_start"]["measured_mb_per_s"] > 0
 
 
