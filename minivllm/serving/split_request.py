@@ -10,14 +10,22 @@ or the notebook needs to force a split and compare it with the whole request on 
 worker. `placement` names the prefill worker first, then the decode worker.
 
 The path, in messages (protocol.py):
-1. the prefill worker gets a `submit` with `export_after=1` and a segment name that the
+1. where the decode worker's pool is mappable (a CPU worker: cache/shared_pool_memory.py),
+   it gets `reserve` for the prompt's full pages and answers `reserved` with its pages
+   (the *landing*), which the controller forwards to the prefill worker (`landing`);
+2. the prefill worker gets a `submit` with `export_after=1` and a segment name that the
    controller chose (kv_segment.py), so the controller can always unlink it by name;
-2. after the step that gave the request its first token, that worker writes the K/V of
-   its full pages into the segment, sends `exported` (token ids, shapes, RNG state) and
+3. after the step that gave the request its first token, that worker copies the K/V of
+   its full pages straight into the landing's pages (kv_landing.py), or, without a
+   landing in time, into the segment, sends `exported` (token ids, shapes, RNG state) and
    lets the request and its pages go;
-3. the controller sends `import` with that description to the decode worker, which
-   copies the segment into its pool (`LLMEngine.import_request`), unlinks it, sends
-   `imported` and streams the rest of the tokens.
+4. the controller sends `import` with that description to the decode worker, which
+   indexes the landed pages (or copies the segment into its pool and unlinks it),
+   sends `imported` and streams the rest of the tokens.
+
+A reservation ends with the import, or with `unreserve` once the request is over; the
+controller sends that only after the prefill worker is done with the request (its
+`exported` or terminal event, or its death), so no page is reused under a writer.
 
 `SplitRequest` stands in the two workers' ledgers where a `RequestStream` would: the
 handles push its events and fail it as they do any request's, and it forwards to the
