@@ -1,5 +1,7 @@
 """A request prefilled on a GPU engine and decoded on a CPU engine, the K/V crossing
-through the real shared-memory transport (serving/kv_segment.py): issue 43's GPU→CPU row.
+through the real transports: copied by DMA straight into the CPU engine's reserved pages
+(serving/kv_landing.py, its pool a memfd mapped back and host-registered), or through a
+shared-memory segment (serving/kv_segment.py): issue 43's GPU→CPU row.
 
 References:
 - the pages: what the CPU pool holds for the imported tokens equals the GPU pool's K/V
@@ -27,6 +29,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.cache.kv_transfer import read_blocks
 from minivllm.engine.engine import LLMEngine
 from minivllm.engine.engine_config import EngineConfig
+from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
 from minivllm.serving.kv_segment import SEGMENT_PREFIX, handoff_from_wire, handoff_to_wire
 
 pytestmark = pytest.mark.cuda
@@ -40,8 +43,8 @@ def cpu_llm(small_gpu_model_path):
     return LLM(str(small_gpu_model_path), device="cpu", dtype="float32", max_model_len=LEN, progress=False)
 
 
-def engine(llm) -> LLMEngine:
-    return LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=LEN, batch_invariant=True))
+def engine(llm, **options) -> LLMEngine:
+    return LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=LEN, batch_invariant=True, **options))
 
 
 def run_to_end(e: LLMEngine, rid: str) -> list[int]:
@@ -50,28 +53,45 @@ def run_to_end(e: LLMEngine, rid: str) -> list[int]:
     return e.pop_output(rid).token_ids
 
 
-@pytest.mark.parametrize("gpu_dtype", ["float32", "float16"])
-def test_gpu_prefill_cpu_decode(small_gpu_model_path, cpu_llm, gpu_dtype):
-    gpu_llm = LLM(str(small_gpu_model_path), device="cuda", dtype=gpu_dtype, max_model_len=LEN, progress=False)
-    ids = cpu_llm.tokenizer.encode(" ".join(PROMPTS[:4]))
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    a, b = engine(gpu_llm), engine(cpu_llm)
-    rid = a.add_request(ids, params)
-    while not a.request_state(rid).output_ids:
-        a.step()
+def through_segment(a: LLMEngine, b: LLMEngine, rid: str, ids: list[int]):
     handoff = a.export_request(rid)
-    first = a.request_state(rid).output_ids
-    gpu_k, gpu_v = handoff.kv.k.float().cpu(), handoff.kv.v.float().cpu()
-    assert handoff.kv.k.is_cuda and handoff.kv.k.dtype == getattr(torch, gpu_dtype)
     name = f"{SEGMENT_PREFIX}test-{uuid.uuid4().hex[:12]}"
     meta = handoff_to_wire(handoff, name)
     a.abort(rid)
     moved = handoff_from_wire(meta, handoff.params)  # views of the segment, copied once into B's pages
     assert not os.path.exists(f"/dev/shm/{name}")  # unlinked once mapped
-    rid_b = b.import_request(moved)
+    return moved
+
+
+def through_landing(a: LLMEngine, b: LLMEngine, rid: str, ids: list[int]):
+    ps = b.pool.page_size
+    landing = {**b.reserve_import(rid, ids[:len(ids) // ps * ps]), "pool": b.pool.shared.describe()}
+    handoff = a.export_request(rid, copy=False)  # A's pages, copied once: GPU -> B's pages
+    meta = handoff_to_landing(handoff, landing)
+    assert meta["landed_tokens"] == len(ids) // ps * ps
+    a.abort(rid)
+    return handoff_from_landing(meta, handoff.params)
+
+
+@pytest.mark.parametrize("transport", [through_landing, through_segment], ids=["landing", "segment"])
+@pytest.mark.parametrize("gpu_dtype", ["float32", "float16"])
+def test_gpu_prefill_cpu_decode(small_gpu_model_path, cpu_llm, gpu_dtype, transport):
+    gpu_llm = LLM(str(small_gpu_model_path), device="cuda", dtype=gpu_dtype, max_model_len=LEN, progress=False)
+    ids = cpu_llm.tokenizer.encode(" ".join(PROMPTS[:4]))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    a, b = engine(gpu_llm), engine(cpu_llm, kv_shareable=True)
+    rid = a.add_request(ids, params)
+    while not a.request_state(rid).output_ids:
+        a.step()
+    first = list(a.request_state(rid).output_ids)
+    original = a.export_request(rid)  # A's K/V as the GPU holds them, read back for the check
+    gpu_k, gpu_v = original.kv.k.float().cpu(), original.kv.v.float().cpu()
+    assert original.kv.k.is_cuda and original.kv.k.dtype == getattr(torch, gpu_dtype)
+    moved = transport(a, b, rid, ids)
+    rid_b = b.import_request(moved, request_id=rid)
     b.step()  # admission restores the imported pages
     view = b.request_state(rid_b)
-    n = handoff.kv.n_tokens
+    n = original.kv.n_tokens
     assert n == len(ids) // b.pool.page_size * b.pool.page_size > 0
     on_cpu = read_blocks(b.pool, view.block_table, (ids + first)[:n])
     assert on_cpu.k.dtype == torch.float32
