@@ -195,13 +195,15 @@ class Timer:
 
 
 def sweep_launches(pa) -> list[tuple[str, object]]:
-    """The new kernel's other launches (--sweep): query heads per program (one, or all of
-    a KV head's) × split length × warps. (The sweep of split × warps, programs per SM,
-    stages and a register cap at all heads per program is
-    benchmarks/results/h100-s40-attention-sweep.json.)"""
-    return [(f"new heads={h or 'all'} split={s} warps={w}",
-             pa.SplitLaunch(split_tokens=s, num_warps=w, heads_per_program=h))
-            for h in (1, None) for s in (32, 64) for w in (1, 2, 4)]
+    """The new kernel's other launches (--sweep): query heads per program (one, all of a
+    KV head's, or chosen per row: `adaptive`) × split length × warps. (The sweep of split ×
+    warps, programs per SM, stages and a register cap at all heads per program is
+    benchmarks/results/h100-s40-attention-sweep.json; heads one or all,
+    h100-s47-attention-sweep.json.)"""
+    heads = [(1, False), (None, False), (None, True)]
+    return [(f"new heads={'adaptive' if a else h or 'all'} split={s} warps={w}",
+             pa.SplitLaunch(split_tokens=s, num_warps=w, heads_per_program=h, adaptive_heads=a))
+            for h, a in heads for s in (32, 64) for w in (1, 2, 4)]
 
 
 def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, variants, rows, save):

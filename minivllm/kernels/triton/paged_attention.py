@@ -78,6 +78,9 @@ class SplitLaunch:
     num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
     maxnreg: int | None = None  # a register cap (2 resident programs per SM at 8 warps: 128)
     heads_per_program: int | None = None  # query heads a program attends for (None: all of its KV head's)
+    # With all heads a program: a short row's (split, head) items spread over its programs
+    # (the kernel's ADAPTIVE); off until a GPU sweep times it (scripts/attention_bench.py).
+    adaptive_heads: bool = False
 
 
 @triton.jit
@@ -89,11 +92,17 @@ def _paged_attention_split_kernel(
     stride_table, n_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
-    HPP: tl.constexpr = 0,
+    HPP: tl.constexpr = 0, ADAPTIVE: tl.constexpr = False,
 ):
     """HPP: query heads per program (a divisor of GROUP; 0: all GROUP of the KV head).
     Each head's arithmetic is the same either way; fewer heads a program means more
-    programs in flight, each re-reading its KV head's tile (from L2)."""
+    programs in flight, each re-reading its KV head's tile (from L2).
+
+    ADAPTIVE (with HPP 0): a row whose (split, head) items fit its KV head's programs, one
+    each (a short context at a small batch: most of the grid would idle), takes one head
+    an item instead of (split, all heads). The program count follows the batch, so the
+    choice does too: fit for batch-invariant mode only where a GPU test shows both give a
+    head the same bits."""
     wait_for_producers(PDL)
     HEADS: tl.constexpr = GROUP if HPP == 0 else HPP
     row = tl.program_id(0)
@@ -103,52 +112,72 @@ def _paged_attention_split_kernel(
     pos = tl.load(row_pos_ptr + row)
     seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
     used = pos // SPLIT + 1  # the row's own splits
-    if first < used:  # programs past the row's last split have nothing to do
-        # 64-bit offsets: a large pool (pages × page stride) overflows int32.
-        row64 = row.to(tl.int64)
-        kv_head64 = kv_head.to(tl.int64)
-        n_heads = tl.num_programs(1) * HEADS
-        offs_n = tl.arange(0, SPLIT)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_g = tl.arange(0, BLOCK_G)
-        d_mask = offs_d < HEAD_DIM
-        g_mask = offs_g < HEADS
-        table = tables_ptr + seq.to(tl.int64) * stride_table
+    n_heads = tl.num_programs(1) * HEADS
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    if ADAPTIVE and used * GROUP <= tl.num_programs(2):
+        for item in range(first, used * GROUP, tl.num_programs(2)):
+            _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, item % GROUP,
+                          item // GROUP, n_heads, n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks,
+                          stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                          GROUP, HEAD_DIM, PAGE_SIZE, 1, BLOCK_D, SPLIT, 1)
+    elif first < used:  # programs past the row's last split have nothing to do
         # Pipelined (sm_80+: cp.async into shared memory): a program that walks several
         # splits (large batches) loads the next ones' K/V while it computes this one.
         for split in tl.range(first, used, tl.num_programs(2), num_stages=NUM_STAGES):
-            keys = split * SPLIT + offs_n
-            k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
-            page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
-            row_k = page * stride_kp + (keys % PAGE_SIZE) * stride_ks + kv_head64 * stride_kh
-            row_v = page * stride_vp + (keys % PAGE_SIZE) * stride_vs + kv_head64 * stride_vh
-            kv_mask = k_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + row_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            k = k.to(tl.float32)  # (SPLIT, D)
-            v = v.to(tl.float32)
-            # The group's scores side by side, (SPLIT, G): one max and one sum over the
-            # keys serve every head (each head a column of its own; padding columns stay 0,
-            # finite, and are never stored).
-            scores = tl.zeros([SPLIT, BLOCK_G], tl.float32)
-            for g in tl.static_range(HEADS):  # the program's query heads share the tile
-                q = tl.load(q_ptr + row64 * stride_qt + (kv_head * GROUP + g0 + g) * stride_qh + offs_d * stride_qd,
-                            mask=d_mask, other=0.0)
-                q = q.to(tl.float32) * scale  # scaling q once is cheaper than scaling every score
-                s = tl.sum(k * q[None, :], axis=1)  # (SPLIT,)
-                scores = tl.where(offs_g[None, :] == g, s[:, None], scores)
-            scores = tl.where(k_mask[:, None], scores, float("-inf"))
-            m = tl.max(scores, axis=0)  # (G,); the split's first key is <= pos, so finite
-            p = tl.exp(scores - m[None, :])
-            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # unnormalised p · V per head
-            for g in tl.static_range(HEADS):
-                p_g = tl.sum(tl.where(offs_g[None, :] == g, p, 0.0), axis=1)  # column g, exactly
-                acc = tl.where(offs_g[:, None] == g, tl.sum(p_g[:, None] * v, axis=0)[None, :], acc)
-            # Partial results: acc (T, H, splits, BLOCK_D) and (m, l) (T, H, splits, 2).
-            part = (row64 * n_heads + kv_head * GROUP + g0 + offs_g) * n_splits + split
-            tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
-            tl.store(ml_ptr + part * 2, m, mask=g_mask)
-            tl.store(ml_ptr + part * 2 + 1, tl.sum(p, axis=0), mask=g_mask)
+            _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split,
+                          n_heads, n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh,
+                          stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                          GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, SPLIT, HEADS)
+
+
+@triton.jit
+def _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split, n_heads,
+                  n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+                  stride_vp, stride_vs, stride_vh, stride_vd,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr):
+    """One split's partial attention for heads g0..g0+HEADS-1 of `kv_head`'s group: its
+    (unnormalised p · V, max, sum) stored for the merge."""
+    # 64-bit offsets: a large pool (pages × page stride) overflows int32.
+    row64 = row.to(tl.int64)
+    kv_head64 = kv_head.to(tl.int64)
+    offs_n = tl.arange(0, SPLIT)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, BLOCK_G)
+    d_mask = offs_d < HEAD_DIM
+    g_mask = offs_g < HEADS
+    keys = split * SPLIT + offs_n
+    k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
+    page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
+    row_k = page * stride_kp + (keys % PAGE_SIZE) * stride_ks + kv_head64 * stride_kh
+    row_v = page * stride_vp + (keys % PAGE_SIZE) * stride_vs + kv_head64 * stride_vh
+    kv_mask = k_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + row_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = k.to(tl.float32)  # (SPLIT, D)
+    v = v.to(tl.float32)
+    # The group's scores side by side, (SPLIT, G): one max and one sum over the keys
+    # serve every head (each head a column of its own; padding columns stay 0, finite,
+    # and are never stored).
+    scores = tl.zeros([SPLIT, BLOCK_G], tl.float32)
+    for g in tl.static_range(HEADS):  # the program's query heads share the tile
+        q = tl.load(q_ptr + row64 * stride_qt + (kv_head * GROUP + g0 + g) * stride_qh + offs_d * stride_qd,
+                    mask=d_mask, other=0.0)
+        q = q.to(tl.float32) * scale  # scaling q once is cheaper than scaling every score
+        s = tl.sum(k * q[None, :], axis=1)  # (SPLIT,)
+        scores = tl.where(offs_g[None, :] == g, s[:, None], scores)
+    scores = tl.where(k_mask[:, None], scores, float("-inf"))
+    m = tl.max(scores, axis=0)  # (G,); the split's first key is <= pos, so finite
+    p = tl.exp(scores - m[None, :])
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # unnormalised p · V per head
+    for g in tl.static_range(HEADS):
+        p_g = tl.sum(tl.where(offs_g[None, :] == g, p, 0.0), axis=1)  # column g, exactly
+        acc = tl.where(offs_g[:, None] == g, tl.sum(p_g[:, None] * v, axis=0)[None, :], acc)
+    # Partial results: acc (T, H, splits, BLOCK_D) and (m, l) (T, H, splits, 2).
+    part = (row64 * n_heads + kv_head * GROUP + g0 + offs_g) * n_splits + split
+    tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(ml_ptr + part * 2, m, mask=g_mask)
+    tl.store(ml_ptr + part * 2 + 1, tl.sum(p, axis=0), mask=g_mask)
 
 
 @triton.jit
@@ -238,6 +267,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         num_warps=launch.num_warps or split_warps(split, block_d),
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}), **pdl_args(q.device),
         **({} if heads == group else {"HPP": heads}),
+        **({"ADAPTIVE": True} if launch.adaptive_heads and heads == group and group > 1 else {}),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,

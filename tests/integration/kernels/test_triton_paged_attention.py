@@ -307,6 +307,40 @@ def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim,
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
+def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device, heads, kv_heads, head_dim,
+                                                                         monkeypatch):
+    """`SplitLaunch(adaptive_heads=True)`: a row whose (split, head) items fit its KV head's
+    programs takes one head an item, any other row its splits with the whole group.
+    Reference: float64 attention for every row; and per row, the bits of the fixed launch
+    its choice stands for (one head a program for the short rows, the default for the
+    others), a head's arithmetic being the same helper either way. By hand: 6 rows, a
+    64-page table (16 splits of 64 keys), 2 programs a SM on 42 x kv_heads SMs: 14 programs
+    per (row, KV head); a row is short when its splits x 7 <= 14: positions 0-127."""
+    seq_lens = [150, 70, 16, 129, 1]
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
+                                       device=device, seed=7 + head_dim, head_dim=head_dim, width=64)
+    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (1, 63), (3, 127)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(8)).to(device)
+    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    monkeypatch.setitem(pa._SM_COUNTS, torch.device(device), 42 * kv_heads)
+    assert pa.split_programs(6 * kv_heads, 16, 2 * 42 * kv_heads) == 14
+    short = [p < 128 for _, p in rows]
+    assert short == [False, True, False, True, True, True]
+    adaptive = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(adaptive_heads=True))
+    per_head = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(heads_per_program=1))
+    grouped = paged_attention(q, k, v, tables, seq, pos)
+    for i, (s, p) in enumerate(rows):
+        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(adaptive[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+        assert torch.equal(adaptive[i], per_head[i] if short[i] else grouped[i]), (i, short[i])
+    monkeypatch.setitem(pa._SM_COUNTS, torch.device(device), 1)  # one program per (row, KV head): no row fits
+    assert torch.equal(paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(adaptive_heads=True)),
+                       paged_attention(q, k, v, tables, seq, pos))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
     """7B shape, f16 cache, graph-wide tables: each decode row gives the same bits alone
     as among 7 other rows at other positions, and whether its splits are spread over
@@ -351,7 +385,7 @@ for cc in (75, 90):
             sig[n] = "i32"
         const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
                  "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS,
-                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90, "HPP": 0}
+                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90, "HPP": 0, "ADAPTIVE": g > 1}
         sig.update({k: "constexpr" for k in const})
         k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
                            options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
