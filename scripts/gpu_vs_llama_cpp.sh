@@ -96,6 +96,27 @@ run_pytest() {  # both profiles side by side, each under the time left minus RES
   stamp "pytest sm75 exit $e2: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
 }
 
+start_7b_file() {  # the synthetic 7B file, written in the background (its path: line 2 of synthetic.log)
+  setsid nohup bash -c "python3 -c \"
+from minivllm.bench.synthetic_model import ensure_synthetic_model as e
+print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
+\"" >> "$W/synthetic.log" 2>&1 < /dev/null &
+}
+
+decode_rows() {  # minivllm's batch-1 decode, PDL off and on, at 512 tokens (both files) and 4096 (7B)
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
+  local DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  local SYN="--synthetic-tokenizer $FIELDS --synthetic" s
+  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
+    step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
+    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
+  done
+  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
+    --prompt-tokens 4096
+}
+
 if [ "$MODE" = profile ]; then
   # Where a decode step's time goes (scripts/profile_decode_step.py), with both pytest
   # profiles first (they share the GPU with the synthetic-file writer, not with the profile).
@@ -143,24 +164,13 @@ elif [ "$MODE" = quick ]; then
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
-  setsid nohup bash -c "python3 -c \"
-from minivllm.bench.synthetic_model import ensure_synthetic_model as e
-print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
-\"" >> "$W/synthetic.log" 2>&1 < /dev/null &
+  start_7b_file
   BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-150} )) step "pytest gemv cuda" "$R/pytest-cuda-gemv.log" python3 -m pytest -q -m cuda \
     -p no:cacheprovider -rfE -x tests/integration/kernels/test_triton_tiled_gemv.py \
     tests/integration/kernels/test_triton_repacked_gemv.py tests/integration/kernels/test_split_sum_fold.py \
     tests/integration/kernels/test_pdl.py tests/integration/kernels/test_fused_projection.py
   stamp "pytest: $(tail -n 1 "$R/pytest-cuda-gemv.log")"
-  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
-  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
-  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
-  SYN="--synthetic-tokenizer $FIELDS --synthetic"
-  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
-    step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
-    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
-  done
-  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  decode_rows
 elif [ "$MODE" = once ]; then
   # Everything that matters most in ONE device call, for a session with too little device
   # time left for runs 1 and 2: the llama.cpp build in the background while the GPU does the
@@ -171,29 +181,15 @@ elif [ "$MODE" = once ]; then
   [ -x "$LLAMA_BIN/llama-bench" ] || setsid nohup bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 \
     > "$W/llama-build.log" 2>&1 < /dev/null &
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
-  setsid nohup bash -c "python3 -c \"
-from minivllm.bench.synthetic_model import ensure_synthetic_model as e
-print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
-\"" >> "$W/synthetic.log" 2>&1 < /dev/null &
-  BUDGET=$(( $(date +%s) - T0 + 60 )) step "attention sweep" "$R/attention-sweep.log" \
+  start_7b_file
+  BUDGET=$(( $(date +%s) - T0 + 90 )) step "attention sweep" "$R/attention-sweep.log" \
     python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --batches 1,8 --contexts 512,4096
   BUDGET=$(( $(date +%s) - T0 + 120 )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
     -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
     tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py \
     tests/integration/kernels/test_triton_tiled_gemv.py
   stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
-  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
-  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
-  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
-  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
-  SYN="--synthetic-tokenizer $FIELDS --synthetic"
-  for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
-    step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
-    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
-  done
-  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
-    --prompt-tokens 4096
+  decode_rows  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
   while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 45 ]; do sleep 3; done
   stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | grep -c llama-) binaries; $(tail -n 1 "$W/llama-build.log")"
   step "llama-bench 7b" "$R/llama-bench-7b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 512 -n 128 \
