@@ -243,7 +243,7 @@ class SplitRequest:
         with self._lock:
             self.record.update(tokens_on_prefill_worker=len(handoff["output_ids"]), kv_bytes=handoff["nbytes"],
                                kv_tokens=handoff.get("landed_tokens", len(handoff["kv_token_ids"])),
-                               write_ms=handoff["write_ms"],
+                               write_ms=handoff["write_ms"], landing_error=handoff.get("landing_error"),
                                export_ms=msg["export_ms"], started_at=msg["started_at"],
                                prefill_metrics=msg["metrics"])
             if self.cancelled or self.phase != "prefill":

@@ -306,8 +306,14 @@ class Worker:
             try:
                 with trace_scope("handoff", "export", request=rid):
                     handoff = engine.export_request(rid, copy=False)  # its pages, copied once below
-                    meta = (handoff_to_landing(handoff, export["landing"]) if export["landing"] is not None
-                            else handoff_to_wire(handoff, export["segment"]))
+                    meta, landing_error = None, None
+                    if export["landing"] is not None:
+                        try:
+                            meta = handoff_to_landing(handoff, export["landing"])
+                        except (OSError, RuntimeError) as exc:  # the pool cannot be mapped or written from here
+                            landing_error = f"{type(exc).__name__}: {exc}"[:300]
+                    if meta is None:  # the segment carries them; the import gives the reservation back
+                        meta = {**handoff_to_wire(handoff, export["segment"]), "landing_error": landing_error}
             except Exception as exc:  # noqa: BLE001 - this request fails, the worker goes on
                 unlink_segment(export["segment"])
                 event = engine.abort(rid)

@@ -152,6 +152,35 @@ def test_split_request_equals_the_whole_request(cluster, sampled):
     assert_idle(cluster)
 
 
+def test_a_pool_the_prefill_worker_cannot_map_sends_the_kv_through_a_segment(cluster, monkeypatch):
+    # The landing B sent names a descriptor that is not B's pool (fd 9999 of B's pid), as
+    # a hardened /proc would refuse the real one: A's write fails, the segment carries the
+    # K/V, and B gives its reservation back at the import.
+    from minivllm.serving.split_request import SplitRequest
+
+    reserved = SplitRequest.reserved
+
+    def tampered(self, msg):
+        landing = msg.get("landing")
+        if landing is not None:
+            msg = {**msg, "landing": {**landing, "pool": {**landing["pool"], "fd": 9999}}}
+        reserved(self, msg)
+
+    monkeypatch.setattr(SplitRequest, "reserved", tampered)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = f"Unmappable. {PROMPT}"
+    stream = cluster.submit(prompt, params, placement=(A, B))
+    out = stream.result(120)
+    monkeypatch.undo()
+    whole = cluster.submit(prompt, params, worker=A).result(120)
+    assert out.finish_reason == "length" and out.token_ids == whole.token_ids
+    split = stream.metrics["split"]
+    assert split["transport"] == "segment" and split["landing"]["pages"] > 0
+    assert "gone" in split["landing_error"], split["landing_error"]
+    assert segments(cluster) == []
+    assert_idle(cluster)
+
+
 def test_a_request_whose_state_cannot_move_is_refused(cluster):
     with pytest.raises(ConfigError, match="stop"):
         cluster.submit(PROMPT, SamplingParams(max_tokens=8, stop=["."]), placement=(A, B))
