@@ -1,5 +1,7 @@
 """Split requests through the Cluster API (issue 43): prefill and the first token on one
-worker process, decode on another, the K/V crossing in a shared-memory segment.
+worker process, decode on another, the K/V written straight into the decode worker's
+reserved pages (kv_landing.py), or, where that pool cannot be mapped, through a
+shared-memory segment.
 
 References:
 - the cost+split router's choice: made-up rates (A prefills fast, B decodes fast) whose
