@@ -222,6 +222,7 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                 if any(launch == "old" for _, launch in variants):
                     kernels.append(("old", lambda layer, c=case: old.paged_attention(
                         c["q"], c["k"][layer], c["v"][layer], c["tables"], c["row_seq"], c["row_pos"], out=c["out"])))
+                launch_of = {label: launch for label, launch in variants if launch != "old"}
                 for label, fn in kernels:
                     us = timer.per_call_us(fn, layers)
                     fn(last)
@@ -231,6 +232,14 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                                max_abs_err_vs_f64=err)
                     if label in ("new", "old") and timer.last_kernels is not None:
                         row["kernels_us_per_call"] = timer.last_kernels
+                    if launch_of.get(label) is not None and launch_of[label].split_tokens is not None:
+                        # one head a program (or adaptive) against all heads a program at the same
+                        # split: may a launch choose per row in batch-invariant mode on this GPU?
+                        got = case["out"].clone()
+                        pa.paged_attention(case["q"], case["k"][last], case["v"][last], case["tables"],
+                                           case["row_seq"], case["row_pos"], out=case["out"],
+                                           launch=pa.SplitLaunch(split_tokens=launch_of[label].split_tokens))
+                        row["bits_equal_all_heads"] = bool(torch.equal(got, case["out"]))
                     if label == "new":  # the last row alone: the same bits as in the batch
                         batched = case["out"][batch - 1].clone()
                         r = slice(batch - 1, batch)

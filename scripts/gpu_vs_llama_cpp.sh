@@ -115,6 +115,8 @@ decode_rows() {  # minivllm's batch-1 decode, PDL off and on, at 512 tokens (bot
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 4096
+  step "decode adaptive 7b" "$R/decode-adaptive-7b.log" env MINIVLLM_ADAPTIVE_HEADS=1 $DEC $SYN qwen2.5-7b-q4_k_m \
+    --prompt-tokens 512
 }
 
 if [ "$MODE" = profile ]; then
@@ -257,6 +259,11 @@ else
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
   done
+  # adaptive heads in the attention split kernel (MINIVLLM_ADAPTIVE_HEADS=1; opt-in until measured)
+  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+    step "decode adaptive $s" "$R/decode-adaptive-$s.log" env MINIVLLM_ADAPTIVE_HEADS=1 $DEC $SYN $s \
+      --prompt-tokens 512
+  done
   step "batched pdl 7b" "$R/batched-pdl-7b.log" env MINIVLLM_PDL=1 python3 scripts/gpu_batched_decode.py "$S7" \
     "$R/batched-pdl-7b.json" --npl 1,8,32
   step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
@@ -269,6 +276,8 @@ else
   done
   # decode after 4096 tokens of context (7B): minivllm, then llama-bench -d 0,512,4096
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "decode adaptive 7b after 4096" "$R/decode-adaptive-7b-4096.log" env MINIVLLM_ADAPTIVE_HEADS=1 $DEC $SYN \
+    qwen2.5-7b-q4_k_m --prompt-tokens 4096
   echo "$LLAMA_BIN/llama-bench -m $S7 -ngl 99 -p 0 -n 128 -d 0,512,4096 -r 3 -o json" > "$R/llama-bench-7b-depth.cmd"
   step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \
     -n 128 -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b-depth.json'"

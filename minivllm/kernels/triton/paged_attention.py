@@ -80,7 +80,19 @@ class SplitLaunch:
     heads_per_program: int | None = None  # query heads a program attends for (None: all of its KV head's)
     # With all heads a program: a short row's (split, head) items spread over its programs
     # (the kernel's ADAPTIVE); off until a GPU sweep times it (scripts/attention_bench.py).
+    # The engine's default launch takes it under MINIVLLM_ADAPTIVE_HEADS=1 (`default_launch`).
     adaptive_heads: bool = False
+
+
+ADAPTIVE_HEADS_ENV = "MINIVLLM_ADAPTIVE_HEADS"
+
+
+def default_launch() -> SplitLaunch:
+    """The engine's launch: the defaults, with adaptive heads where MINIVLLM_ADAPTIVE_HEADS=1
+    asks for them (read per call, so a CUDA graph keeps what it captured). Opt-in: a row's
+    bits then follow the batch unless one head a program gives a head the group launch's
+    bits on this GPU, which `attention_bench --sweep` reports (bits_equal_all_heads)."""
+    return SplitLaunch(adaptive_heads=os.environ.get(ADAPTIVE_HEADS_ENV, "0").strip() == "1")
 
 
 @triton.jit
@@ -230,7 +242,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     absolute position of each row; the row attends to keys 0..row_pos. The caller must
     already have written the row's own K/V into the pages. scale defaults to D ** -0.5.
     out: optional preallocated (T, H, D) output in q's dtype (for CUDA graphs).
-    launch: the split kernel's launch (benchmarks only; default SplitLaunch()).
+    launch: the split kernel's launch (benchmarks only; default `default_launch()`).
     Returns (T, H, D) in q's dtype.
 
     Two launches whose shapes depend only on T, the model, block_tables' width (a CUDA
@@ -238,7 +250,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     syncs.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, row_seq, row_pos)
-    launch = launch or SplitLaunch()
+    launch = launch or default_launch()
     t, h, d = q.shape
     _, page_size, kvh, _ = k_pages.shape
     if out is None:

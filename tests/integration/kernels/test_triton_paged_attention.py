@@ -335,6 +335,10 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
         ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
         torch.testing.assert_close(adaptive[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
         assert torch.equal(adaptive[i], per_head[i] if short[i] else grouped[i]), (i, short[i])
+    monkeypatch.setenv(pa.ADAPTIVE_HEADS_ENV, "1")  # the engine's switch: its default launch becomes adaptive
+    assert pa.default_launch() == pa.SplitLaunch(adaptive_heads=True)
+    assert torch.equal(paged_attention(q, k, v, tables, seq, pos), adaptive)
+    monkeypatch.delenv(pa.ADAPTIVE_HEADS_ENV)
     monkeypatch.setitem(pa._SM_COUNTS, torch.device(device), 1)  # one program per (row, KV head): no row fits
     assert torch.equal(paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(adaptive_heads=True)),
                        paged_attention(q, k, v, tables, seq, pos))
