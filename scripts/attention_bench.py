@@ -103,21 +103,25 @@ def make_case(torch, shape: dict, ctx: int, batch: int, layers: int, width: int,
     for b in range(batch):
         tables[b, :per_seq] = torch.arange(1 + b * per_seq, 1 + (b + 1) * per_seq, dtype=torch.int32)
     q = torch.randn(batch, h, d, generator=gen, device=device, dtype=torch.float32)
-    return dict(k=k, v=v, tables=tables.to(device), q=q, out=torch.empty_like(q),
+    # f16 queries too: the tensor-core body (SplitLaunch(mma=True)) takes f16 only, as the
+    # engine's f16 activations give it.
+    return dict(k=k, v=v, tables=tables.to(device), q=q, out=torch.empty_like(q), q16=q.half(),
+                out16=torch.empty(q.shape, dtype=torch.float16, device=device),
                 row_seq=torch.arange(batch, dtype=torch.int32, device=device),
                 row_pos=torch.full((batch,), ctx - 1, dtype=torch.int32, device=device),
                 kv_bytes=batch * ctx * kvh * d * 2 * k.element_size())
 
 
-def reference_rows(torch, case: dict, layer: int, rows: list[int]):
-    """float64 softmax attention over each row's dense keys (its pages gathered in order)."""
+def reference_rows(torch, case: dict, layer: int, rows: list[int], q_key: str = "q"):
+    """float64 softmax attention over each row's dense keys (its pages gathered in order),
+    for the queries case[q_key] (the f32 ones, or their f16 rounding)."""
     out = {}
     for r in rows:
         n = int(case["row_pos"][r]) + 1
         pages = case["tables"][r, :-(-n // PAGE_SIZE)].long()
         ks = case["k"][layer][pages].reshape(-1, *case["k"].shape[-2:])[:n].double()
         vs = case["v"][layer][pages].reshape(-1, *case["v"].shape[-2:])[:n].double()
-        q = case["q"][r].double()
+        q = case[q_key][r].double()
         g = q.shape[0] // ks.shape[1]
         ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
         scores = torch.einsum("hd,shd->hs", q, ks) / q.shape[-1] ** 0.5
@@ -203,7 +207,13 @@ def sweep_launches(pa) -> list[tuple[str, object]]:
     heads = [(1, False), (None, False), (None, True)]
     return [(f"new heads={'adaptive' if a else h or 'all'} split={s} warps={w}",
              pa.SplitLaunch(split_tokens=s, num_warps=w, heads_per_program=h, adaptive_heads=a))
-            for h, a in heads for s in (32, 64) for w in (1, 2, 4)]
+            for h, a in heads for s in (32, 64) for w in (1, 2, 4)] + mma_launches(pa)
+
+
+def mma_launches(pa) -> list[tuple[str, object]]:
+    """The tensor-core body (attend_split_mma.py), f16 queries: split × warps, all heads."""
+    return [(f"mma split={s} warps={w}", pa.SplitLaunch(split_tokens=s, num_warps=w, mma=True))
+            for s in (32, 64) for w in (1, 2, 4)]
 
 
 def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, variants, rows, save):
@@ -216,9 +226,11 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                 last = layers - 1
                 check = sorted({0, batch - 1})
                 ref = reference_rows(torch, case, last, check)
-                kernels = [(label, lambda layer, c=case, ln=launch: pa.paged_attention(
-                    c["q"], c["k"][layer], c["v"][layer], c["tables"], c["row_seq"], c["row_pos"], out=c["out"],
-                    launch=ln)) for label, launch in variants if launch != "old"]
+                half = {label: getattr(launch, "mma", False) for label, launch in variants}  # f16 queries
+                ref16 = reference_rows(torch, case, last, check, "q16") if any(half.values()) else None
+                kernels = [(label, lambda layer, c=case, ln=launch, h=half[label]: pa.paged_attention(
+                    c["q16" if h else "q"], c["k"][layer], c["v"][layer], c["tables"], c["row_seq"], c["row_pos"],
+                    out=c["out16" if h else "out"], launch=ln)) for label, launch in variants if launch != "old"]
                 if any(launch == "old" for _, launch in variants):
                     kernels.append(("old", lambda layer, c=case: old.paged_attention(
                         c["q"], c["k"][layer], c["v"][layer], c["tables"], c["row_seq"], c["row_pos"], out=c["out"])))
@@ -226,13 +238,15 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                 for label, fn in kernels:
                     us = timer.per_call_us(fn, layers)
                     fn(last)
-                    err = max(float((case["out"][r].double() - ref[r]).abs().max()) for r in check)
+                    out = case["out16" if half[label] else "out"]
+                    err = max(float((out[r].double() - (ref16 if half[label] else ref)[r]).abs().max()) for r in check)
                     row = dict(model=name, context=ctx, batch=batch, kernel=label, layers=layers,
                                us_per_call=round(us, 2), kv_gb_per_s=round(case["kv_bytes"] / us / 1e3, 1),
                                max_abs_err_vs_f64=err)
                     if label in ("new", "old") and timer.last_kernels is not None:
                         row["kernels_us_per_call"] = timer.last_kernels
-                    if launch_of.get(label) is not None and launch_of[label].split_tokens is not None:
+                    if launch_of.get(label) is not None and launch_of[label].split_tokens is not None \
+                            and not half[label]:
                         # one head a program (or adaptive) against all heads a program at the same
                         # split: may a launch choose per row in batch-invariant mode on this GPU?
                         got = case["out"].clone()

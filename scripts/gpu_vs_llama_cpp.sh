@@ -7,6 +7,7 @@
 #   here:     python3 scripts/gpu_vs_llama_cpp_table.py run1.tgz run2.tgz   # the one JSON + Markdown table
 #   any time: ... profile   # pytest -m cuda in both profiles, then a profile of decode steps (no peer)
 #   short of device time: ... once   # the most important rows of runs 1 and 2 in one call
+#   minivllm alone: ... quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -24,7 +25,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | quick | profile}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | quick | attention | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -115,7 +116,7 @@ decode_rows() {  # minivllm's batch-1 decode, PDL off and on, at 512 tokens (bot
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 4096
-  step "decode adaptive 7b" "$R/decode-adaptive-7b.log" env MINIVLLM_ADAPTIVE_HEADS=1 $DEC $SYN qwen2.5-7b-q4_k_m \
+  step "decode mma 7b" "$R/decode-mma-7b.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 512
 }
 
@@ -160,6 +161,32 @@ elif [ "$MODE" = 3 ]; then
     step "batched int8 7b (no peer: build unfinished)" "$R/batched-int8-7b.log" env MINIVLLM_Q8_GEMV=1 \
       python3 scripts/gpu_batched_decode.py "$S7" "$R/batched-int8-7b.json"
   fi
+elif [ "$MODE" = attention ]; then
+  # minivllm alone, one call: pytest -m cuda in the T4 profile (each test named in the log),
+  # the attention sweep (with the tensor-core body's rows), 7B decode at 512 and 4096 with
+  # and without MINIVLLM_ATTENTION_MMA=1, a step profile at 4096, and one GPU -> CPU split.
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  start_7b_file
+  BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-190} )) step "pytest sm75" "$R/pytest-cuda-sm75.log" \
+    env MINIVLLM_GPU_PROFILE=sm75 python3 -m pytest -m cuda -v -n 8 --timeout 90 -p no:cacheprovider -rfE
+  stamp "pytest sm75: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
+  BUDGET=$(( $(date +%s) - T0 + ${ATTN_SWEEP_BUDGET:-100} )) step "attention sweep" "$R/attention-sweep.log" \
+    python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --sweep-only --batches 1,8 --contexts 512,4096
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  S05=$(sed -n 1p "$W/synthetic.log")
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic qwen2.5-7b-q4_k_m"
+  for c in 512 4096; do
+    step "decode 7b $c" "$R/decode-7b-$c.log" $DEC $SYN --prompt-tokens $c
+    step "decode mma 7b $c" "$R/decode-mma-7b-$c.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN --prompt-tokens $c
+  done
+  P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
+  step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m
+  step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-100}" python3 -m minivllm bench \
+    disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
+    --outputs 128 --backlogs 0 --runs 2
+  cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
   # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.
@@ -259,10 +286,9 @@ else
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
   done
-  # adaptive heads in the attention split kernel (MINIVLLM_ADAPTIVE_HEADS=1; opt-in until measured)
+  # the tensor-core attention body (MINIVLLM_ATTENTION_MMA=1; opt-in until measured)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
-    step "decode adaptive $s" "$R/decode-adaptive-$s.log" env MINIVLLM_ADAPTIVE_HEADS=1 $DEC $SYN $s \
-      --prompt-tokens 512
+    step "decode mma $s" "$R/decode-mma-$s.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN $s --prompt-tokens 512
   done
   step "batched pdl 7b" "$R/batched-pdl-7b.log" env MINIVLLM_PDL=1 python3 scripts/gpu_batched_decode.py "$S7" \
     "$R/batched-pdl-7b.json" --npl 1,8,32
@@ -276,7 +302,7 @@ else
   done
   # decode after 4096 tokens of context (7B): minivllm, then llama-bench -d 0,512,4096
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "decode adaptive 7b after 4096" "$R/decode-adaptive-7b-4096.log" env MINIVLLM_ADAPTIVE_HEADS=1 $DEC $SYN \
+  step "decode mma 7b after 4096" "$R/decode-mma-7b-4096.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN \
     qwen2.5-7b-q4_k_m --prompt-tokens 4096
   echo "$LLAMA_BIN/llama-bench -m $S7 -ngl 99 -p 0 -n 128 -d 0,512,4096 -r 3 -o json" > "$R/llama-bench-7b-depth.cmd"
   step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \

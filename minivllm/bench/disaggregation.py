@@ -173,7 +173,7 @@ def one_run(cluster, mode: str, a: str, b: str, prompt: list[int], params: Sampl
         rec.update(kv_bytes=split["kv_bytes"], kv_tokens=split["kv_tokens"], handoff_ms=split["handoff_ms"],
                    write_ms=split["write_ms"], read_ms=split["read_ms"], copy_mb_per_s=split["copy_mb_per_s"],
                    decode_half_ms_per_token=after_ms / max(1, n - split["tokens_on_prefill_worker"]),
-                   transport=split.get("transport"),
+                   transport=split.get("transport"), attach_ms=split.get("attach_ms"),
                    prefill_worker=split["prefill_worker"], decode_worker=split["decode_worker"])
     if mode == "router":
         placed = decision.get("split")

@@ -92,6 +92,7 @@ class _Attached:
 
 
 _attached: dict[tuple, _Attached] = {}
+_prefetching: set[tuple] = set()
 _lock = threading.Lock()
 
 
@@ -109,6 +110,29 @@ def attach(desc: dict, device: torch.device | str = "cpu") -> tuple[torch.Tensor
         if entry is None:
             entry = _attached[key] = _Attached(desc, device)
         return entry.k, entry.v
+
+
+def prefetch(desc: dict, device: torch.device | str = "cpu") -> None:
+    """Start mapping (and, for a GPU, host-registering) the pool `desc` describes in a
+    background thread, once per pool, so the first write into it does not wait for the
+    registration (pinning a pool of gigabytes takes a good part of a second). Errors are
+    left for `attach`, which the writer calls anyway, to raise where they are handled."""
+    key = _key(desc)
+    with _lock:
+        if key in _attached or key in _prefetching:
+            return
+        _prefetching.add(key)
+
+    def run() -> None:
+        try:
+            attach(desc, device)
+        except Exception:  # noqa: BLE001 - the writer's own attach raises it again, where it is handled
+            pass
+        finally:
+            with _lock:
+                _prefetching.discard(key)
+
+    threading.Thread(target=run, name="kv-pool-prefetch", daemon=True).start()
 
 
 def detach(desc: dict) -> None:

@@ -39,7 +39,8 @@ class GpuProfile:
 
     @property
     def tensor_core_dot(self) -> bool:
-        """Whether kernels may use `tl.dot` (none does today: every kernel also runs on sm_75)."""
+        """Whether kernels may use `tl.dot`: only the opt-in tensor-core attention body
+        (`SplitLaunch(mma=True)`) does; every default kernel also runs on sm_75."""
         return self.capability >= (8, 0)
 
     @property

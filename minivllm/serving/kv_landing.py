@@ -39,7 +39,8 @@ def handoff_to_landing(handoff: Handoff, landing: dict) -> dict:
     span: PageSpan = handoff.kv
     t0 = time.perf_counter()
     src_k, src_v = span.pool.k, span.pool.v
-    dst_k, dst_v = attach(landing["pool"], src_k.device)
+    dst_k, dst_v = attach(landing["pool"], src_k.device)  # mapped already unless its prefetch is still going
+    attach_ms = (time.perf_counter() - t0) * 1e3
     ps, dst_ps = span.pool.page_size, int(landing["page_size"])
     have, pages = int(landing["have"]), [int(p) for p in landing["pages"]]
     blocks = min(have + len(pages), span.n_tokens // dst_ps)
@@ -61,7 +62,8 @@ def handoff_to_landing(handoff: Handoff, landing: dict) -> dict:
     written = max(0, blocks - have) * dst_ps
     per_token = 2 * src_k[:, 0, 0].numel() * src_k.element_size()
     return {**handoff_fields(handoff), "landed": blocks, "landed_tokens": written, "nbytes": written * per_token,
-            "dtype": str(src_k.dtype).removeprefix("torch."), "write_ms": (time.perf_counter() - t0) * 1e3}
+            "dtype": str(src_k.dtype).removeprefix("torch."), "write_ms": (time.perf_counter() - t0) * 1e3,
+            "attach_ms": attach_ms}
 
 
 def handoff_from_landing(meta: dict, params) -> Handoff:

@@ -158,7 +158,8 @@ class SplitRequests:
                 and decode.reserve(split, prompt_ids[:len(prompt_ids) // ps * ps])
             split.reserve_sent = landing
             prefill.submit(split, prompt_ids, params, 0,
-                           export={"export_after": 1, "segment": split.segment, "await_landing": landing})
+                           export={"export_after": 1, "segment": split.segment, "await_landing": landing,
+                                   "landing_pool": pool if landing else None})
         return stream.decision
 
     def cancel(self, request_id: str) -> bool:
@@ -244,6 +245,7 @@ class SplitRequest:
             self.record.update(tokens_on_prefill_worker=len(handoff["output_ids"]), kv_bytes=handoff["nbytes"],
                                kv_tokens=handoff.get("landed_tokens", len(handoff["kv_token_ids"])),
                                write_ms=handoff["write_ms"], landing_error=handoff.get("landing_error"),
+                               attach_ms=handoff.get("attach_ms"),
                                export_ms=msg["export_ms"], started_at=msg["started_at"],
                                prefill_metrics=msg["metrics"])
             if self.cancelled or self.phase != "prefill":

@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 
+from minivllm.cache.shared_pool_memory import prefetch as prefetch_pool
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
 from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
@@ -249,6 +250,8 @@ class Worker:
             if msg.get("export_after"):
                 self.exports[rid] = {"after": int(msg["export_after"]), "segment": msg["segment"],
                                      "await_landing": bool(msg.get("await_landing")), "landing": None, "due": None}
+                if msg.get("landing_pool"):  # mapped (and host-registered) while the prefill runs
+                    prefetch_pool(msg["landing_pool"], self.engine.pool.k.device)
         except ConfigError as exc:
             self._send({"op": "rejected", "request_id": rid, "field": exc.field, "error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a bad request must not take the worker down

@@ -135,7 +135,8 @@ class WorkerHandle:
 
     def submit(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, cached_estimate: int,
                *, export: dict | None = None) -> None:
-        """`export` ({"export_after", "segment"}): the prefill half of a split request."""
+        """`export` ({"export_after", "segment", "await_landing", "landing_pool"}): the
+        prefill half of a split request."""
         self._send_request(stream, InFlight(stream, len(prompt_ids), cached_estimate, params.max_tokens),
                            {"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
                             "prompt": stream.prompt, "params": params_to_wire(params), **(export or {})})

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from minivllm.errors import ConfigError, DeviceError
+from minivllm.kernels.triton.attend_split_mma import _attend_split_mma, mma_block_m
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 
 # Keys per split, one tile per split. A length in tokens, a multiple of the default
@@ -82,17 +83,26 @@ class SplitLaunch:
     # (the kernel's ADAPTIVE); off until a GPU sweep times it (scripts/attention_bench.py).
     # The engine's default launch takes it under MINIVLLM_ADAPTIVE_HEADS=1 (`default_launch`).
     adaptive_heads: bool = False
+    # The group's products on tensor cores (attend_split_mma.py): f16 queries and caches on
+    # a profile with tensor_core_dot only, else ignored. Other bits than the default body's.
+    mma: bool = False
 
 
 ADAPTIVE_HEADS_ENV = "MINIVLLM_ADAPTIVE_HEADS"
+MMA_ENV = "MINIVLLM_ATTENTION_MMA"
 
 
 def default_launch() -> SplitLaunch:
     """The engine's launch: the defaults, with adaptive heads where MINIVLLM_ADAPTIVE_HEADS=1
-    asks for them (read per call, so a CUDA graph keeps what it captured). Opt-in: a row's
-    bits then follow the batch unless one head a program gives a head the group launch's
-    bits on this GPU, which `attention_bench --sweep` reports (bits_equal_all_heads)."""
-    return SplitLaunch(adaptive_heads=os.environ.get(ADAPTIVE_HEADS_ENV, "0").strip() == "1")
+    asks for them and the tensor-core body where MINIVLLM_ATTENTION_MMA=1 does (read per
+    call, so a CUDA graph keeps what it captured). Both opt-in: adaptive heads make a row's
+    bits follow the batch unless one head a program gives a head the group launch's bits
+    on this GPU, which `attention_bench --sweep` reports (bits_equal_all_heads); both lost
+    or are untimed in the engine (benchmarks/results/h100-s48-vs-llama-cpp.md)."""
+    def on(name: str) -> bool:
+        return os.environ.get(name, "0").strip() == "1"
+
+    return SplitLaunch(adaptive_heads=on(ADAPTIVE_HEADS_ENV), mma=on(MMA_ENV))
 
 
 @triton.jit
@@ -104,7 +114,7 @@ def _paged_attention_split_kernel(
     stride_table, n_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
-    HPP: tl.constexpr = 0, ADAPTIVE: tl.constexpr = False,
+    HPP: tl.constexpr = 0, ADAPTIVE: tl.constexpr = False, MMA: tl.constexpr = False,
 ):
     """HPP: query heads per program (a divisor of GROUP; 0: all GROUP of the KV head).
     Each head's arithmetic is the same either way; fewer heads a program means more
@@ -136,10 +146,16 @@ def _paged_attention_split_kernel(
         # Pipelined (sm_80+: cp.async into shared memory): a program that walks several
         # splits (large batches) loads the next ones' K/V while it computes this one.
         for split in tl.range(first, used, tl.num_programs(2), num_stages=NUM_STAGES):
-            _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split,
-                          n_heads, n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh,
-                          stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                          GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, SPLIT, HEADS)
+            if MMA:  # BLOCK_G is then the group padded to tl.dot's 16 rows
+                _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split,
+                                  n_heads, n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks,
+                                  stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                  GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, SPLIT, HEADS)
+            else:
+                _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split,
+                              n_heads, n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh,
+                              stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                              GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, SPLIT, HEADS)
 
 
 @triton.jit
@@ -268,18 +284,21 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if group % heads:
         raise ConfigError("heads_per_program", heads, f"must divide the {group} query heads of a KV head")
     head_programs = kvh * (group // heads)
+    mma = launch.mma and heads > 1 and _mma_allowed(q, k_pages, v_pages)
     programs = split_programs(t * head_programs, n_splits, _sm_count(q.device) * launch.programs_per_sm)
     part = torch.empty((t, h, n_splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((t, h, n_splits, 2), dtype=torch.float32, device=q.device)
     _paged_attention_split_kernel[(t, head_programs, programs)](
         q, k_pages, v_pages, part, ml, block_tables, row_seq, row_pos, float(d ** -0.5 if scale is None else scale),
         *q.stride(), *k_pages.stride(), *v_pages.stride(), block_tables.stride(0), n_splits,
-        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(heads),
+        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_G=mma_block_m(heads) if mma else triton.next_power_of_2(heads),
         BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
         num_warps=launch.num_warps or split_warps(split, block_d),
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}), **pdl_args(q.device),
         **({} if heads == group else {"HPP": heads}),
         **({"ADAPTIVE": True} if launch.adaptive_heads and heads == group and group > 1 else {}),
+        **({"MMA": True} if mma else {}),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
@@ -314,6 +333,18 @@ def merge_chunk(block_d: int) -> int:
     """Splits merged per trip of the merge kernel: a function of the model's head_dim
     only (the merge's summation order follows it), at most _MERGE_TILE floats a trip."""
     return max(16, min(128, _MERGE_TILE // block_d))
+
+
+def _mma_allowed(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    """The tensor-core body's conditions (attend_split_mma.py): f16 throughout, and a GPU
+    profile that allows tl.dot (the interpreter, on a CPU, runs it for the tests)."""
+    if not q.dtype == k_pages.dtype == v_pages.dtype == torch.float16:
+        return False
+    if q.device.type != "cuda":
+        return True
+    from minivllm.kernels.gpu_profile import gpu_profile
+
+    return gpu_profile(q.device).tensor_core_dot
 
 
 _SM_COUNTS: dict[torch.device, int] = {}

@@ -150,3 +150,37 @@ def test_the_pool_maps_back_through_proc_and_a_gone_owner_is_refused(llm):
     desc = dict(b.pool.shared.describe(), inode=0)  # an fd that now names another file
     with pytest.raises(FileNotFoundError, match="gone"):
         attach(desc)
+
+
+def test_a_prefetch_maps_the_pool_once_in_the_background(llm, monkeypatch):
+    """`prefetch` (what the prefill worker does at a split request's submit): the pool is
+    mapped by one background thread however often it is asked, the writer's `attach`
+    then finds that mapping (the same tensors), and a prefetch of a gone pool leaves
+    nothing behind for `attach` to return."""
+    import threading
+
+    from minivllm.cache import shared_pool_memory as spm
+
+    forget_all()
+    b = engine(llm, kv_shareable=True)
+    desc = b.pool.shared.describe()
+    made, release = [], threading.Event()
+    real = spm._Attached
+
+    def slow(*args):  # a registration that takes a while: every prefetch meanwhile is a no-op
+        release.wait(5)
+        made.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(spm, "_Attached", slow)
+    for _ in range(3):
+        spm.prefetch(desc)
+    release.set()
+    k, _ = attach(desc)  # waits for the prefetch's mapping instead of making another
+    assert made == [1] and k.data_ptr() == attach(desc)[0].data_ptr()
+    assert not spm._prefetching
+    spm.prefetch(dict(desc, inode=0))  # gone: the thread ends, nothing is cached
+    for t in [t for t in threading.enumerate() if t.name == "kv-pool-prefetch"]:
+        t.join(5)
+    assert not spm._prefetching and spm._key(dict(desc, inode=0)) not in spm._attached
+    forget_all()

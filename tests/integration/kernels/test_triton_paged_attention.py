@@ -344,6 +344,44 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
                        paged_attention(q, k, v, tables, seq, pos))
 
 
+def _f16_ulps(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Largest |x - y| in f16 spacings at the larger magnitude (normal range)."""
+    x, y = x.float(), y.float()
+    return float(((x - y).abs() / (torch.finfo(torch.float16).eps * torch.maximum(x.abs(), y.abs())
+                                   .clamp_min(2 ** -14))).max())
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
+def test_tensor_core_body_keeps_float32_precision(device, heads, kv_heads, head_dim, monkeypatch):
+    """`SplitLaunch(mma=True)` (attend_split_mma.py), f16 queries and caches: each output
+    within 2 f16 spacings of float64 attention, as the default body is (float32 math, then
+    the output's f16 rounding; the MMA's sequential float32 sums over head_dim err a little
+    more than `tl.sum`'s tree, measured 1.6 spacings at most; dropping p's low half, the
+    f16 shortcut, puts hundreds of spacings there). Where the GPU profile forbids
+    tl.dot (the T4 profile), the option is ignored: the default body's bits. Also the
+    engine's switch, MINIVLLM_ATTENTION_MMA=1."""
+    seq_lens = [150, 70, 16, 129, 1]
+    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
+                                       device=device, seed=11 + head_dim, head_dim=head_dim, width=24)
+    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (1, 63), (1, 64)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(9)).to(device).half()
+    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    default = paged_attention(q, k, v, tables, seq, pos)
+    mma = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(mma=True))
+    if device.type == "cuda" and not gpu_profile(device).tensor_core_dot:
+        assert torch.equal(mma, default)
+        return
+    for i, (s, p) in enumerate(rows):
+        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        exact = _plain_attention(q[i].double(), ks, vs)
+        assert _f16_ulps(default[i], exact) <= 2.0 and _f16_ulps(mma[i], exact) <= 2.0, i
+    monkeypatch.setenv(pa.MMA_ENV, "1")
+    assert pa.default_launch() == pa.SplitLaunch(mma=True)
+    assert torch.equal(paged_attention(q, k, v, tables, seq, pos), mma)
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
     """7B shape, f16 cache, graph-wide tables: each decode row gives the same bits alone
@@ -389,11 +427,18 @@ for cc in (75, 90):
             sig[n] = "i32"
         const = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "GROUP": g, "HEAD_DIM": d, "PAGE_SIZE": 16,
                  "BLOCK_G": triton.next_power_of_2(g), "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS,
-                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90, "HPP": 0, "ADAPTIVE": g > 1}
+                 "NUM_STAGES": pa.SplitLaunch().num_stages, "PDL": cc >= 90, "HPP": 0, "ADAPTIVE": g > 1,
+                 "MMA": False}
         sig.update({k: "constexpr" for k in const})
         k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
                            options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
         out[f"sm{cc}/split/{cache}/{g}x{d}"] = k.asm["ptx"]
+        if cc >= 80 and cache == "*fp16" and g > 1:  # the opt-in tensor-core body: f16 queries too
+            sig["q_ptr"] = "*fp16"
+            const.update({"MMA": True, "ADAPTIVE": False, "BLOCK_G": 16})
+            k = triton.compile(ASTSource(pa._paged_attention_split_kernel, sig, const, attrs=attrs), target=target,
+                               options={"num_warps": pa.split_warps(pa.SPLIT_TOKENS, d)})
+            out[f"sm{cc}/split-mma/{cache}/{g}x{d}"] = k.asm["ptx"]
         sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32",
                "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
         const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(d), "PDL": cc >= 90}
@@ -413,7 +458,8 @@ print(json.dumps({key: {"target": f".target sm_{key[2:4]}" in p, "bf16": "bf16" 
 
 def test_kernels_compile_for_t4_sm75_and_h100_sm90_without_bf16_or_mma():
     """Both flash-decoding kernels compile to sm_75 PTX (a Kaggle T4) and sm_90 (H100)
-    with no bf16 and no tensor-core instructions, and the split kernel reads K/V with
+    with no bf16 and no tensor-core instructions (but for the opt-in tensor-core body,
+    compiled for sm_90 only, which must have them), and the split kernel reads K/V with
     128-bit loads (sm_90: cp.async into its pipeline's shared memory); the real compiler
     in a subprocess, no GPU needed."""
     import json
@@ -424,9 +470,9 @@ def test_kernels_compile_for_t4_sm75_and_h100_sm90_without_bf16_or_mma():
     proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 10
+    assert len(result) == 11
     for key, r in result.items():
-        assert r["target"] and not r["bf16"] and not r["mma"], (key, r)
+        assert r["target"] and not r["bf16"] and r["mma"] == ("split-mma" in key), (key, r)
         assert r["gdc"] == key.startswith("sm90"), key  # compiled with PDL on for sm_90 only
         if "/split/" in key:
             assert r["vector_loads"], key
