@@ -228,6 +228,8 @@ def summarize_case(case: dict, runs: list[dict]) -> dict:
     row.update(kv_bytes=splits[0]["kv_bytes"], transfer_ms=transfer_ms,
                transport="/".join(sorted({str(r.get("transport")) for r in splits})),
                copy_mb_per_s=statistics.median(r["copy_mb_per_s"] for r in splits if r["copy_mb_per_s"]),
+               write_ms=statistics.median(r["write_ms"] for r in splits),
+               attach_ms=[r.get("attach_ms") for r in splits],  # each split's wait for the mapping (landing)
                a_ms_per_token=a_tpot, b_ms_per_token=b_tpot, advantage_ms_per_token=a_tpot - b_tpot,
                break_even_ms_per_token=transfer_ms / n)
     row["formula_says_split_pays"] = row["advantage_ms_per_token"] > row["break_even_ms_per_token"]
@@ -341,10 +343,11 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
             print(f"disaggregation prompt={length} n={n} backlog={backlog_n} cached on A={row['cached_on_a']}: "
                   + ", ".join(f"{m} {row[f'{m}_e2e_s_median']:.3f} s" for m in MODES)
                   + f"; fastest {row['fastest']}, router {row['router_pick']}, transfer "
-                  f"{row['transfer_ms']:.1f} ms for {row['kv_bytes'] / 1e6:.1f} MB", flush=True)
+                  f"{row['transfer_ms']:.1f} ms for {row['kv_bytes'] / 1e6:.1f} MB ({row['transport']}; write "
+                  f"{row['write_ms']:.1f} ms, mapping waits {row['attach_ms']} ms)", flush=True)
         link_end = cluster.snapshot()["splits"]["link"]
         sha = sha256_file(Path(cluster.model_path))
-        a_device = next(w for w in cluster.snapshot()["workers"] if w["name"] == a)["info"].get("device") or "cpu"
+        a_device = next(w["device"] for w in workers if w["name"] == a)  # the spec ("cuda:0"), not its description
     biggest = max(rows, key=lambda r: r["kv_bytes"])
     plain = plain_copy_mb_per_s(biggest["kv_bytes"], a_device)
     link = {"bytes": biggest["kv_bytes"], "from_device": a_device, "handoff_copy_mb_per_s": biggest["copy_mb_per_s"],

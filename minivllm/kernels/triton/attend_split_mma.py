@@ -3,25 +3,27 @@
 The default split body (`paged_attention._attend_split`) walks the group's query heads
 one by one, each a (keys × head_dim) product reduced with `tl.sum`: a serial chain of
 FMAs and cross-thread reductions per head. On an H100 that compute, not the K/V bytes,
-is most of a batch-1 decode's attention time (7B: one query head a program takes 9.9 µs
-a layer against 16.8 for all seven; benchmarks/results/h100-s48-run1-attention-sweep).
-Here the group is one matrix, padded to 16 rows, and both products are `tl.dot`.
+is most of a batch-1 decode's attention time (7B, 512 keys: 17.1 µs a layer; one query
+head a program 9.96; benchmarks/results/h100-s48-run1-attention-sweep.json). Here the
+group is one matrix, padded to 16 rows, and both products are `tl.dot` on f16 pieces.
 
-Precision (the user asked for float32 attention math on f16 K/V):
-- q · Kᵀ: q and K are f16; a product of two f16 is exact in float32 and the MMA
-  accumulates in float32. The softmax scale is applied to the float32 scores (the default
-  body scales q in float32 first: a different rounding, the same precision).
-- p · V: p is float32 in (0, 1]. It is split into p_hi = f16(p) and p_lo = f16((p - p_hi)
-  · 2¹¹), two f16 MMAs accumulating in float32 (p_lo's product scaled back by 2⁻¹¹, exact),
-  so every weight carries about 22 of its 24 bits, down to weights of 2⁻²⁴ (the scaling
-  keeps p_lo out of f16's subnormals). No f16 rounding of p alone, which is the shortcut
-  flash attention takes and which would be a lower precision than asked for.
+Precision: the same float32 operands as the default body, exactly.
+- K and V are f16 (the body is only chosen for f16 caches); a product of two f16 is exact
+  in float32, and the MMA accumulates in float32.
+- The scaled queries q · scale (float32, as the default body rounds them) and the
+  softmax weights p (float32 in (0, 1]) are each cut into three f16 pieces, x = hi +
+  mid · 2⁻¹¹ + lo · 2⁻²² (33 bits: every bit of a float32 mantissa). The queries are
+  first scaled by a power of two to below 2 in magnitude, so the pieces stay in f16's
+  range; all these scalings are exact. A weight below 2⁻²⁴ of the split's max loses bits
+  to f16's subnormals: an error under 2⁻⁴⁷ of the max, far below float32's own rounding.
+- What differs from the default body is the summation order (the MMA's float32 sums),
+  so the bits differ and one engine keeps one choice; a row's bits still depend only on
+  the row. Not the f16 rounding of p that flash attention takes, which would be a lower
+  precision than asked for.
 
-Only for f16 queries and caches on GPUs whose profile allows `tl.dot` (sm_80+; never the
-T4 profile), and only when a launch asks for it (`SplitLaunch(mma=True)`, or
-MINIVLLM_ATTENTION_MMA=1 for the engine) until a GPU run shows it wins. Bits differ from
-the default body's (another summation order), so one engine keeps one choice; a row's
-bits still depend only on the row.
+Only for f16 caches on GPUs whose profile allows `tl.dot` (sm_80+; never the T4 profile),
+and only when a launch asks for it (`SplitLaunch(mma=True)`, or MINIVLLM_ATTENTION_MMA=1
+for the engine) until a GPU run shows it wins in the engine.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import triton.language as tl
 
 # tl.dot's smallest M: the group's query heads are padded to this many rows.
 MMA_ROWS = 16
-# p's low half is scaled by 2^11 (f16's mantissa) before its f16 rounding.
-LO_SCALE: tl.constexpr = tl.constexpr(2048.0)
+# One f16 piece's bits: each piece is the remainder of the ones before, scaled up by 2^11.
+PIECE: tl.constexpr = tl.constexpr(2048.0)
 
 
 @triton.jit
@@ -60,21 +62,36 @@ def _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, 
     v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
     heads = kv_head * GROUP + g0 + offs_m
     q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # (M, D) f16; padding rows 0
-    scores = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale  # (M, SPLIT): exact products, f32 sums
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # (M, D); padding rows 0
+    q = q.to(tl.float32) * scale  # as the default body rounds it
+    # A power of two 2^-e with |q| · 2^-e < 2, built from q's largest exponent (exact; no
+    # exp2/log2 approximations): the pieces below stay inside f16's range.
+    q_max = tl.max(tl.max(tl.abs(q), axis=1), axis=0)
+    e = tl.minimum((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 253)  # biased exponent
+    down = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e)
+    up = (e << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); e = 0 (q all 0): 0, and so are the scores
+    scores = _dot3(q * down, tl.trans(k)) * up  # (M, SPLIT): q·Kᵀ of the float32 q, float32 sums
     scores = tl.where(k_mask[None, :], scores, float("-inf"))
     m = tl.max(scores, axis=1)  # (M,) finite: the split's first key is <= pos
     p = tl.exp(scores - m[:, None])
-    p_hi = p.to(tl.float16)
-    # The remainder scaled by 2^11 (exact) into f16's normal range: unscaled, a weight
-    # below 0.25 would leave its low half subnormal, and below 6e-8 nothing at all.
-    p_lo = ((p - p_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
-    acc = tl.dot(p_hi, v, out_dtype=tl.float32)
-    acc += tl.dot(p_lo, v, out_dtype=tl.float32) * (1.0 / LO_SCALE)  # (M, D): p · V, p's low bits too
+    acc = _dot3(p, v)  # (M, D): p · V of the float32 p
     part = (row64 * n_heads + heads) * n_splits + split
     tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_mask[:, None])
     tl.store(ml_ptr + part * 2, m, mask=m_mask)
     tl.store(ml_ptr + part * 2 + 1, tl.sum(p, axis=1), mask=m_mask)
+
+
+@triton.jit
+def _dot3(x, b):
+    """x (float32, |x| < 2) times b (f16) on tensor cores, x cut into three f16 pieces
+    (hi + mid / 2^11 + lo / 2^22, exact) and the three products summed smallest first."""
+    hi = x.to(tl.float16)
+    r = (x - hi.to(tl.float32)) * PIECE
+    mid = r.to(tl.float16)
+    lo = ((r - mid.to(tl.float32)) * PIECE).to(tl.float16)
+    acc = tl.dot(lo, b, out_dtype=tl.float32) * (1.0 / PIECE)
+    acc = (acc + tl.dot(mid, b, out_dtype=tl.float32)) * (1.0 / PIECE)
+    return acc + tl.dot(hi, b, out_dtype=tl.float32)
 
 
 def mma_block_m(heads: int) -> int:

@@ -83,8 +83,8 @@ class SplitLaunch:
     # (the kernel's ADAPTIVE); off until a GPU sweep times it (scripts/attention_bench.py).
     # The engine's default launch takes it under MINIVLLM_ADAPTIVE_HEADS=1 (`default_launch`).
     adaptive_heads: bool = False
-    # The group's products on tensor cores (attend_split_mma.py): f16 queries and caches on
-    # a profile with tensor_core_dot only, else ignored. Other bits than the default body's.
+    # The group's products on tensor cores (attend_split_mma.py): f16 caches on a profile
+    # with tensor_core_dot only, else ignored. Other bits than the default body's.
     mma: bool = False
 
 
@@ -336,9 +336,10 @@ def merge_chunk(block_d: int) -> int:
 
 
 def _mma_allowed(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
-    """The tensor-core body's conditions (attend_split_mma.py): f16 throughout, and a GPU
-    profile that allows tl.dot (the interpreter, on a CPU, runs it for the tests)."""
-    if not q.dtype == k_pages.dtype == v_pages.dtype == torch.float16:
+    """The tensor-core body's conditions (attend_split_mma.py): f16 caches (queries f16 or
+    float32), and a GPU profile that allows tl.dot (the interpreter, on a CPU, runs it for
+    the tests)."""
+    if not k_pages.dtype == v_pages.dtype == torch.float16 or q.dtype not in (torch.float16, torch.float32):
         return False
     if q.device.type != "cuda":
         return True
