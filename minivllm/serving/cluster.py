@@ -199,6 +199,7 @@ class Cluster:
             self.stop()
             raise WorkerStartError(f"{len(failed)} of {len(self.workers)} workers did not start: {message}")
         self.splits.measure_link(self.backend, len(self.workers))
+        self.splits.share_pools(self.backend, list(self.workers.values()))
         self.started = True
         return self
 
@@ -279,6 +280,7 @@ class Cluster:
                 f"worker {name} did not restart: "
                 f"{handle.error or 'not ready after ' + str(self.ready_timeout_s) + ' s'}"
             )
+        self.splits.share_pools(self.backend, list(self.workers.values()))
 
     def set_router(self, policy: str) -> None:
         """Switch the routing policy; later requests use it (decisions so far are kept)."""

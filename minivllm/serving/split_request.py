@@ -115,6 +115,19 @@ class SplitRequests:
         if backend == "local" and workers > 1:
             self.link = measure_shared_memory_link(repeats=2)
 
+    def share_pools(self, backend: str, handles: list) -> None:
+        """Each local worker maps its peers' mappable KV pools now, in the background (a GPU
+        worker host-registers them too), so a split's first write into a peer's pages does
+        not wait for that: pinning a pool of gigabytes takes a good part of a second. Called
+        at start-up and after a worker is replaced (the others learn its new pool)."""
+        if backend != "local":
+            return
+        pools = {h.name: (h.info or {}).get("kv_landing") for h in handles if h.healthy}
+        for h in handles:
+            peers = [pool for name, pool in pools.items() if pool and name != h.name]
+            if peers and h.healthy:
+                h.prefetch_pools(peers)
+
     def pricing(self, params: SamplingParams, handles: list, backend: str) -> SplitPricing | None:
         """The router's split inputs (used under router="cost+split"), or None where no split
         may be priced: another backend, a request that cannot move, fewer than two workers

@@ -232,6 +232,9 @@ class Worker:
         elif op == "landing" and msg["request_id"] in self.exports:
             export = self.exports[msg["request_id"]]
             export["landing"], export["await_landing"] = msg["landing"], False  # None: through the segment
+        elif op == "prefetch_pools":  # peers' pools, mapped in the background (split requests)
+            for pool in msg["pools"]:
+                prefetch_pool(pool, self.engine.pool.k.device)
         elif op == "snapshot":
             self._send({"op": "reply", "qid": msg["qid"], "result": self.engine.snapshot()})
         elif op == "shutdown":

@@ -170,6 +170,11 @@ class WorkerHandle:
         through a segment then)."""
         self._send_control({"op": "landing", "request_id": request_id, "landing": landing})
 
+    def prefetch_pools(self, pools: list[dict]) -> None:
+        """Have this worker map (and on a GPU host-register) its peers' KV pools in the
+        background, ahead of the split requests that will write into them."""
+        self._send_control({"op": "prefetch_pools", "pools": pools})
+
     def _send_control(self, msg: dict) -> bool:
         if not self.healthy:
             return False

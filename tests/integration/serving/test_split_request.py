@@ -307,3 +307,28 @@ def test_both_workers_trace_the_handoff_through_a_segment(smollm2_path, tmp_path
     assert [(e["name"], e["args"]["request"]) for e in events[A]] == [("handoff export", rid)]
     assert [(e["name"], e["args"]["request"]) for e in events[B]] == [("handoff import", rid)]
     assert all(e["dur"] > 0 for e in events[A] + events[B])
+
+
+def _mapped_inodes(pid: int) -> set[int]:
+    """Inodes of the files process `pid` has mapped (the 5th field of /proc/PID/maps)."""
+    return {int(line.split()[4]) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if len(line.split()) > 5}
+
+
+def test_workers_map_each_others_pools_at_start_and_after_a_restart(smollm2_path, tmp_path):
+    """Before any split request, each worker has mapped its peer's KV pool (seen in its own
+    /proc/PID/maps by the pool's inode), so a first split does not wait for the mapping
+    (nor, from a GPU worker, for the host registration of the whole pool); after B is
+    replaced, A maps B's new pool."""
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], router="round-robin", max_model_len=256,
+                 max_worker_restarts=0) as cluster:
+        def maps_peer(name: str, peer: str) -> bool:
+            inode = cluster.workers[peer].info["kv_landing"]["inode"]
+            return inode in _mapped_inodes(cluster.workers[name].transport.pid)
+
+        wait_for(lambda: maps_peer(A, B) and maps_peer(B, A), 10, "each worker mapping the other's pool")
+        assert cluster.snapshot()["splits"]["counters"]["started"] == 0
+        old = cluster.workers[B].info["kv_landing"]["inode"]
+        cluster.restart_worker(B)
+        assert cluster.workers[B].info["kv_landing"]["inode"] != old
+        wait_for(lambda: maps_peer(A, B) and maps_peer(B, A), 10, "A mapping B's new pool, B mapping A's")
