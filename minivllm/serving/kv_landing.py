@@ -44,12 +44,22 @@ def handoff_to_landing(handoff: Handoff, landing: dict) -> dict:
     ps, dst_ps = span.pool.page_size, int(landing["page_size"])
     have, pages = int(landing["have"]), [int(p) for p in landing["pages"]]
     blocks = min(have + len(pages), span.n_tokens // dst_ps)
-    if ps == dst_ps:  # page to page, in runs of consecutive pages on both sides
+    if blocks <= have:
+        pass
+    elif ps == dst_ps and src_k.device.type == "cuda":
+        # Gathered on the GPU in the importer's dtype (one launch each, whatever the page
+        # order), then one DMA per run of consecutive destination pages and layer.
+        idx = torch.tensor(span.pages[have:blocks], dtype=torch.long, device=src_k.device)
+        gk, gv = src_k.index_select(1, idx).to(dst_k.dtype), src_v.index_select(1, idx).to(dst_v.dtype)
+        for src, dst, n in _runs([(j, pages[j]) for j in range(blocks - have)]):
+            _copy(dst_k, gk[:, src:src + n], dst, n)
+            _copy(dst_v, gv[:, src:src + n], dst, n)
+    elif ps == dst_ps:  # page to page, in runs of consecutive pages on both sides
         pairs = [(span.pages[j], pages[j - have]) for j in range(have, blocks)]
         for src, dst, n in _runs(pairs):
             _copy(dst_k, src_k[:, src:src + n], dst, n)
             _copy(dst_v, src_v[:, src:src + n], dst, n)
-    elif blocks > have:  # other page sizes: the tokens gathered first, then cut into the importer's pages
+    else:  # other page sizes: the tokens gathered first, then cut into the importer's pages
         kv = span.blocks()
         shape = (kv.k.shape[0], -1, dst_ps, *kv.k.shape[2:])
         gk, gv = kv.k[:, :blocks * dst_ps].reshape(shape), kv.v[:, :blocks * dst_ps].reshape(shape)
@@ -87,7 +97,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, start: int, n: int) -> None:
     if src.device.type == "cpu":
         dst[:, start:start + n].copy_(src)  # one strided copy, converting the dtype on the way
         return
-    # From a GPU: convert there, then one DMA per layer (each a contiguous range of the pool).
+    # From a GPU: convert there (a no-op when gathered so already), then one DMA per layer
+    # (each a contiguous range of the pool; the pool is host-registered, so asynchronous).
     src = src.to(dst.dtype).contiguous()
     for layer in range(src.shape[0]):
         dst[layer, start:start + n].copy_(src[layer], non_blocking=True)
