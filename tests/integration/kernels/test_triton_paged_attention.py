@@ -12,67 +12,22 @@ import os
 
 import pytest
 import torch
+from paged_attention_cases import HEAD_DIM, MODEL_SHAPES, kernel_device, plain_attention, scattered_pages, sequence_kv
 from triton_devices import DEVICES, INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
-
-# isort: split
-import triton  # noqa: E402 (after TRITON_INTERPRET is set: this file jits a kernel of its own)
-import triton.language as tl  # noqa: E402
 
 from minivllm.errors import ConfigError, DeviceError  # noqa: E402
 from minivllm.kernels.attention import causal_attention  # noqa: E402
 from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402 (the T4 profile decides as a T4 would)
 from minivllm.kernels.triton import paged_attention as pa  # noqa: E402
-from minivllm.kernels.triton.attend_split_mma import _dot3  # noqa: E402
 from minivllm.kernels.triton.paged_attention import paged_attention  # noqa: E402
 
 # (n_heads, n_kv_heads) of SmolLM2-135M and Qwen2.5-0.5B.
 GQA_SHAPES = [(9, 3), (14, 2)]
-HEAD_DIM = 64
 
 
 @pytest.fixture
 def device(request) -> torch.device:
-    name = request.param
-    if name == "cuda" and INTERPRETED:
-        pytest.fail("TRITON_INTERPRET=1 was set before the kernel was imported, so this CUDA test would run the "
-                    "interpreter instead of the compiled kernel; run this file on its own without TRITON_INTERPRET")
-    return torch.device(name)
-
-
-def _batch(*, seq_lens: list[int], page_size: int, kvh: int, dtype: torch.dtype, device, seed: int,
-           head_dim: int = HEAD_DIM, width: int | None = None):
-    """Random K/V pages and block tables whose pages are scattered and out of order
-    (a permutation of the pool), padded with a junk page id to `width` pages (default:
-    one more than the longest table; a CUDA graph's tables are max_model_len wide)."""
-    gen = torch.Generator().manual_seed(seed)
-    n_pages = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(n_pages) + 3  # a few pages nobody owns
-    k = torch.randn(num_pages, page_size, kvh, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_pages, page_size, kvh, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    tables, used = [], 0
-    for n in n_pages:
-        tables.append(order[used:used + n])
-        used += n
-    width = width or max(n_pages) + 1
-    padded = [t + [order[-1]] * (width - len(t)) for t in tables]
-    block_tables = torch.tensor(padded, dtype=torch.int32)
-    return k.to(device), v.to(device), block_tables.to(device), tables
-
-
-def _sequence_kv(pages: torch.Tensor, table: list[int], n: int) -> torch.Tensor:
-    """A sequence's first n keys gathered in order, through plain torch indexing."""
-    return pages[torch.tensor(table, device=pages.device)].reshape(-1, *pages.shape[2:])[:n]
-
-
-def _plain_attention(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """float64 softmax(q kᵀ / √d) v for one query row (H, D) over all of k/v (S, KVH, D)."""
-    h, d = q_row.shape
-    g = h // k.shape[1]
-    k64 = k.double().repeat_interleave(g, dim=1).transpose(0, 1)  # (H, S, D)
-    v64 = v.double().repeat_interleave(g, dim=1).transpose(0, 1)
-    scores = torch.einsum("hd,hsd->hs", q_row.double(), k64) / d ** 0.5
-    return torch.einsum("hs,hsd->hd", torch.softmax(scores, dim=-1), v64)
+    return kernel_device(request.param)
 
 
 def _mixed_rows(seq_lens: list[int]) -> tuple[list[int], list[int]]:
@@ -90,7 +45,7 @@ def _mixed_rows(seq_lens: list[int]) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("heads,kv_heads", GQA_SHAPES)
 def test_mixed_batch_matches_references(device, page_size, heads, kv_heads):
     seq_lens = [37, 70, 16]  # 16: a sequence that exactly fills its page
-    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=page_size, kvh=kv_heads,
+    k, v, tables, table_lists = scattered_pages(seq_lens=seq_lens, page_size=page_size, kvh=kv_heads,
                                        dtype=torch.float32, device=device, seed=page_size + heads)
     row_seq, row_pos = _mixed_rows(seq_lens)
     q = torch.randn(len(row_seq), heads, HEAD_DIM, generator=torch.Generator().manual_seed(7)).to(device)
@@ -98,13 +53,13 @@ def test_mixed_batch_matches_references(device, page_size, heads, kv_heads):
                           torch.tensor(row_pos, dtype=torch.int32, device=device))
     assert out.shape == q.shape and out.dtype == torch.float32
     for i, (s, p) in enumerate(zip(row_seq, row_pos)):
-        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+        ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
         torch.testing.assert_close(out[i], causal_attention(q[i:i + 1], ks, vs, p)[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
     # The prefill chunk of sequence 1 as the engine's SDPA path sees it: one call, q_start = 64.
     chunk = [i for i, s in enumerate(row_seq) if s == 1]
     n1 = seq_lens[1]
-    ref = causal_attention(q[chunk], _sequence_kv(k, table_lists[1], n1), _sequence_kv(v, table_lists[1], n1), n1 - 6)
+    ref = causal_attention(q[chunk], sequence_kv(k, table_lists[1], n1), sequence_kv(v, table_lists[1], n1), n1 - 6)
     torch.testing.assert_close(out[chunk], ref, rtol=1e-5, atol=1e-5)
 
 
@@ -113,7 +68,8 @@ def test_rows_are_batch_invariant_bitwise(device):
     """A row's output is the same bits alone, in the full batch, and among other rows
     in another order: its reduction never depends on T or on its neighbours."""
     seq_lens = [37, 70, 16]
-    k, v, tables, _ = _batch(seq_lens=seq_lens, page_size=16, kvh=3, dtype=torch.float32, device=device, seed=3)
+    k, v, tables, _ = scattered_pages(
+        seq_lens=seq_lens, page_size=16, kvh=3, dtype=torch.float32, device=device, seed=3)
     row_seq, row_pos = _mixed_rows(seq_lens)
     q = torch.randn(len(row_seq), 9, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -136,7 +92,8 @@ def test_half_caches_and_half_queries(device, cache_dtype):
     if cache_dtype == torch.bfloat16 and device.type == "cuda" and gpu_profile(device).capability < (8, 0):
         pytest.skip("bf16 caches are refused below sm_80 (tested in test_bf16_refused_below_sm80)")
     seq_lens = [40, 23]
-    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=cache_dtype, device=device, seed=5)
+    k, v, tables, table_lists = scattered_pages(
+        seq_lens=seq_lens, page_size=16, kvh=2, dtype=cache_dtype, device=device, seed=5)
     row_seq, row_pos = [0, 1, 1], [39, 22, 10]
     q = torch.randn(3, 14, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(device)
     seq = torch.tensor(row_seq, dtype=torch.int32, device=device)
@@ -145,12 +102,12 @@ def test_half_caches_and_half_queries(device, cache_dtype):
     out16 = paged_attention(q.half(), k, v, tables, seq, pos)
     assert out16.dtype == torch.float16
     for i, (s, p) in enumerate(zip(row_seq, row_pos)):
-        ref = _plain_attention(q[i], _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1))
+        ref = plain_attention(q[i], sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1))
         torch.testing.assert_close(out32[i].double(), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(
             out16[i].double(),
-            _plain_attention(
-                q[i].half(), _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
+            plain_attention(
+                q[i].half(), sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
             ),
             rtol=2e-3,
             atol=2e-3,
@@ -159,13 +116,14 @@ def test_half_caches_and_half_queries(device, cache_dtype):
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_preallocated_output_is_filled(device):
-    k, v, tables, table_lists = _batch(seq_lens=[20], page_size=16, kvh=3, dtype=torch.float32, device=device, seed=9)
+    k, v, tables, table_lists = scattered_pages(
+        seq_lens=[20], page_size=16, kvh=3, dtype=torch.float32, device=device, seed=9)
     q = torch.randn(2, 9, HEAD_DIM, device=device)
     out = torch.full_like(q, float("nan"))
     result = paged_attention(q, k, v, tables, torch.zeros(2, dtype=torch.int32, device=device),
                              torch.tensor([19, 4], dtype=torch.int32, device=device), out=out)
     assert result.data_ptr() == out.data_ptr()
-    ref = _plain_attention(q[1], _sequence_kv(k, table_lists[0], 5), _sequence_kv(v, table_lists[0], 5))
+    ref = plain_attention(q[1], sequence_kv(k, table_lists[0], 5), sequence_kv(v, table_lists[0], 5))
     torch.testing.assert_close(out[1].double(), ref, rtol=1e-5, atol=1e-5)
     assert not out.isnan().any()
 
@@ -220,7 +178,7 @@ def test_replays_in_a_cuda_graph_with_refilled_metadata():
     if INTERPRETED:
         pytest.fail("TRITON_INTERPRET=1 is set: a CUDA graph needs the compiled kernel")
     device = torch.device("cuda")
-    k, v, tables, table_lists = _batch(
+    k, v, tables, table_lists = scattered_pages(
         seq_lens=[60, 33], page_size=16, kvh=3, dtype=torch.float16, device=device, seed=11
     )
     q = torch.randn(2, 9, HEAD_DIM, device=device)
@@ -238,7 +196,7 @@ def test_replays_in_a_cuda_graph_with_refilled_metadata():
         graph.replay()
         torch.cuda.synchronize()
         for i, (s, p) in enumerate(zip([0, 1], step_pos)):
-            ref = _plain_attention(q[i], _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1))
+            ref = plain_attention(q[i], sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1))
             torch.testing.assert_close(out[i].double(), ref, rtol=1e-3, atol=1e-3)
 
 
@@ -255,7 +213,8 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
         monkeypatch.setattr(pa, "_MERGE_TILE", 1024)  # 16 splits a merge trip: 300 keys take two
         assert pa.merge_chunk(HEAD_DIM) == 16
     seq_lens = [300, 45, 129]
-    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=2, dtype=torch.float32, device=device,
+    k, v, tables, table_lists = scattered_pages(
+        seq_lens=seq_lens, page_size=16, kvh=2, dtype=torch.float32, device=device,
                                        seed=17)
     row_seq = [0, 1, 2, 0, 2]
     row_pos = [299, 44, 128, 63, 64]  # split boundaries: the 64th and 65th keys
@@ -268,8 +227,8 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
 
     full = run(list(range(len(row_seq))))
     for i, (s, p) in enumerate(zip(row_seq, row_pos)):
-        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
-        torch.testing.assert_close(full[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+        ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(full[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
     for i in range(len(row_seq)):
         assert torch.equal(run([i])[0], full[i]), f"row {i} differs when run alone"
     # A narrower block table (fewer splits in the grid) gives the same bits for the short row.
@@ -280,7 +239,6 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
 
 
 # (n_heads, n_kv_heads, head_dim) of Qwen2.5-7B and Qwen2.5-0.5B: group 7.
-MODEL_SHAPES = [pytest.param(28, 4, 128, id="7B"), pytest.param(14, 2, 64, id="0.5B")]
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -294,7 +252,7 @@ def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim,
     against softmax attention in float64 over its sequence's dense keys; with a
     program per KV head (its 7 query heads) and a program per query head."""
     seq_lens = [150, 70, 16, 129, 1]
-    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=cache_dtype,
+    k, v, tables, table_lists = scattered_pages(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=cache_dtype,
                                        device=device, seed=heads + head_dim, head_dim=head_dim, width=24)
     rows = [(0, 149), (2, 15), (3, 128), (4, 0), (3, 63)] + [(1, p) for p in range(61, 67)]
     q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(4)).to(device)
@@ -307,8 +265,8 @@ def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim,
                             torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device),
                             launch=pa.SplitLaunch(heads_per_program=2))  # 2 does not divide 7
     for i, (s, p) in enumerate(rows):
-        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
-        torch.testing.assert_close(out[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+        ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(out[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -323,7 +281,7 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
     64-page table (16 splits of 64 keys), 2 programs a SM on 42 x kv_heads SMs: 14 programs
     per (row, KV head); a row is short when its splits x 7 <= 14: positions 0-127."""
     seq_lens = [150, 70, 16, 129, 1]
-    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
+    k, v, tables, table_lists = scattered_pages(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
                                        device=device, seed=7 + head_dim, head_dim=head_dim, width=64)
     rows = [(0, 149), (2, 15), (3, 128), (4, 0), (1, 63), (3, 127)]
     q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(8)).to(device)
@@ -337,8 +295,8 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
     per_head = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(heads_per_program=1))
     grouped = paged_attention(q, k, v, tables, seq, pos)
     for i, (s, p) in enumerate(rows):
-        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
-        torch.testing.assert_close(adaptive[i].double(), _plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+        ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(adaptive[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
         assert torch.equal(adaptive[i], per_head[i] if short[i] else grouped[i]), (i, short[i])
     monkeypatch.setenv(pa.ADAPTIVE_HEADS_ENV, "1")  # the engine's switch: its default launch becomes adaptive
     assert pa.default_launch() == pa.SplitLaunch(adaptive_heads=True)
@@ -349,76 +307,6 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
                        paged_attention(q, k, v, tables, seq, pos))
 
 
-def _f16_ulps(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Largest |x - y| in f16 spacings at the larger magnitude (normal range)."""
-    x, y = x.float(), y.float()
-    return float(((x - y).abs() / (torch.finfo(torch.float16).eps * torch.maximum(x.abs(), y.abs())
-                                   .clamp_min(2 ** -14))).max())
-
-
-@pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q-f32", "q-f16"])
-def test_tensor_core_body_keeps_float32_precision(device, heads, kv_heads, head_dim, q_dtype, monkeypatch):
-    """`SplitLaunch(mma=True)` (attend_split_mma.py), f16 caches: float32 queries (the
-    engine's, after RoPE) within the default body's tolerance of float64 attention, so
-    float32-grade (one f16 piece of q or p dropped: errors about 2^-11 relative, which
-    fail); f16 queries within 2 f16 spacings of float64 as the default body is (float32
-    math, then the output's f16 rounding). Float32 queries of 1e6 check the power-of-two
-    scaling that keeps the pieces in f16's range. Where the GPU profile forbids tl.dot (the T4
-    profile), the option is ignored: the default body's bits. Also the engine's switch,
-    MINIVLLM_ATTENTION_MMA=1."""
-    seq_lens = [150, 70, 16, 129, 1]
-    k, v, tables, table_lists = _batch(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
-                                       device=device, seed=11 + head_dim, head_dim=head_dim, width=24)
-    rows = [(0, 149), (2, 15), (3, 128), (4, 0), (1, 63), (1, 64)]
-    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(9)).to(device, q_dtype)
-    q[1] *= 1e6 if q_dtype == torch.float32 else 1e4  # f32: past f16's range even after the 1/sqrt(d)
-    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
-    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
-    default = paged_attention(q, k, v, tables, seq, pos)
-    mma = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(mma=True))
-    if device.type == "cuda" and not gpu_profile(device).tensor_core_dot:
-        assert torch.equal(mma, default)
-        return
-    assert torch.isfinite(mma).all()
-    for i, (s, p) in enumerate(rows):
-        ks, vs = _sequence_kv(k, table_lists[s], p + 1), _sequence_kv(v, table_lists[s], p + 1)
-        exact = _plain_attention(q[i].double(), ks, vs)
-        if q_dtype == torch.float32:
-            torch.testing.assert_close(mma[i].double(), exact, rtol=1e-5, atol=1e-5)
-        else:
-            assert _f16_ulps(default[i], exact) <= 2.0 and _f16_ulps(mma[i], exact) <= 2.0, i
-    monkeypatch.setenv(pa.MMA_ENV, "1")
-    assert pa.default_launch() == pa.SplitLaunch(mma=True)
-    assert torch.equal(paged_attention(q, k, v, tables, seq, pos), mma)
-
-
-@triton.jit
-def _times_identity(x_ptr, out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    x = tl.load(x_ptr + i[:, None] * N + i[None, :])
-    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0).to(tl.float16)
-    tl.store(out_ptr + i[:, None] * N + i[None, :], _dot3(x, eye))
-
-
-@pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_three_f16_pieces_carry_every_float32_bit(device):
-    """attend_split_mma._dot3 times an identity matrix gives back its float32 operand bit
-    for bit: hi + mid / 2^11 + lo / 2^22 is the float32 value exactly, full 24-bit
-    mantissas included (dropping lo loses the last bits, which this sees and the
-    attention tolerances cannot)."""
-    if device.type == "cuda" and not gpu_profile(device).tensor_core_dot:
-        pytest.skip("tl.dot: not on this profile (the body is never chosen here)")
-    gen = torch.Generator().manual_seed(3)
-    x = (torch.rand(16, 16, generator=gen, dtype=torch.float64) * 4 - 2).float()  # (-2, 2), all 24 bits
-    x[0, :4] = torch.tensor([1.9999999, -1.0000001, 2.0 ** -14 + 2.0 ** -37, 0.0])
-    x = x.to(device)
-    out = torch.empty_like(x)
-    _times_identity[(1,)](x, out, N=16)
-    assert torch.equal(out, x)
-
-
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
     """7B shape, f16 cache, graph-wide tables: each decode row gives the same bits alone
@@ -427,7 +315,8 @@ def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
     from minivllm.kernels.triton import paged_attention as pa
 
     seq_lens = [300, 5, 64, 65, 17, 128, 200, 1]
-    k, v, tables, _ = _batch(seq_lens=seq_lens, page_size=16, kvh=4, dtype=torch.float16, device=device, seed=21,
+    k, v, tables, _ = scattered_pages(
+        seq_lens=seq_lens, page_size=16, kvh=4, dtype=torch.float16, device=device, seed=21,
                              head_dim=128, width=24)
     q = torch.randn(8, 28, 128, generator=torch.Generator().manual_seed(22)).half().float().to(device)
     pos = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device=device)
