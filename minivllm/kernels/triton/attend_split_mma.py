@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from minivllm.kernels.triton.split_tile import load_split_kv
+
 # tl.dot's smallest M: the group's query heads are padded to this many rows.
 MMA_ROWS = 16
 # One f16 piece's bits: each piece is the remainder of the ones before, scaled up by 2^11.
@@ -46,20 +48,13 @@ def _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, 
     """As `_attend_split`: stores the split's unnormalised p · V, max and sum for heads
     g0..g0+HEADS-1 of `kv_head`'s group, computed as (BLOCK_M × keys) matrices."""
     row64 = row.to(tl.int64)
-    kv_head64 = kv_head.to(tl.int64)
-    offs_n = tl.arange(0, SPLIT)
     offs_d = tl.arange(0, BLOCK_D)
     offs_m = tl.arange(0, BLOCK_M)
     d_mask = offs_d < HEAD_DIM
     m_mask = offs_m < HEADS
-    keys = split * SPLIT + offs_n
-    k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
-    page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
-    row_k = page * stride_kp + (keys % PAGE_SIZE) * stride_ks + kv_head64 * stride_kh
-    row_v = page * stride_vp + (keys % PAGE_SIZE) * stride_vs + kv_head64 * stride_vh
-    kv_mask = k_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + row_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (SPLIT, D) f16
-    v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k, v, k_mask = load_split_kv(k_ptr, v_ptr, table, pos, kv_head, split, stride_kp, stride_ks, stride_kh,
+                                 stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                 HEAD_DIM, PAGE_SIZE, BLOCK_D, SPLIT)  # (SPLIT, D) f16
     heads = kv_head * GROUP + g0 + offs_m
     q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # (M, D); padding rows 0

@@ -49,6 +49,7 @@ import triton.language as tl
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.triton.attend_split_mma import _attend_split_mma, mma_block_m
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
+from minivllm.kernels.triton.split_tile import load_split_kv
 
 # Keys per split, one tile per split. A length in tokens, a multiple of the default
 # page size (16): a split reads whole pages. 64 keys × 128 dims is 16 KB of f16 K (and
@@ -166,22 +167,14 @@ def _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos,
                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr):
     """One split's partial attention for heads g0..g0+HEADS-1 of `kv_head`'s group: its
     (unnormalised p · V, max, sum) stored for the merge."""
-    # 64-bit offsets: a large pool (pages × page stride) overflows int32.
-    row64 = row.to(tl.int64)
-    kv_head64 = kv_head.to(tl.int64)
-    offs_n = tl.arange(0, SPLIT)
+    row64 = row.to(tl.int64)  # 64-bit offsets, as in the tile's load
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
     d_mask = offs_d < HEAD_DIM
     g_mask = offs_g < HEADS
-    keys = split * SPLIT + offs_n
-    k_mask = keys <= pos  # the split's first key is <= pos: every head's max is finite
-    page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
-    row_k = page * stride_kp + (keys % PAGE_SIZE) * stride_ks + kv_head64 * stride_kh
-    row_v = page * stride_vp + (keys % PAGE_SIZE) * stride_vs + kv_head64 * stride_vh
-    kv_mask = k_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + row_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k, v, k_mask = load_split_kv(k_ptr, v_ptr, table, pos, kv_head, split, stride_kp, stride_ks, stride_kh,
+                                 stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                 HEAD_DIM, PAGE_SIZE, BLOCK_D, SPLIT)
     k = k.to(tl.float32)  # (SPLIT, D)
     v = v.to(tl.float32)
     # The group's scores side by side, (SPLIT, G): one max and one sum over the keys
