@@ -97,6 +97,12 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
         t.row("decode after 4096 ÷ after 512, 7B", "tg128 after 4096 / after 512",
               f"{l4096:.1f} / {l512:.1f} = {l4096 / l512:.3f}", f"{m4096:.1f} / {m512:.1f} = {m4096 / m512:.3f}",
               None, f"{f4096.name}, {fdepth.name}", "the target is minivllm's own ratio (>= 0.95)")
+        g512, g4096 = r2.get(f"decode-mma-{name['7b']}.json"), r2.get("decode-mma-7b-4096.json")
+        if g512 and g4096:  # the same ratio with the tensor-core attention body
+            v512, v4096 = minivllm_row(g512)["decode_tok_s_median"], minivllm_row(g4096)["decode_tok_s_median"]
+            t.row("decode after 4096 ÷ after 512, 7B, MINIVLLM_ATTENTION_MMA=1", "tg128 after 4096 / after 512",
+                  f"{l4096:.1f} / {l512:.1f} = {l4096 / l512:.3f}", f"{v4096:.1f} / {v512:.1f} = {v4096 / v512:.3f}",
+                  None, f"{g4096.name}, {fdepth.name}", "the target is minivllm's own ratio (>= 0.95)")
     for s in SIZES:
         native = r2.get(f"decode-{name[s]}.json")
         if not native:
@@ -105,7 +111,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
         for kind, label in (("sync", "async scheduling off"), ("sm75", "T4 profile (MINIVLLM_GPU_PROFILE=sm75)"),
                             ("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)"),
                             ("unfolded", "split-K sums launched apart (MINIVLLM_FOLD_SPLIT_SUM=0)"),
-                            ("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)")):
+                            ("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)"),
+                            ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]
