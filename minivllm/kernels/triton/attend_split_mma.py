@@ -40,7 +40,7 @@ PIECE: tl.constexpr = tl.constexpr(2048.0)
 
 
 @triton.jit
-def _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split, n_heads,
+def attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split, n_heads,
                       n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                       stride_vp, stride_vs, stride_vh, stride_vd,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -65,11 +65,11 @@ def _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, 
     e = tl.minimum((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 253)  # biased exponent
     down = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e)
     up = (e << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); e = 0 (q all 0): 0, and so are the scores
-    scores = _dot3(q * down, tl.trans(k)) * up  # (M, SPLIT): q·Kᵀ of the float32 q, float32 sums
+    scores = dot3(q * down, tl.trans(k)) * up  # (M, SPLIT): q·Kᵀ of the float32 q, float32 sums
     scores = tl.where(k_mask[None, :], scores, float("-inf"))
     m = tl.max(scores, axis=1)  # (M,) finite: the split's first key is <= pos
     p = tl.exp(scores - m[:, None])
-    acc = _dot3(p, v)  # (M, D): p · V of the float32 p
+    acc = dot3(p, v)  # (M, D): p · V of the float32 p
     part = (row64 * n_heads + heads) * n_splits + split
     tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_mask[:, None])
     tl.store(ml_ptr + part * 2, m, mask=m_mask)
@@ -77,7 +77,7 @@ def _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, 
 
 
 @triton.jit
-def _dot3(x, b):
+def dot3(x, b):
     """x (float32, |x| < 2) times b (f16) on tensor cores, x cut into three f16 pieces
     (hi + mid / 2^11 + lo / 2^22, exact) and the three products summed smallest first."""
     hi = x.to(tl.float16)

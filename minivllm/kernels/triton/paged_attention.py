@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from minivllm.errors import ConfigError, DeviceError
-from minivllm.kernels.triton.attend_split_mma import _attend_split_mma, mma_block_m
+from minivllm.kernels.triton.attend_split_mma import attend_split_mma, mma_block_m
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.split_tile import load_split_kv
 
@@ -148,7 +148,7 @@ def _paged_attention_split_kernel(
         # splits (large batches) loads the next ones' K/V while it computes this one.
         for split in tl.range(first, used, tl.num_programs(2), num_stages=NUM_STAGES):
             if MMA:  # BLOCK_G is then the group padded to tl.dot's 16 rows
-                _attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split,
+                attend_split_mma(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, g0, split,
                                   n_heads, n_splits, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks,
                                   stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                   GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, SPLIT, HEADS)

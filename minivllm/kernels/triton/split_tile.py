@@ -1,6 +1,6 @@
 """One split's K/V tile, read through a sequence's block table: the load both bodies of the
 paged-attention split kernel share (`paged_attention._attend_split`, and the tensor-core
-`attend_split_mma._attend_split_mma`)."""
+`attend_split_mma.attend_split_mma`)."""
 
 from __future__ import annotations
 

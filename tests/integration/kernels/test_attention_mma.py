@@ -16,7 +16,7 @@ import triton.language as tl  # noqa: E402
 
 from minivllm.kernels.gpu_profile import gpu_profile  # noqa: E402
 from minivllm.kernels.triton import paged_attention as pa  # noqa: E402
-from minivllm.kernels.triton.attend_split_mma import _dot3  # noqa: E402
+from minivllm.kernels.triton.attend_split_mma import dot3  # noqa: E402
 from minivllm.kernels.triton.paged_attention import paged_attention  # noqa: E402
 
 
@@ -75,12 +75,12 @@ def _times_identity(x_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     x = tl.load(x_ptr + i[:, None] * N + i[None, :])
     eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0).to(tl.float16)
-    tl.store(out_ptr + i[:, None] * N + i[None, :], _dot3(x, eye))
+    tl.store(out_ptr + i[:, None] * N + i[None, :], dot3(x, eye))
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_three_f16_pieces_carry_every_float32_bit(device):
-    """attend_split_mma._dot3 times an identity matrix gives back its float32 operand bit
+    """attend_split_mma.dot3 times an identity matrix gives back its float32 operand bit
     for bit: hi + mid / 2^11 + lo / 2^22 is the float32 value exactly, full 24-bit
     mantissas included (dropping lo loses the last bits, which this sees and the
     attention tolerances cannot)."""
