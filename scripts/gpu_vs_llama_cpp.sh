@@ -290,6 +290,10 @@ else
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode mma $s" "$R/decode-mma-$s.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN $s --prompt-tokens 512
   done
+  step "decode mma+pdl 7b" "$R/decode-mmapdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1 \
+    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
+  step "batched mma 7b" "$R/batched-mma-7b.log" env MINIVLLM_ATTENTION_MMA=1 python3 scripts/gpu_batched_decode.py \
+    "$S7" "$R/batched-mma-7b.json" --npl 1,8,32
   step "batched pdl 7b" "$R/batched-pdl-7b.log" env MINIVLLM_PDL=1 python3 scripts/gpu_batched_decode.py "$S7" \
     "$R/batched-pdl-7b.json" --npl 1,8,32
   step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
@@ -315,9 +319,9 @@ else
     "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
   step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
     "$R/batched-default-0.5b.json" --npl 1,8
-  # host overhead: the same decode with async scheduling off (every step read before the next), and with
-  # the split-K sums launched on their own instead of folded into the next norm
-  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
+  # host overhead (HOST=1; measured in s48): the same decode with async scheduling off (every step read
+  # before the next), and with the split-K sums launched on their own instead of folded into the next norm
+  for s in ${HOST:+qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m}; do
     step "decode sync $s" "$R/decode-sync-$s.log" $DEC $SYN $s --prompt-tokens 512 --option async_scheduling=false
     step "decode unfolded $s" "$R/decode-unfolded-$s.log" env MINIVLLM_FOLD_SPLIT_SUM=0 $DEC $SYN $s \
       --prompt-tokens 512
@@ -330,6 +334,9 @@ else
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
   step "profile pdl 512" "$R/profile-pdl.log" env MINIVLLM_PDL=1 $P --prompt-tokens 512 --synthetic qwen2.5-7b-q4_k_m
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
+  step "profile mma 7b" "$R/profile-mma.log" env MINIVLLM_ATTENTION_MMA=1 $P --prompt-tokens 512 \
+    --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m
+  step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   # the GEMV/GEMM crossover from batched decode (Deliver 6): GEMV vs dequantize+GEMM per N
   for f in ${THRESHOLD_FILES:-$S7}; do

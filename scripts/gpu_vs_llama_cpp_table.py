@@ -112,7 +112,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("int8", "int8 GEMV (MINIVLLM_Q8_GEMV=1)"),
                             ("unfolded", "split-K sums launched apart (MINIVLLM_FOLD_SPLIT_SUM=0)"),
                             ("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)"),
-                            ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)")):
+                            ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)"),
+                            ("mmapdl", "MMA attention and PDL (MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]
@@ -125,16 +126,20 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             t.row(f"prefill graphs off, {s} pp512", "prefill of a 512-token prompt, tok/s", p["prefill_tok_s"],
                   f"{v:.0f} (graphs, same run: {n['prefill_tok_s_median']:.0f})", v / p["prefill_tok_s_median"],
                   f.name)
-    pdl, dflt = r2.get("batched-pdl-7b.json"), r2.get("batched-7b.json")
-    if pdl and dflt:
+    dflt = r2.get("batched-7b.json")
+    for kind, label in (("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)"),
+                        ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)")):
+        var = r2.get(f"batched-{kind}-7b.json")
+        if not (var and dflt):
+            continue
         base = {r["sequences"]: r for r in json.loads(dflt.read_text())["rows"] if r["engine"] == "minivllm"}
-        for a in json.loads(pdl.read_text())["minivllm"]:
+        for a in json.loads(var.read_text())["minivllm"]:
             b = base.get(a["sequences"])
             if b:
-                t.row("programmatic dependent launch (MINIVLLM_PDL=1), batched decode 7b",
+                t.row(f"{label}, batched decode 7b",
                       f"{a['sequences']} sequences, 128 + 128, decode tok/s", f"{b['llama_cpp_decode_tok_s']:.1f}",
                       f"{a['decode_tok_s']:.1f} (default, same run: {b['decode_tok_s']:.1f})",
-                      a["decode_tok_s"] / b["llama_cpp_decode_tok_s"], pdl.name)
+                      a["decode_tok_s"] / b["llama_cpp_decode_tok_s"], var.name)
     inv, dflt = r2.get("batched-invariant-0.5b.json"), r2.get("batched-default-0.5b.json")
     if inv and dflt:
         for a, b in zip(json.loads(inv.read_text())["minivllm"], json.loads(dflt.read_text())["minivllm"]):
@@ -150,7 +155,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             for k in p["kernels"][:4])
             t.row(
                 f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)"
-                f"{', PDL (MINIVLLM_PDL=1)' if p.get('pdl') else ''}",
+                f"{', PDL (MINIVLLM_PDL=1)' if p.get('pdl') else ''}"
+                f"{', MMA attention (MINIVLLM_ATTENTION_MMA=1)' if p.get('mma') else ''}",
                 f"µs per {p['context']}-token prefill (eager)" if p.get("prefill")
                 else "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
                 "—",

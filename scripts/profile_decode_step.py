@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.synthetic_model import ensure_synthetic_model
+from minivllm.kernels.triton.paged_attention import default_launch
 from minivllm.kernels.triton.pdl import pdl_requested
 
 
@@ -175,7 +176,7 @@ def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, ou
 def markdown(r: dict) -> str:
     lines = [
         f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
-        f"{', PDL' if r.get('pdl') else ''}",
+        f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
         f"median {r['step_wall_us']['median'] or 0:.0f} µs",
@@ -216,9 +217,10 @@ def main() -> None:
                 r = {"model": name, "context": ctx, "error": f"{type(exc).__name__}: {exc}"}
                 print(r, file=sys.stderr)
             r["pdl"] = pdl_requested()  # launched with programmatic dependent launch (MINIVLLM_PDL=1, sm_90+)
+            r["mma"] = default_launch().mma  # the tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)
             results.append(r)
             tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
-                   f"{'-pdl' if r['pdl'] else ''}")
+                   f"{'-pdl' if r['pdl'] else ''}{'-mma' if r['mma'] else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)
