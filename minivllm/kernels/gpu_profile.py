@@ -46,7 +46,7 @@ class GpuProfile:
     @property
     def programmatic_launch(self) -> bool:
         """Whether kernels may be launched with programmatic dependent launch (sm_90+;
-        `kernels/triton/pdl.py`, which also needs MINIVLLM_PDL=1)."""
+        `kernels/triton/pdl.py`, unless MINIVLLM_PDL=0)."""
         return self.capability >= (9, 0)
 
     @property

@@ -85,7 +85,8 @@ class SplitLaunch:
     # The engine's default launch takes it under MINIVLLM_ADAPTIVE_HEADS=1 (`default_launch`).
     adaptive_heads: bool = False
     # The group's products on tensor cores (attend_split_mma.py): f16 caches on a profile
-    # with tensor_core_dot only, else ignored. Other bits than the default body's.
+    # with tensor_core_dot only, else ignored. Other bits than the plain body's; the
+    # engine's default launch takes it (`default_launch`).
     mma: bool = False
 
 
@@ -94,16 +95,19 @@ MMA_ENV = "MINIVLLM_ATTENTION_MMA"
 
 
 def default_launch() -> SplitLaunch:
-    """The engine's launch: the defaults, with adaptive heads where MINIVLLM_ADAPTIVE_HEADS=1
-    asks for them and the tensor-core body where MINIVLLM_ATTENTION_MMA=1 does (read per
-    call, so a CUDA graph keeps what it captured). Both opt-in: adaptive heads make a row's
-    bits follow the batch unless one head a program gives a head the group launch's bits
-    on this GPU, which `attention_bench --sweep` reports (bits_equal_all_heads); both lost
-    or are untimed in the engine (benchmarks/results/h100-s48-vs-llama-cpp.md)."""
-    def on(name: str) -> bool:
-        return os.environ.get(name, "0").strip() == "1"
+    """The engine's launch (read per call, so a CUDA graph keeps what it captured):
+    - the tensor-core body unless MINIVLLM_ATTENTION_MMA=0 (it applies only to f16 caches
+      on a profile with tl.dot); on by default since the h100-s49 sitting, where it took
+      7B batch-1 decode from 280.1 to 306.5 tok/s and after-4096 ÷ after-512 from 0.929
+      to 0.962 (benchmarks/results/h100-s49-vs-llama-cpp.md);
+    - adaptive heads only where MINIVLLM_ADAPTIVE_HEADS=1 asks: they make a row's bits
+      follow the batch unless one head a program gives a head the group launch's bits on
+      this GPU (`attention_bench --sweep`: bits_equal_all_heads), and they lost in the
+      engine (h100-s48)."""
+    def flag(name: str, default: str) -> bool:
+        return os.environ.get(name, default).strip() != "0"
 
-    return SplitLaunch(adaptive_heads=on(ADAPTIVE_HEADS_ENV), mma=on(MMA_ENV))
+    return SplitLaunch(adaptive_heads=flag(ADAPTIVE_HEADS_ENV, "0"), mma=flag(MMA_ENV, "1"))
 
 
 @triton.jit

@@ -42,8 +42,8 @@ def test_tensor_core_body_keeps_float32_precision(device, heads, kv_heads, head_
     fail); f16 queries within 2 f16 spacings of float64 as the default body is (float32
     math, then the output's f16 rounding). Float32 queries of 1e6 check the power-of-two
     scaling that keeps the pieces in f16's range. Where the GPU profile forbids tl.dot (the T4
-    profile), the option is ignored: the default body's bits. Also the engine's switch,
-    MINIVLLM_ATTENTION_MMA=1."""
+    profile), the option is ignored: the plain body's bits. Also the engine's switch: on
+    by default, off under MINIVLLM_ATTENTION_MMA=0."""
     seq_lens = [150, 70, 16, 129, 1]
     k, v, tables, table_lists = scattered_pages(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
                                        device=device, seed=11 + head_dim, head_dim=head_dim, width=24)
@@ -52,7 +52,7 @@ def test_tensor_core_body_keeps_float32_precision(device, heads, kv_heads, head_
     q[1] *= 1e6 if q_dtype == torch.float32 else 1e4  # f32: past f16's range even after the 1/sqrt(d)
     seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
     pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
-    default = paged_attention(q, k, v, tables, seq, pos)
+    default = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch())  # the plain body
     mma = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(mma=True))
     if device.type == "cuda" and not gpu_profile(device).tensor_core_dot:
         assert torch.equal(mma, default)
@@ -65,9 +65,11 @@ def test_tensor_core_body_keeps_float32_precision(device, heads, kv_heads, head_
             torch.testing.assert_close(mma[i].double(), exact, rtol=1e-5, atol=1e-5)
         else:
             assert _f16_ulps(default[i], exact) <= 2.0 and _f16_ulps(mma[i], exact) <= 2.0, i
-    monkeypatch.setenv(pa.MMA_ENV, "1")
+    monkeypatch.delenv(pa.MMA_ENV, raising=False)  # the engine's launch takes it by default
     assert pa.default_launch() == pa.SplitLaunch(mma=True)
     assert torch.equal(paged_attention(q, k, v, tables, seq, pos), mma)
+    monkeypatch.setenv(pa.MMA_ENV, "0")
+    assert pa.default_launch() == pa.SplitLaunch()
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/triton/pdl.py).
 
-Which launches get PDL is checked against the rule (sm_90+ only, only when asked, never
+Which launches get PDL is checked against the rule (sm_90+ only, unless turned off, never
 on the T4 profile, never on the CPU path). On an sm_90+ GPU the decode of a small
 synthetic Qwen2 file, CUDA graphs on, gives the same logits bit for bit and the same
 greedy tokens with PDL as without, solo, batched and batch-invariant: a kernel that read
@@ -33,10 +33,10 @@ def _as_gpu(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
 
 
-def test_off_unless_asked(fresh):
+def test_on_by_default_and_off_when_asked(fresh):
     _as_gpu(fresh, (9, 0))
     fresh.delenv(pdl.PDL_ENV, raising=False)
-    assert pdl.pdl_args(torch.device("cuda", 0)) == {}
+    assert pdl.pdl_args(torch.device("cuda", 0)) == ON
     fresh.setenv(pdl.PDL_ENV, "0")
     pdl.reset()
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}

@@ -280,6 +280,7 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
     others), a head's arithmetic being the same helper either way. By hand: 6 rows, a
     64-page table (16 splits of 64 keys), 2 programs a SM on 42 x kv_heads SMs: 14 programs
     per (row, KV head); a row is short when its splits x 7 <= 14: positions 0-127."""
+    monkeypatch.setenv(pa.MMA_ENV, "0")  # the plain body's launches (the tensor-core body has its own tests)
     seq_lens = [150, 70, 16, 129, 1]
     k, v, tables, table_lists = scattered_pages(seq_lens=seq_lens, page_size=16, kvh=kv_heads, dtype=torch.float16,
                                        device=device, seed=7 + head_dim, head_dim=head_dim, width=64)
@@ -308,11 +309,16 @@ def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device,
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_row_bits_same_alone_and_in_a_batch_of_8(device, monkeypatch):
+@pytest.mark.parametrize("mma", ["1", "0"])
+def test_row_bits_same_alone_and_in_a_batch_of_8(device, mma, monkeypatch):
     """7B shape, f16 cache, graph-wide tables: each decode row gives the same bits alone
     as among 7 other rows at other positions, and whether its splits are spread over
-    many programs or all walked by one (the program count follows the batch and the GPU)."""
+    many programs or all walked by one (the program count follows the batch and the GPU).
+    With the engine's default launch (the tensor-core body where the GPU allows it) and
+    with the plain body (MINIVLLM_ATTENTION_MMA=0)."""
     from minivllm.kernels.triton import paged_attention as pa
+
+    monkeypatch.setenv(pa.MMA_ENV, mma)
 
     seq_lens = [300, 5, 64, 65, 17, 128, 200, 1]
     k, v, tables, _ = scattered_pages(
