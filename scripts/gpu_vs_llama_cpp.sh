@@ -8,6 +8,7 @@
 #   any time: ... profile   # pytest -m cuda in both profiles, then a profile of decode steps (no peer)
 #   short of device time: ... once   # the most important rows of runs 1 and 2 in one call
 #   minivllm alone: ... quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
+#                   | verify (native CUDA tests, GPU -> CPU bench at backlogs 0 and 24)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -25,7 +26,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | quick | attention | profile}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | quick | attention | verify | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -187,6 +188,19 @@ elif [ "$MODE" = attention ]; then
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
     --outputs 128 --backlogs 0 --runs 2
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
+elif [ "$MODE" = verify ]; then
+  # minivllm alone, one call, after a change of defaults: pytest -m cuda natively (each test
+  # named in the log), then issue 43's GPU -> CPU bench at backlogs 0 and 24 (the router's picks).
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-230} )) step "pytest native" "$R/pytest-cuda-native.log" \
+    python3 -m pytest -m cuda -v -n 8 --timeout 90 -p no:cacheprovider -rfE
+  stamp "pytest native: $(tail -n 1 "$R/pytest-cuda-native.log")"
+  S05=$(sed -n 1p "$W/synthetic.log")
+  step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \
+    disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 \
+    --outputs 128,512 --backlogs 0,24 --runs 1
+  grep -E "FAILED|ERROR" "$R/pytest-cuda-native.log" | head -20 | tee -a "$R/timeline.txt"
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
   # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.

@@ -8,25 +8,33 @@ Policies (`--router`):
     cost+split        cost, also pricing "prefill on one worker, decode on another"
                       (split_pricing.py; local workers), taken where it is clearly lowest
 
-        drain  = prefill tokens / prefill_tps + decode tokens / decode_tps(concurrency)
         finish = when a slot frees for it + its own prefill + max_tokens / per-request rate
-        score  = max(drain, finish)
+        score  = finish
+        drain  = prefill tokens / prefill_tps + decode tokens / decode_tps(concurrency)
+                 (shown beside it, not scored)
 
-    `drain` is mini-vllm-rs's score (with measured rates): prefill tokens = existing
-    work's remaining prompt tokens (queued requests keep the cache estimate they were
-    routed with) + the incoming prompt minus what this worker's prefix cache holds of it;
-    decode tokens = active requests' unused max_tokens + queued requests' full budgets +
-    the incoming budget; concurrency = min(max active, requests it would hold).
+    `finish` is when the incoming request itself would be done. A request decodes at the
+    per-request rate decode_tps(c) / c, concurrency c = min(max active, requests the worker
+    would hold), and, when every slot (max_active_requests) is taken, only starts when one
+    frees: `finish` replays the worker's FCFS slots (active requests free theirs after
+    their remaining work, queued requests take the earliest slots in order, then the
+    incoming request).
 
-    `finish` exists because `drain` alone misleads: `drain` assumes the incoming request can use the
-    worker's whole throughput, but a request runs at the per-request rate
-    decode_tps(c) / c and, when every slot (max_active_requests) is taken, only starts
-    when one frees. `finish` replays the worker's FCFS slots: active requests free their
-    slots after their remaining work, queued requests take the earliest slots in order,
-    then the incoming request. On the H200 box, pricing by `drain` alone sent a request to
-    a CPU worker whose 4 slots were full; it finished seconds after the GPU had drained
-    everything else. A worker without measured rates cannot be priced: then the decision
-    falls back to least-loaded and says so.
+    `drain` is mini-vllm-rs's score, with measured rates: how long until the worker has
+    worked off everything it holds (prefill tokens = existing work's remaining prompt
+    tokens, queued requests keeping the cache estimate they were routed with, + the
+    incoming prompt net of this worker's prefix cache; decode tokens = active requests'
+    unused max_tokens + queued requests' full budgets + the incoming budget). It misleads
+    both ways, so it is reported and no longer scored:
+    - it assumes the incoming request gets the worker's whole throughput: on the H200 box
+      it sent a request to a CPU worker whose 4 slots were full, which finished seconds
+      after the GPU had drained everything else;
+    - it makes the request wait for the others' tokens, which a batching worker decodes
+      beside it: on an H100 (h100-s49 disaggregation bench) a GPU with 24 long answers in
+      flight scored 6.5 s by drain for a 128-token answer it served in 0.37 s, so the
+      router sent the request to decode on the CPU, which took 1.9 s.
+    A worker without measured rates cannot be priced: then the decision falls back to
+    least-loaded and says so.
 
 Every decision keeps every candidate's inputs, terms and score, and the choice, in a ring
 buffer that `snapshot()` serves (the router widget draws it).
@@ -183,7 +191,7 @@ class Router:
             c.decode_s = (c.existing_decode_tokens + c.incoming_decode_tokens) / c.decode_tps
             c.drain_s = c.prefill_s + c.decode_s
             c.finish_s = incoming_finish_s(c)
-            c.score = max(c.drain_s, c.finish_s)
+            c.score = c.finish_s
         priced = [c for c in healthy if c.score is not None]
         if len(priced) < len(healthy):
             self.counters["fallbacks"] += 1

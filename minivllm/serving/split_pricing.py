@@ -10,9 +10,10 @@ would be done if A ran its prefill and first token and B the rest:
     decode_s   = B's finish for the rest, arriving at prefill_s + transfer_s: the tail
                  past the last full page (recomputed on B) and max_tokens - 1 tokens,
                  in B's FCFS slots at its per-request rate
-    score      = max(decode_s, B's drain with this request added)
+    score      = decode_s (B's drain with this request added is shown, as drain_s)
 
-which is the whole-request score's shape (router.py) with the transfer in the middle.
+which is the whole-request score (router.py: the request's own finish) with the transfer
+in the middle.
 `break_even_ms_per_token` is the articles' formula: how much faster per output token B
 must decode to repay the transfer alone (transfer_s / max_tokens, as the articles count).
 The router takes a split only when its score is below SPLIT_MARGIN times the best whole-request
@@ -83,6 +84,6 @@ def price_splits(prompt_tokens: int, max_tokens: int, priced: list, pricing: Spl
             drain_s = ((b.existing_prefill_tokens + tail) / b.prefill_tps
                        + (b.existing_decode_tokens + max_tokens - 1) / b.decode_tps)
             out.append(SplitCandidate(a.worker, b.worker, moved, nbytes, pricing.link_bytes_per_s / 1e6, prefill_s,
-                                      transfer_s, decode_s, drain_s, max(decode_s, drain_s),
+                                      transfer_s, decode_s, drain_s, decode_s,
                                       transfer_s * 1e3 / max_tokens))
     return out

@@ -78,6 +78,32 @@ def test_a_slow_link_or_a_marginal_gain_keeps_the_request_whole():
     assert 0.9 * best_whole < ab["score"] < best_whole and d["split"] is None
 
 
+def test_a_batching_gpu_with_long_answers_in_flight_keeps_a_short_request_whole():
+    """The h100-s49 bench case (0.5B, 8 CPU cores): 24 greedy answers of ~3,000 tokens
+    decoding on the GPU, then a 1024-token prompt with a 128-token answer. The GPU
+    decodes it beside them at decode_tps(25) / 25 per request and served it in 0.37 s;
+    the split took 1.9 s. By drain (the articles' score) the GPU's 72,000 tokens in
+    flight would have cost 4.5 s and bought the split; by the request's own finish it
+    stays whole."""
+    rates = {"cuda:0": WorkerRates(prefill_tps=22000.0, decode_points={1: 940.0, 32: 16800.0}),
+             "cpu": WorkerRates(prefill_tps=447.0, decode_points={1: 76.0})}
+    gpu = Candidate("cuda:0", True, active=24, queued=0, existing_prefill_tokens=0, existing_decode_tokens=72000,
+                    max_active=26, active_work=[(0, 3000)] * 24)
+    cpu = Candidate("cpu", True, active=0, queued=0, existing_prefill_tokens=0, existing_decode_tokens=0,
+                    max_active=26)
+    p = SplitPricing(13.5e9, {"cuda:0": 12288.0, "cpu": 24576.0}, {"cuda:0": 16, "cpu": 16},
+                     {"cuda:0": "cuda", "cpu": "cpu"}, False)
+    d = Router("cost+split").choose(IncomingRequest("r", 1024, 128), [gpu, cpu], rates, p)
+    by = {c["worker"]: c for c in d["candidates"]}
+    rate25 = 940.0 + (16800.0 - 940.0) * 24 / 31  # interpolated between the measured batches
+    assert rel(by["cuda:0"]["finish_s"], 1024 / 22000 + 128 / (rate25 / 25))
+    assert rel(by["cuda:0"]["score"], by["cuda:0"]["finish_s"]) and by["cuda:0"]["score"] < 0.3
+    split = next(c for c in d["split_candidates"] if c["prefill"] == "cuda:0")
+    assert split["score"] > 1.5  # 127 tokens at 76 tok/s on the CPU
+    assert by["cuda:0"]["drain_s"] > split["score"]  # what drain would have chosen
+    assert d["split"] is None and d["chosen"] == "cuda:0" and d["reason"] == "cost"
+
+
 def test_sampled_requests_split_only_between_workers_of_one_device_kind():
     d = Router("cost+split").choose(IncomingRequest("r", 1000, 101), [idle("a"), idle("b")], rates(),
                               pricing(sampled=True))
