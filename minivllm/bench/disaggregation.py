@@ -172,6 +172,8 @@ def one_run(cluster, mode: str, a: str, b: str, prompt: list[int], params: Sampl
         after_ms = (t.finished - t.first_token) * 1e3 - split["handoff_ms"]
         rec.update(kv_bytes=split["kv_bytes"], kv_tokens=split["kv_tokens"], handoff_ms=split["handoff_ms"],
                    write_ms=split["write_ms"], read_ms=split["read_ms"], copy_mb_per_s=split["copy_mb_per_s"],
+                   link_bytes=split.get("link_bytes", split["kv_bytes"]), link_ms=split.get("link_ms"),
+                   link_mb_per_s=split.get("link_mb_per_s"),
                    decode_half_ms_per_token=after_ms / max(1, n - split["tokens_on_prefill_worker"]),
                    transport=split.get("transport"), attach_ms=split.get("attach_ms"),
                    prefill_worker=split["prefill_worker"], decode_worker=split["decode_worker"])
@@ -229,6 +231,8 @@ def summarize_case(case: dict, runs: list[dict]) -> dict:
                transport="/".join(sorted({str(r.get("transport")) for r in splits})),
                copy_mb_per_s=statistics.median(r["copy_mb_per_s"] for r in splits if r["copy_mb_per_s"]),
                write_ms=statistics.median(r["write_ms"] for r in splits),
+               link_bytes=splits[0]["link_bytes"],
+               link_mb_per_s=statistics.median(r["link_mb_per_s"] for r in splits if r.get("link_mb_per_s")),
                attach_ms=[r.get("attach_ms") for r in splits],  # each split's wait for the mapping (landing)
                a_ms_per_token=a_tpot, b_ms_per_token=b_tpot, advantage_ms_per_token=a_tpot - b_tpot,
                break_even_ms_per_token=transfer_ms / n)
@@ -349,9 +353,11 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
         sha = sha256_file(Path(cluster.model_path))
         a_device = next(w["device"] for w in workers if w["name"] == a)  # the spec ("cuda:0"), not its description
     biggest = max(rows, key=lambda r: r["kv_bytes"])
-    plain = plain_copy_mb_per_s(biggest["kv_bytes"], a_device)
+    plain = plain_copy_mb_per_s(biggest["link_bytes"], a_device)
     link = {"bytes": biggest["kv_bytes"], "from_device": a_device, "handoff_copy_mb_per_s": biggest["copy_mb_per_s"],
-            "plain_copy_mb_per_s": plain, "plain_over_handoff": plain / biggest["copy_mb_per_s"],
+            "link_bytes": biggest["link_bytes"], "link_mb_per_s": biggest["link_mb_per_s"],
+            "plain_copy_mb_per_s": plain, "plain_over_link": plain / biggest["link_mb_per_s"],
+            "handoff_ms": biggest["transfer_ms"],
             "transport": biggest["transport"],
             "at_start": link_at_start, "at_end": link_end}
     settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "prompts": prompts,
@@ -380,11 +386,13 @@ def render(rows: list[dict], a: str, b: str, link: dict) -> str:
            "over the runs). advantage = A's ms per output token (whole:A) minus B's (the split's decode half); "
            "break-even = transfer ms / output tokens (the articles' formula): the split pays by the formula "
            "where advantage > break-even.", "",
-           f"Link: the handoff copied {link['bytes'] / 1e6:.1f} MB at {link['handoff_copy_mb_per_s']:.0f} MB/s "
-           f"(A's write into B's pages, plus B's read where a segment carried it; transport: "
-           f"{link['transport']}); one plain copy_ of the same bytes from "
-           f"{link['from_device']} to host memory: {link['plain_copy_mb_per_s']:.0f} MB/s "
-           f"({link['plain_over_handoff']:.2f}x the handoff's rate).", "",
+           f"Link: {link['bytes'] / 1e6:.1f} MB of K/V crossed it as {link['link_bytes'] / 1e6:.1f} MB in B's "
+           f"dtype at {link['link_mb_per_s']:.0f} MB/s (A's gather, conversion and write into B's pages, plus "
+           f"B's copy out where a segment carried it; transport: {link['transport']}); one plain copy_ of the "
+           f"same {link['link_bytes'] / 1e6:.1f} MB from {link['from_device']} to host memory: "
+           f"{link['plain_copy_mb_per_s']:.0f} MB/s ({link['plain_over_link']:.2f}x the link's rate). The whole "
+           f"handoff, the messages between the processes and B's import included, took "
+           f"{link['handoff_ms']:.1f} ms (the transfer column).", "",
            "| prompt | cached on A | answer | backlog on A | whole:A | whole:B | split | router (pick) | fastest "
            "| split ÷ whole:A | transfer ms (MB) | advantage ms/tok | break-even ms/tok | formula right "
            "| formula's split e2e (error) | router agrees |", "|" + "---|" * 16]

@@ -71,7 +71,11 @@ def handoff_to_landing(handoff: Handoff, landing: dict) -> dict:
         torch.cuda.synchronize(src_k.device)  # written before the importer is told
     written = max(0, blocks - have) * dst_ps
     per_token = 2 * src_k[:, 0, 0].numel() * src_k.element_size()
+    # What crossed the link: the K/V in the importer's dtype (a GPU's f16 pages arrive as a
+    # CPU pool's f32, converted before the DMA), against `nbytes` in the exporter's.
+    link_bytes = written * 2 * dst_k[:, 0, 0].numel() * dst_k.element_size()
     return {**handoff_fields(handoff), "landed": blocks, "landed_tokens": written, "nbytes": written * per_token,
+            "link_bytes": link_bytes,
             "dtype": str(src_k.dtype).removeprefix("torch."), "write_ms": (time.perf_counter() - t0) * 1e3,
             "attach_ms": attach_ms}
 

@@ -80,7 +80,8 @@ def handoff_to_wire(handoff: Handoff, name: str) -> dict:
             flat[:k.nbytes].copy_(k.view(-1).view(torch.uint8))
             flat[k.nbytes:].copy_(v.view(-1).view(torch.uint8))
             del flat
-    return {**handoff_fields(handoff), "segment": name, "nbytes": k.nbytes + v.nbytes,
+    nbytes = k.nbytes + v.nbytes  # the link carries them as they are; B converts on its copy out
+    return {**handoff_fields(handoff), "segment": name, "nbytes": nbytes, "link_bytes": nbytes,
             "dtype": str(k.dtype).removeprefix("torch."), "kv_shape": list(k.shape), "model_shape": list(kv.shape),
             "write_ms": (time.perf_counter() - t0) * 1e3}
 

@@ -28,9 +28,10 @@ worker -> controller
 event = {"request_id", "token_id", "text", "finished", "finish_reason", "error", "logprobs",
          "metrics" (finished only: RequestMetrics.as_dict())}
 
-handoff = {"segment", "nbytes", "dtype", "kv_shape", "model_shape", "kv_token_ids", "prompt_ids",
+handoff = {"segment", "nbytes", "link_bytes", "dtype", "kv_shape", "model_shape", "kv_token_ids", "prompt_ids",
            "output_ids", "generator_state" (base64 of torch's RNG state, or None), "generator_device",
-           "write_ms"}    (kv_segment.py: the K/V bytes are in the shared-memory segment, k then v)
+           "write_ms"}    (kv_segment.py: the K/V bytes are in the shared-memory segment, k then v;
+                           kv_landing.py: "landed" instead of "segment", link_bytes in the importer's dtype)
 """
 
 from __future__ import annotations

@@ -257,6 +257,7 @@ class SplitRequest:
         with self._lock:
             self.record.update(tokens_on_prefill_worker=len(handoff["output_ids"]), kv_bytes=handoff["nbytes"],
                                kv_tokens=handoff.get("landed_tokens", len(handoff["kv_token_ids"])),
+                               link_bytes=handoff.get("link_bytes", handoff["nbytes"]),
                                write_ms=handoff["write_ms"], landing_error=handoff.get("landing_error"),
                                attach_ms=handoff.get("attach_ms"),
                                export_ms=msg["export_ms"], started_at=msg["started_at"],
@@ -279,10 +280,17 @@ class SplitRequest:
             nbytes = self.record.get("kv_bytes", 0)
             copy_ms = self.record.get("write_ms", 0.0) + msg["read_ms"]
             started = self.record.get("started_at", msg["finished_at"])
+            # The link's own rate: the bytes that crossed it over the time they took, A's
+            # write (gather, conversion, DMA) plus, through a segment, B's copy out of it.
+            # A landing's read_ms is B's bookkeeping only (the K/V are in its pages already).
+            link_ms = self.record.get("write_ms", 0.0) + (0.0 if msg.get("landed") else msg["read_ms"])
+            link_bytes = self.record.get("link_bytes", nbytes)
             self.record.update(handed_off=True, read_ms=msg["read_ms"], import_ms=msg["import_ms"],
                                transport="landing" if msg.get("landed") else "segment",
                                handoff_ms=(msg["finished_at"] - started) * 1e3,
-                               copy_mb_per_s=nbytes / 1e6 / (copy_ms / 1e3) if copy_ms > 0 else None)
+                               copy_mb_per_s=nbytes / 1e6 / (copy_ms / 1e3) if copy_ms > 0 else None,
+                               link_ms=link_ms,
+                               link_mb_per_s=link_bytes / 1e6 / (link_ms / 1e3) if link_ms > 0 else None)
             if self.phase == "transfer":
                 self.phase = "decode"
         self.owner.handed_off(nbytes, copy_ms)

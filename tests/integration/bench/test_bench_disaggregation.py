@@ -75,6 +75,10 @@ def test_quick_disaggregation_bench(results_dir, smollm2_path):
     link = meta["link"]
     assert link["bytes"] == max(r["kv_bytes"] for r in data["rows"])
     assert link["plain_copy_mb_per_s"] > 0 and link["handoff_copy_mb_per_s"] > 0
+    # CPU to CPU, both pools f32: the link carries the K/V bytes themselves, in A's write
+    # alone, so its rate is at least the handoff's (which also counts B's import).
+    assert link["link_bytes"] == link["bytes"] and link["link_mb_per_s"] >= link["handoff_copy_mb_per_s"]
+    assert link["plain_over_link"] == pytest.approx(link["plain_copy_mb_per_s"] / link["link_mb_per_s"])
     assert link["transport"] == "landing"  # CPU workers: A writes into B's pages (kv_landing.py)
     assert link["at_start"]["measured_mb_per_s"] > 0
 

@@ -69,6 +69,8 @@ def through_landing(a: LLMEngine, b: LLMEngine, rid: str, ids: list[int]):
     handoff = a.export_request(rid, copy=False)  # A's pages, copied once: GPU -> B's pages
     meta = handoff_to_landing(handoff, landing)
     assert meta["landed_tokens"] == len(ids) // ps * ps
+    # The link carried the K/V in B's dtype (f32): twice A's bytes from an f16 pool.
+    assert meta["link_bytes"] * a.pool.k.element_size() == meta["nbytes"] * b.pool.k.element_size()
     a.abort(rid)
     return handoff_from_landing(meta, handoff.params)
 

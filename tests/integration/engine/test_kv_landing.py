@@ -80,6 +80,7 @@ def test_landed_split_equals_the_whole_request(llm, page_a, page_b):
     blocks = min(len(prompt_ids) // page_b, full_a // page_b)
     assert meta["landed"] == blocks > 0 and meta["landed_tokens"] == blocks * page_b
     assert meta["nbytes"] == meta["landed_tokens"] * 30 * 3 * 64 * 4 * 2  # SmolLM2: layers, KV heads, dim, f32, K+V
+    assert meta["link_bytes"] == meta["nbytes"]  # both pools f32: the link carries the bytes as they are
     b.import_request(handoff, request_id=rid)
     out = b.output(rid)
     assert first + run(b, rid) == want
@@ -178,6 +179,8 @@ def test_a_prefetch_maps_the_pool_once_in_the_background(llm, monkeypatch):
     release.set()
     k, _ = attach(desc)  # waits for the prefetch's mapping instead of making another
     assert made == [1] and k.data_ptr() == attach(desc)[0].data_ptr()
+    for t in [t for t in threading.enumerate() if t.name == "kv-pool-prefetch"]:
+        t.join(5)  # attach returns once the mapping exists, maybe before the thread's own bookkeeping
     assert not spm._prefetching
     spm.prefetch(dict(desc, inode=0))  # gone: the thread ends, nothing is cached
     for t in [t for t in threading.enumerate() if t.name == "kv-pool-prefetch"]:
