@@ -105,20 +105,18 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
 \"" >> "$W/synthetic.log" 2>&1 < /dev/null &
 }
 
-decode_rows() {  # minivllm's batch-1 decode, PDL off and on, at 512 tokens (both files) and 4096 (7B)
+decode_rows() {  # minivllm's batch-1 decode (defaults; GEMV prefetch on) at 512 tokens (both files) and 4096 (7B)
   while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
   S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
   local DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   local SYN="--synthetic-tokenizer $FIELDS --synthetic" s
   for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
     step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
-    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
+    step "decode prefetch $s" "$R/decode-prefetch-$s.log" env MINIVLLM_GEMV_PREFETCH=1 $DEC $SYN $s --prompt-tokens 512
   done
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "decode pdl 7b after 4096" "$R/decode-pdl-7b-4096.log" env MINIVLLM_PDL=1 $DEC $SYN qwen2.5-7b-q4_k_m \
-    --prompt-tokens 4096
-  step "decode mma 7b" "$R/decode-mma-7b.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN qwen2.5-7b-q4_k_m \
-    --prompt-tokens 512
+  step "decode plain attention 7b after 4096" "$R/decode-plainattn-7b-4096.log" env MINIVLLM_ATTENTION_MMA=0 $DEC \
+    $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
 }
 
 if [ "$MODE" = profile ]; then
@@ -164,8 +162,9 @@ elif [ "$MODE" = 3 ]; then
   fi
 elif [ "$MODE" = attention ]; then
   # minivllm alone, one call: pytest -m cuda in the T4 profile (each test named in the log),
-  # the attention sweep (with the tensor-core body's rows), 7B decode at 512 and 4096 with
-  # and without MINIVLLM_ATTENTION_MMA=1, a step profile at 4096, and one GPU -> CPU split.
+  # the attention sweep (with the tensor-core body's rows), 7B decode at 512 and 4096 by
+  # default and with the plain attention body (MINIVLLM_ATTENTION_MMA=0), a step profile at
+  # 4096, and one GPU -> CPU split.
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
   start_7b_file
@@ -180,7 +179,8 @@ elif [ "$MODE" = attention ]; then
   SYN="--synthetic-tokenizer $FIELDS --synthetic qwen2.5-7b-q4_k_m"
   for c in 512 4096; do
     step "decode 7b $c" "$R/decode-7b-$c.log" $DEC $SYN --prompt-tokens $c
-    step "decode mma 7b $c" "$R/decode-mma-7b-$c.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN --prompt-tokens $c
+    step "decode plain attention 7b $c" "$R/decode-plainattn-7b-$c.log" env MINIVLLM_ATTENTION_MMA=0 $DEC $SYN \
+      --prompt-tokens $c
   done
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
   step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m
@@ -296,20 +296,18 @@ else
     step "decode $s (+ llama-bench)" "$R/decode-$s.log" \
       $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
   done
-  # programmatic dependent launch (kernels/triton/pdl.py; opt-in until measured): batch 1 both files, 7B batched
+  # the defaults since s49 turned off one at a time (the plain attention body; PDL), then the GEMV's
+  # weights asked of L2 before its PDL wait (MINIVLLM_GEMV_PREFETCH=1; opt-in until measured)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
-    step "decode pdl $s" "$R/decode-pdl-$s.log" env MINIVLLM_PDL=1 $DEC $SYN $s --prompt-tokens 512
+    step "decode plain attention $s" "$R/decode-plainattn-$s.log" env MINIVLLM_ATTENTION_MMA=0 $DEC $SYN $s \
+      --prompt-tokens 512
+    step "decode prefetch $s" "$R/decode-prefetch-$s.log" env MINIVLLM_GEMV_PREFETCH=1 $DEC $SYN $s \
+      --prompt-tokens 512
   done
-  # the tensor-core attention body (MINIVLLM_ATTENTION_MMA=1; opt-in until measured)
-  for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
-    step "decode mma $s" "$R/decode-mma-$s.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN $s --prompt-tokens 512
-  done
-  step "decode mma+pdl 7b" "$R/decode-mmapdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1 \
-    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
-  step "batched mma 7b" "$R/batched-mma-7b.log" env MINIVLLM_ATTENTION_MMA=1 python3 scripts/gpu_batched_decode.py \
-    "$S7" "$R/batched-mma-7b.json" --npl 1,8,32
-  step "batched pdl 7b" "$R/batched-pdl-7b.log" env MINIVLLM_PDL=1 python3 scripts/gpu_batched_decode.py "$S7" \
-    "$R/batched-pdl-7b.json" --npl 1,8,32
+  step "decode no pdl 7b" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 $DEC $SYN qwen2.5-7b-q4_k_m \
+    --prompt-tokens 512
+  step "batched prefetch 7b" "$R/batched-prefetch-7b.log" env MINIVLLM_GEMV_PREFETCH=1 python3 \
+    scripts/gpu_batched_decode.py "$S7" "$R/batched-prefetch-7b.json" --npl 1,8,32
   step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
     python3 -m minivllm bench offline --model "$S05" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
   step "batched 7b (bench offline --llama-batched-bench)" "$R/batched-7b.log" \
@@ -320,8 +318,8 @@ else
   done
   # decode after 4096 tokens of context (7B): minivllm, then llama-bench -d 0,512,4096
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "decode mma 7b after 4096" "$R/decode-mma-7b-4096.log" env MINIVLLM_ATTENTION_MMA=1 $DEC $SYN \
-    qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "decode plain attention 7b after 4096" "$R/decode-plainattn-7b-4096.log" env MINIVLLM_ATTENTION_MMA=0 $DEC \
+    $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
   echo "$LLAMA_BIN/llama-bench -m $S7 -ngl 99 -p 0 -n 128 -d 0,512,4096 -r 3 -o json" > "$R/llama-bench-7b-depth.cmd"
   step "llama-bench depth" "$R/llama-bench-7b-depth.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 0 \
     -n 128 -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b-depth.json'"
@@ -346,10 +344,9 @@ else
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
-  step "profile pdl 512" "$R/profile-pdl.log" env MINIVLLM_PDL=1 $P --prompt-tokens 512 --synthetic qwen2.5-7b-q4_k_m
+  step "profile prefetch 512" "$R/profile-prefetch.log" env MINIVLLM_GEMV_PREFETCH=1 $P --prompt-tokens 512 \
+    --synthetic qwen2.5-7b-q4_k_m
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
-  step "profile mma 7b" "$R/profile-mma.log" env MINIVLLM_ATTENTION_MMA=1 $P --prompt-tokens 512 \
-    --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m
   step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   # the GEMV/GEMM crossover from batched decode (Deliver 6): GEMV vs dequantize+GEMM per N

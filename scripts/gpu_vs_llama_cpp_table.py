@@ -97,12 +97,15 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
         t.row("decode after 4096 ÷ after 512, 7B", "tg128 after 4096 / after 512",
               f"{l4096:.1f} / {l512:.1f} = {l4096 / l512:.3f}", f"{m4096:.1f} / {m512:.1f} = {m4096 / m512:.3f}",
               None, f"{f4096.name}, {fdepth.name}", "the target is minivllm's own ratio (>= 0.95)")
-        g512, g4096 = r2.get(f"decode-mma-{name['7b']}.json"), r2.get("decode-mma-7b-4096.json")
-        if g512 and g4096:  # the same ratio with the tensor-core attention body
-            v512, v4096 = minivllm_row(g512)["decode_tok_s_median"], minivllm_row(g4096)["decode_tok_s_median"]
-            t.row("decode after 4096 ÷ after 512, 7B, MINIVLLM_ATTENTION_MMA=1", "tg128 after 4096 / after 512",
-                  f"{l4096:.1f} / {l512:.1f} = {l4096 / l512:.3f}", f"{v4096:.1f} / {v512:.1f} = {v4096 / v512:.3f}",
-                  None, f"{g4096.name}, {fdepth.name}", "the target is minivllm's own ratio (>= 0.95)")
+        for tag, label in (("mma", "MINIVLLM_ATTENTION_MMA=1 (s48-s49: opt-in)"),
+                           ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)")):
+            g512, g4096 = r2.get(f"decode-{tag}-{name['7b']}.json"), r2.get(f"decode-{tag}-7b-4096.json")
+            if g512 and g4096:  # the same ratio with the other attention body
+                v512, v4096 = minivllm_row(g512)["decode_tok_s_median"], minivllm_row(g4096)["decode_tok_s_median"]
+                t.row(f"decode after 4096 ÷ after 512, 7B, {label}", "tg128 after 4096 / after 512",
+                      f"{l4096:.1f} / {l512:.1f} = {l4096 / l512:.3f}",
+                      f"{v4096:.1f} / {v512:.1f} = {v4096 / v512:.3f}",
+                      None, f"{g4096.name}, {fdepth.name}", "the target is minivllm's own ratio (>= 0.95)")
     for s in SIZES:
         native = r2.get(f"decode-{name[s]}.json")
         if not native:
@@ -113,7 +116,10 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("unfolded", "split-K sums launched apart (MINIVLLM_FOLD_SPLIT_SUM=0)"),
                             ("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)"),
                             ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)"),
-                            ("mmapdl", "MMA attention and PDL (MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1)")):
+                            ("mmapdl", "MMA attention and PDL (MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1)"),
+                            ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)"),
+                            ("nopdl", "PDL off (MINIVLLM_PDL=0)"),
+                            ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]
@@ -128,7 +134,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                   f.name)
     dflt = r2.get("batched-7b.json")
     for kind, label in (("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)"),
-                        ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)")):
+                        ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)"),
+                        ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)")):
         var = r2.get(f"batched-{kind}-7b.json")
         if not (var and dflt):
             continue
@@ -156,7 +163,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             t.row(
                 f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)"
                 f"{', PDL (MINIVLLM_PDL=1)' if p.get('pdl') else ''}"
-                f"{', MMA attention (MINIVLLM_ATTENTION_MMA=1)' if p.get('mma') else ''}",
+                f"{', MMA attention' if p.get('mma') else ''}{', GEMV prefetch' if p.get('prefetch') else ''}",
                 f"µs per {p['context']}-token prefill (eager)" if p.get("prefill")
                 else "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
                 "—",

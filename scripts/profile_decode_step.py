@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -36,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from minivllm import LLM, SamplingParams
 from minivllm.bench.synthetic_model import ensure_synthetic_model
 from minivllm.kernels.triton.paged_attention import default_launch
-from minivllm.kernels.triton.pdl import pdl_requested
+from minivllm.kernels.triton.pdl import PREFETCH_ENV, pdl_requested
 
 
 def sync(device: str) -> None:
@@ -176,7 +177,8 @@ def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, ou
 def markdown(r: dict) -> str:
     lines = [
         f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
-        f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}",
+        f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}"
+        f"{', GEMV prefetch' if r.get('prefetch') else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
         f"median {r['step_wall_us']['median'] or 0:.0f} µs",
@@ -216,11 +218,13 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 — one failed profile must not lose the others
                 r = {"model": name, "context": ctx, "error": f"{type(exc).__name__}: {exc}"}
                 print(r, file=sys.stderr)
-            r["pdl"] = pdl_requested()  # launched with programmatic dependent launch (MINIVLLM_PDL=1, sm_90+)
-            r["mma"] = default_launch().mma  # the tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)
+            r["pdl"] = pdl_requested()  # programmatic dependent launch (sm_90+; off: MINIVLLM_PDL=0)
+            r["mma"] = default_launch().mma  # the tensor-core attention body (off: MINIVLLM_ATTENTION_MMA=0)
+            r["prefetch"] = os.environ.get(PREFETCH_ENV) == "1"  # GEMV weights asked of L2 before the PDL wait
             results.append(r)
             tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
-                   f"{'-pdl' if r['pdl'] else ''}{'-mma' if r['mma'] else ''}")
+                   f"{'' if r['pdl'] else '-nopdl'}{'' if r['mma'] else '-plainattn'}"
+                   f"{'-prefetch' if r['prefetch'] else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)

@@ -37,6 +37,7 @@ import triton.language as tl
 from minivllm.kernels.gpu_profile import gpu_profile
 
 PDL_ENV = "MINIVLLM_PDL"
+PREFETCH_ENV = "MINIVLLM_GEMV_PREFETCH"
 
 
 @triton.jit
@@ -45,6 +46,16 @@ def wait_for_producers(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, ok):
+    """Ask L2 for the 128-byte lines at `ptrs` (where `ok`), without waiting for them: what
+    a PDL kernel may do before `wait_for_producers` with memory no earlier kernel writes
+    (a GEMV's weights), so their first loads overlap the previous kernel's tail."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pdl_requested() -> bool:
@@ -75,6 +86,22 @@ def pdl_args(device) -> dict:
     return args
 
 
+_PREFETCH: dict = {}  # torch.device -> whether GEMV weights are prefetched before the wait
+
+
+def prefetch_lines(device, slice_words: int) -> int:
+    """The PF_LINES a GEMV launch passes: 128-byte lines covering `slice_words` int32 words
+    (a row group's slice of the weights), rounded up to a power of two, where its weights
+    are asked of L2 before its wait, else 0. On only under MINIVLLM_GEMV_PREFETCH=1 and
+    where PDL is on (without PDL no kernel starts before its predecessor ends): off until
+    a GPU run times it. Decided once per device and process, like `pdl_args`."""
+    on = _PREFETCH.get(device)
+    if on is None:
+        on = _PREFETCH[device] = (os.environ.get(PREFETCH_ENV, "0").strip() == "1" and bool(pdl_args(device)))
+    return triton.next_power_of_2(triton.cdiv(slice_words, 32)) if on and slice_words > 0 else 0
+
+
 def reset() -> None:
     """Forget the per-device decisions (tests, and A/B runs within one process)."""
     _DECIDED.clear()
+    _PREFETCH.clear()

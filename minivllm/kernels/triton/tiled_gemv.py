@@ -35,7 +35,7 @@ import triton.language as tl
 from minivllm.kernels.gemv_configs import GemvConfig
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.fused import silu_mul
-from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
+from minivllm.kernels.triton.pdl import pdl_args, prefetch_l2, prefetch_lines, wait_for_producers
 from minivllm.kernels.triton.repacked_decode import (
     decode_field,
     group_scales,
@@ -99,6 +99,7 @@ def _tiled_gemv_kernel(
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 0,
 ):  # fmt: skip
     """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
     N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
@@ -106,8 +107,9 @@ def _tiled_gemv_kernel(
     (ROUND: 16 = f16, 17 = bf16, 0 = none) as the separate GEMVs would have returned them.
     ONES: 15, passed at run time (quant_fields.py: keeps the field masks in registers).
     EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
-    program's row groups), so whole trips load without masks."""
-    wait_for_producers(PDL)
+    program's row groups), so whole trips load without masks.
+    PF_LINES (PDL only): the 128-byte lines of each of its row groups' weight slice that a
+    program asks of L2 before its wait (pdl.py: `prefetch_l2`, `prefetch_lines`); 0: none."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -127,6 +129,13 @@ def _tiled_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     g_lo = pid_s * G_PER_SPLIT
     g_hi = tl.minimum(g_lo + G_PER_SPLIT, N_GROUPS)
+    if PF_LINES > 0:  # the weights depend on no earlier kernel: ask for them before the wait
+        words = (g_hi - g_lo) * T * RR  # a row group's slice is contiguous in the layout
+        line = tl.arange(0, PF_LINES)[None, :] * 32  # 32 words: a 128-byte line
+        nb2 = tl.reshape(nb, [BLOCK_NB, 1])
+        prefetch_l2(q_ptr + (nb2 * N_GROUPS + g_lo).to(tl.int64) * (T * RR) + line,
+                    tl.reshape(nb_ok, [BLOCK_NB, 1]) & (line < words))
+    wait_for_producers(PDL)
     acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
     # Whole trips first, loaded without masks where the tile's rows are all inside the
     # matrix (EVEN_N), then the slice's last partial trip, if any, masked. Same trips in
@@ -254,7 +263,7 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
         triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device))
+        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)
 
 
@@ -285,7 +294,7 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
         half // R, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
         EVEN_N=(half // R) % (block_nb // 2) == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device))
+        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R))
     if split > 1:
         sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)
     return out

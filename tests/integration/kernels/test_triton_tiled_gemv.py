@@ -138,9 +138,11 @@ for kind, (a, b, c, e) in planes.items():
                    "bias_ptr": "*fp32", "out_ptr": "*fp32" if split else "*fp16", "M": "i32", "N": "i32",
                    "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32",
                    "PAIR_RB": "i32", "ONES": "i32"}
+            hopper = int(sys.argv[1]) >= 90
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
-                     "PDL": int(sys.argv[1]) >= 90, "EVEN_N": split}  # both the masked and the unmasked trips
+                     "PDL": hopper, "EVEN_N": split,  # both the masked and the unmasked trips
+                     "PF_LINES": 64 if hopper and paired else 0}  # weights asked of L2 before the wait
             sig.update({k: "constexpr" for k in const})
             k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
                                options={"num_warps": 4, "num_stages": 2})
@@ -153,8 +155,12 @@ for paired in (False, True):
                                                           "PAIRED": paired, "ROUND": 16,
                                                           "PDL": int(sys.argv[1]) >= 90}), target=target)
     out[f"sum_splits/{paired}"] = k.asm["ptx"]
+def before_wait(p):  # the L2 prefetches all come before the kernel's wait
+    i = p.find("griddepcontrol.wait")
+    return "prefetch.global.L2" in p and i > 0 and "prefetch.global.L2" not in p[i:]
 print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
-                         "gdc": "griddepcontrol.wait" in p and "griddepcontrol.launch_dependents" in p}
+                         "gdc": "griddepcontrol.wait" in p and "griddepcontrol.launch_dependents" in p,
+                         "prefetch": before_wait(p) if "prefetch" in p else None}
                   for key, p in out.items()}))
 """
 
@@ -163,7 +169,8 @@ print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf1
 def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     """Every kind, split or not, plain or paired with the SwiGLU epilogue (the gate+up
     launch), and both split sums, compile for a T4 and an H100 without a device; for
-    the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in."""
+    the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in, and
+    its paired launches with the weights' L2 prefetch, every prefetch before the wait."""
     import json
     import os
     import subprocess
@@ -176,4 +183,6 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result) == 24 + 2
     for key, r in result.items():
-        assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90"}, key
+        # sm_90's paired launches compile with the weights' L2 prefetch (MINIVLLM_GEMV_PREFETCH=1)
+        prefetch = True if arch == "90" and key.startswith("tiled/") and key.endswith("/True") else None
+        assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90", "prefetch": prefetch}, key
