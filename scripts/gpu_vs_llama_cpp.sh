@@ -255,12 +255,17 @@ from minivllm.bench.synthetic_model import ensure_synthetic_model as e
 print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
 \"" >> "$W/synthetic.log" 2>&1 < /dev/null &
   stamp "0.5B file written; 7B file started (background)"
-  if [ "${SWEEP:-1}" != 0 ]; then  # the fused and 0.5B shapes (the 7B rows are committed); run 2 uses the table
+  if [ "${SWEEP:-1}" != 0 ]; then  # the fused, 0.5B and 7B o/down shapes, PDL on; run 2 uses the table
     T=Q4_K,Q6_K,Q8_0,Q5_0
-    BUDGET=${SWEEP_BUDGET:-100} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
-      --quick $T --shapes 0.5b,fused
+    BUDGET=${SWEEP_BUDGET:-130} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
+      --quick $T --shapes 0.5b,fused,3584x3584,3584x18944
     stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
     cp "$W"/sweep/* "$R/" 2>/dev/null
+    # the same 7B shapes with the weights asked of L2 before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)
+    BUDGET=$(( $(date +%s) - T0 + ${PREFETCH_SWEEP_BUDGET:-60} )) step "sweep prefetch" "$R/sweep-prefetch.log" \
+      env MINIVLLM_GEMV_PREFETCH=1 python3 scripts/gemv_sweep.py "$W/sweep-prefetch" --types Q4_K,Q6_K \
+      --quick Q4_K,Q6_K --shapes fused,3584x3584,3584x18944
+    for f in "$W"/sweep-prefetch/gemv-sweep-*; do cp "$f" "$R/prefetch-$(basename "$f")" 2>/dev/null; done
   fi
   RESERVE=${RESERVE:-150} run_pytest
   BASE=""; [ -f ../paged_attention_b738059.py ] && BASE="--baseline-module ../paged_attention_b738059.py"
@@ -359,5 +364,5 @@ fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
 cp "$R/timeline.txt" "$OUT/run$MODE-summary.txt"
-[ "$MODE" = 1 ] && cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null
+[ "$MODE" = 1 ] && cp "$R"/gemv-sweep-*.md "$R"/prefetch-gemv-sweep-*.md "$OUT/" 2>/dev/null
 exit 0
