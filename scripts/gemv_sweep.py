@@ -220,6 +220,8 @@ def main() -> int:
             y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
             ref8 = xd @ ws[0].dequantize(torch.float32).T
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
+            if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
+                time_mma(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             dense = [
                 ws[i].dequantize(torch.float16) for i in range(min(copies, max(2, -(-(160 << 20) // (n * k * 2)))))
             ]
@@ -266,6 +268,34 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     return out
 
 
+def time_mma(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: int, graph_us, y_legacy) -> None:
+    """The tensor-core Q4_K kernel (kernels/triton/mma_gemv.py) at its engine launch and a
+    few others (row groups a program, K slices): the best into `row`, every one in
+    row["candidates"], and the best one's distance from the legacy kernel's result."""
+    from minivllm.kernels.triton.mma_gemv import mma_gemv, mma_launch
+
+    n, k = row["n"], row["k"]
+    nb0, split0 = mma_launch(n, k, sm_count)
+    best = None
+    for nb, split in sorted({(nb, min(split, k // 256)) for nb, split in ((nb0, split0), (8, split0), (4, 1),
+                                                                          (4, 2 * split0))}):
+        try:
+            us = graph_us(lambda i, nb=nb, split=split: lambda: mma_gemv(
+                x, ws[i % copies], block_nb=nb, split=split, out_dtype=torch.float16), nbytes)
+        except Exception as exc:  # a launch that does not compile here
+            row["candidates"].append({"kernel": "mma", "block_nb": nb, "split": split,
+                                      "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        row["candidates"].append({"kernel": "mma", "block_nb": nb, "split": split, "us": us})
+        if best is None or us < best[2]:
+            best = (nb, split, us)
+    if best is not None:
+        y = mma_gemv(x, ws[0], block_nb=best[0], split=best[1])
+        row.update(mma_us=best[2], mma_frac_of_copy=frac(best[2]), mma_launch={"block_nb": best[0], "split": best[1]},
+                   mma_engine_launch={"block_nb": nb0, "split": split0},
+                   mma_max_rel_diff_vs_legacy=float((y - y_legacy).abs().max() / y_legacy.abs().max()))
+
+
 def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, prof, copy_gbs: float) -> None:
     """The JSON, the Markdown table and the config table so far (rewritten after every row,
     so a run stopped early keeps what it measured)."""
@@ -290,8 +320,8 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); fraction = weight bytes / time / copy bandwidth",
         "",
         "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
-        "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["best"]
@@ -304,10 +334,17 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
             f"| {r['best_frac_of_copy']:.0%} "
             f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
-            f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} |"
+            f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} |"
         )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def mma_cells(r: dict) -> str:
+    if "mma_us" not in r:
+        return "— | — | —"
+    lc = r["mma_launch"]
+    return f"{r['mma_us']:.1f} | {r['mma_frac_of_copy']:.0%} | {lc['block_nb']}, {lc['split']}"

@@ -308,6 +308,8 @@ else
       --prompt-tokens 512
     step "decode prefetch $s" "$R/decode-prefetch-$s.log" env MINIVLLM_GEMV_PREFETCH=1 $DEC $SYN $s \
       --prompt-tokens 512
+    step "decode mma gemv $s" "$R/decode-mmagemv-$s.log" env MINIVLLM_GEMV_KERNEL=mma $DEC $SYN $s \
+      --prompt-tokens 512
   done
   step "decode no pdl 7b" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 512
@@ -350,6 +352,8 @@ else
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
   step "profile prefetch 512" "$R/profile-prefetch.log" env MINIVLLM_GEMV_PREFETCH=1 $P --prompt-tokens 512 \
+    --synthetic qwen2.5-7b-q4_k_m
+  step "profile mma gemv 512" "$R/profile-mmagemv.log" env MINIVLLM_GEMV_KERNEL=mma $P --prompt-tokens 512 \
     --synthetic qwen2.5-7b-q4_k_m
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m

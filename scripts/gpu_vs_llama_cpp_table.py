@@ -119,7 +119,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("mmapdl", "MMA attention and PDL (MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1)"),
                             ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)"),
                             ("nopdl", "PDL off (MINIVLLM_PDL=0)"),
-                            ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)")):
+                            ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)"),
+                            ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]
@@ -163,7 +164,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             t.row(
                 f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)"
                 f"{', PDL (MINIVLLM_PDL=1)' if p.get('pdl') else ''}"
-                f"{', MMA attention' if p.get('mma') else ''}{', GEMV prefetch' if p.get('prefetch') else ''}",
+                f"{', MMA attention' if p.get('mma') else ''}{', GEMV prefetch' if p.get('prefetch') else ''}"
+                f"{', MMA GEMV' if p.get('gemv_kernel') == 'mma' else ''}",
                 f"µs per {p['context']}-token prefill (eager)" if p.get("prefill")
                 else "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),
                 "—",

@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.synthetic_model import ensure_synthetic_model
+from minivllm.kernels.gemv_configs import GEMV_KERNEL_ENV
 from minivllm.kernels.triton.paged_attention import default_launch
 from minivllm.kernels.triton.pdl import PREFETCH_ENV, pdl_requested
 
@@ -178,7 +179,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
         f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}"
-        f"{', GEMV prefetch' if r.get('prefetch') else ''}",
+        f"{', GEMV prefetch' if r.get('prefetch') else ''}{', MMA GEMV' if r.get('gemv_kernel') == 'mma' else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
         f"median {r['step_wall_us']['median'] or 0:.0f} µs",
@@ -221,10 +222,11 @@ def main() -> None:
             r["pdl"] = pdl_requested()  # programmatic dependent launch (sm_90+; off: MINIVLLM_PDL=0)
             r["mma"] = default_launch().mma  # the tensor-core attention body (off: MINIVLLM_ATTENTION_MMA=0)
             r["prefetch"] = os.environ.get(PREFETCH_ENV) == "1"  # GEMV weights asked of L2 before the PDL wait
+            r["gemv_kernel"] = os.environ.get(GEMV_KERNEL_ENV, "tiled")  # mma: the tensor-core Q4_K GEMV
             results.append(r)
             tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
                    f"{'' if r['pdl'] else '-nopdl'}{'' if r['mma'] else '-plainattn'}"
-                   f"{'-prefetch' if r['prefetch'] else ''}")
+                   f"{'-prefetch' if r['prefetch'] else ''}{'-mmagemv' if r['gemv_kernel'] == 'mma' else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)

@@ -27,6 +27,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from minivllm.errors import ConfigError, DeviceError
+from minivllm.kernels.gemv_configs import GEMV_KERNEL_ENV
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.kernels.repacked_layout import PLANE_ORDER, REPACKED_TYPES, R, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
 from minivllm.kernels.triton.repacked_decode import decode_field, group_scales, high_fields, scaled_sum
@@ -190,6 +191,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+
 def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False, out_dtype: torch.dtype | None = None,
                   bias: torch.Tensor | None = None, autotune: bool = True, defer_split_sum: bool = False):
     """y = x @ W.T (+ bias) with float32 accumulation, rounded once to `out_dtype`
@@ -209,6 +211,7 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
     from minivllm.kernels.gemv_configs import lookup
     from minivllm.kernels.gpu_profile import gpu_profile
     from minivllm.kernels.triton import q8_gemv as q8
+    from minivllm.kernels.triton.mma_gemv import mma_gemv, mma_gemv_applies, mma_launch
 
     profile = gpu_profile(x.device)
     # Launch shapes come from the GPU's table and depend on the weight's type and shape
@@ -217,6 +220,10 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         config = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count, int8=True)
         return q8.q8_gemv(x, w, config, out_dtype=out_dtype, bias=bias, defer_split_sum=defer_split_sum)
     config = tiled_config(x, w, invariant=invariant)
+    if config is not None and mma_gemv_applies(x, w):  # opt-in: MINIVLLM_GEMV_KERNEL=mma
+        block_nb, split = mma_launch(n, k, profile.sm_count)
+        return mma_gemv(x, w, block_nb=block_nb, split=split, out_dtype=out_dtype, bias=bias,
+                        defer_split_sum=defer_split_sum)
     if config is not None:
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv
 
@@ -261,7 +268,7 @@ def tiled_config(x: torch.Tensor, w: RepackedWeight, *, invariant: bool):
     else None."""
     if _int8_path(x, w) or not (x.shape[0] == 1 or invariant):
         return None
-    if os.environ.get("MINIVLLM_GEMV_KERNEL", "tiled") == "legacy":
+    if os.environ.get(GEMV_KERNEL_ENV, "tiled") == "legacy":
         return None
     from minivllm.kernels.gemv_configs import lookup
     from minivllm.kernels.gpu_profile import gpu_profile
