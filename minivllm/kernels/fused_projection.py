@@ -124,7 +124,11 @@ class FusedProjection:
         config = tiled_config(x, lin.repacked, invariant=path == "gemv-invariant")
         if config is None or not lin.kernel_usable():
             return None
+        from minivllm.kernels.triton.mma_gemv import mma_gemv_applies
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv_swiglu
+
+        if mma_gemv_applies(x, lin.repacked):  # opt-in: the tensor-core GEMV, then the swiglu kernel
+            return None
 
         lin.options.path_counts[path] += 1
         with trace_scope("qmatmul", self.name, path=path, epilogue="swiglu"):

@@ -188,3 +188,32 @@ def test_q4k_at_7b_shapes_on_the_gpu(n, k):
     alone = mg.mma_gemv(x[2:3].contiguous(), rw, block_nb=block_nb, split=split)
     assert torch.equal(alone[0], y[2])
     _assert_float32_grade(repacked_gemv(x[:1], rw), ref[:1], k)  # the float kernel, for scale
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_decode_with_the_mma_gemv_agrees_with_the_float_kernel(tiny_qwen_gguf, monkeypatch):
+    """The engine with MINIVLLM_GEMV_KERNEL=mma (its Q4_K projections on tensor cores,
+    gate+up then the swiglu kernel), f16, CUDA graphs, batch-invariant mode (every GEMV row
+    through the same kernels, prompts too): the same greedy tokens as the float kernel,
+    and the kernel was launched at all. Two float32-grade GEMVs differ in the last bits
+    only, far below the synthetic model's logit gaps."""
+    from conftest import TINY_QWEN_PROMPTS
+
+    from minivllm.engine.llm import LLM
+    from minivllm.kernels.gpu_profile import gpu_profile
+    from minivllm.sampling.sampling_params import SamplingParams
+
+    if not gpu_profile(torch.device("cuda")).tensor_core_dot:
+        pytest.skip("this profile has no tl.dot (the T4 profile): the kernel never runs here")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for kernel in ("tiled", "mma"):
+        monkeypatch.setenv(GEMV_KERNEL_ENV, kernel)
+        llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16",
+                  batch_invariant=True)
+        tokens[kernel] = [o.token_ids for o in llm.generate(TINY_QWEN_PROMPTS, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens["mma"] == tokens["tiled"]
+    assert any(mg._mma_gemv_q4k_kernel.device_caches.values()), "the tensor-core GEMV never ran"
