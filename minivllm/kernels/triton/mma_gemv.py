@@ -182,17 +182,15 @@ def mma_gemv(x: torch.Tensor, w: RepackedWeight, *, block_nb: int = 4, split: in
     """y = x @ W.T (+ bias) for a Q4_K weight and f16 x (M, K), float32 sums rounded once to
     `out_dtype` (default float32); `split` K slices of whole superblocks summed in slice
     order (`split_sum.py`), or handed back unsummed with `defer_split_sum`."""
-    from minivllm.kernels.triton.tiled_gemv import split_output
+    from minivllm.kernels.triton.tiled_gemv import gemv_inputs, split_output
 
     n, k = w.shape
     if w.ggml_type.name != "Q4_K" or x.dtype != torch.float16:
         raise ValueError(f"mma_gemv: Q4_K weights and f16 activations only, got {w.ggml_type.name} and {x.dtype}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out_dtype, empty = gemv_inputs(x, n, out_dtype)
+    if empty is not None:
+        return empty
     m = x.shape[0]
-    out_dtype = out_dtype or torch.float32
-    if m == 0:
-        return torch.empty((0, n), dtype=out_dtype, device=x.device)
     n_sb = k // 256
     sb_per = triton.cdiv(n_sb, max(1, min(split, n_sb)))
     split = triton.cdiv(n_sb, sb_per)

@@ -241,6 +241,15 @@ def split_output(ws: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | 
     return out
 
 
+def gemv_inputs(x: torch.Tensor, n: int, out_dtype: torch.dtype | None):
+    """(x with unit stride along K, the output dtype (default float32), the (0, n) result
+    when x has no rows, else None): what every decode GEMV launcher starts with."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out_dtype = out_dtype or torch.float32
+    return x, out_dtype, (torch.empty((0, n), dtype=out_dtype, device=x.device) if x.shape[0] == 0 else None)
+
+
 def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dtype: torch.dtype | None = None,
                bias: torch.Tensor | None = None, defer_split_sum: bool = False) -> torch.Tensor | SplitPartials:
     """y = x @ W.T (+ bias), float32 accumulation, one rounding to `out_dtype` (default
@@ -248,12 +257,10 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     `defer_split_sum`: where `config` splits K, return the unsummed `SplitPartials`
     instead (one launch fewer; the consumer sums them, `split_sum.py`)."""
     n, k = w.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out_dtype, empty = gemv_inputs(x, n, out_dtype)
+    if empty is not None:
+        return empty
     m = x.shape[0]
-    out_dtype = out_dtype or torch.float32
-    if m == 0:
-        return torch.empty((0, n), dtype=out_dtype, device=x.device)
     grid, g_per, split = launch_shape(n, k, m, config)
     has_bias = bias is not None
     dest = (torch.empty((m, n), dtype=out_dtype, device=x.device) if split == 1
