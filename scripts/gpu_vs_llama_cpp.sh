@@ -13,7 +13,7 @@
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
 # GEMV launch shapes (scripts/gemv_sweep.py: the GPU alone), then runs `pytest -m cuda`
-# natively and under the T4 profile (MINIVLLM_GPU_PROFILE=sm75) side by side. Run 2 waits
+# under the T4 profile (MINIVLLM_GPU_PROFILE=sm75; natively: the `verify` mode). Run 2 waits
 # for the build, then times both engines on the same files: llama-bench (pp512, tg128,
 # tg128 after 512 and 4096 tokens), llama-batched-bench (1/8/32 sequences, 128 + 128) and
 # minivllm's bench decode / batched decode, natively (with run 1's GEMV table), with the
@@ -267,7 +267,10 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
       --quick Q4_K,Q6_K --shapes fused,3584x3584,3584x18944
     for f in "$W"/sweep-prefetch/gemv-sweep-*; do cp "$f" "$R/prefetch-$(basename "$f")" 2>/dev/null; done
   fi
-  RESERVE=${RESERVE:-150} run_pytest
+  # pytest -m cuda in the T4 profile (each test named; the native profile runs in `verify`)
+  BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-220} )) step "pytest sm75" "$R/pytest-cuda-sm75.log" \
+    env MINIVLLM_GPU_PROFILE=sm75 python3 -m pytest -m cuda -v -n 8 --timeout 300 -p no:cacheprovider -rfE
+  stamp "pytest sm75: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
   BASE=""; [ -f ../paged_attention_b738059.py ] && BASE="--baseline-module ../paged_attention_b738059.py"
   BUDGET=$(( $(date +%s) - T0 + ${ATTN_BUDGET:-70} )) step "attention bench" "$R/attention-bench.log" \
     python3 scripts/attention_bench.py "$R/attention-bench.json" $BASE
