@@ -217,3 +217,37 @@ def test_decode_with_the_mma_gemv_agrees_with_the_float_kernel(tiny_qwen_gguf, m
         torch.cuda.empty_cache()
     assert tokens["mma"] == tokens["tiled"]
     assert any(mg._mma_gemv_q4k_kernel.device_caches.values()), "the tensor-core GEMV never ran"
+
+
+@cpu_only
+def test_gate_up_take_it_then_the_swiglu_kernel_interpreted(monkeypatch):
+    """A fused Q4_K gate+up under MINIVLLM_GEMV_KERNEL=mma (the GPU code path on CPU
+    tensors): this kernel on the fused weight, then the swiglu kernel, close to the torch
+    dequantization's silu(g) * u, a row's bits the same alone and in the batch
+    (batch-invariant mode), and this kernel launched, not the tiled epilogue."""
+    from test_fused_projection import _linears
+
+    from minivllm.kernels.fused_projection import fuse_projections, project_swiglu
+    from minivllm.kernels.kernel_options import KernelOptions, kernel_options_for_call
+
+    monkeypatch.setenv("MINIVLLM_TRITON_CPU", "1")
+    monkeypatch.delenv("MINIVLLM_FUSED_PROJECTIONS", raising=False)
+    monkeypatch.setenv(GEMV_KERNEL_ENV, "mma")
+    k = 512
+    opts = KernelOptions(gemv_max_rows=8, dequant_cache=False, batch_invariant=True)
+    gate, up = _linears([T.Q4_K] * 2, [24, 24], k, opts, seed=5)
+    wg, wu = gate.repacked.to_quantized(), up.repacked.to_quantized()
+    x = (torch.randn(3, k, generator=torch.Generator().manual_seed(2)) * 0.3).half()
+    fuse_projections((gate, up), "ffn_gate_up")
+    calls = []
+    real = mg.mma_gemv
+    monkeypatch.setattr(mg, "mma_gemv", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    with kernel_options_for_call(KernelOptions(gemv_max_rows=8, dequant_cache=False, batch_invariant=True)):
+        y = project_swiglu(gate, up, x, torch.float16)
+        alone = project_swiglu(gate, up, x[1:2], torch.float16)
+    assert calls == [(48, k), (48, k)]  # the fused weight, once a call
+    assert torch.equal(alone[0], y[1])
+    g = x.float() @ wg.dequantize(torch.float32).T + gate.bias
+    u = x.float() @ wu.dequantize(torch.float32).T + up.bias
+    ref = torch.nn.functional.silu(g) * u
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
