@@ -267,6 +267,11 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
       --quick Q4_K,Q6_K --shapes fused,3584x3584,3584x18944
     for f in "$W"/sweep-prefetch/gemv-sweep-*; do cp "$f" "$R/prefetch-$(basename "$f")" 2>/dev/null; done
   fi
+  # the newest GPU tests natively (the MMA GEMV skips in the T4 profile, which has no tl.dot)
+  BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-90} )) step "pytest new native" "$R/pytest-cuda-new.log" \
+    python3 -m pytest -m cuda -v -n 4 --timeout 120 -p no:cacheprovider -rfE tests/integration/kernels/test_mma_gemv.py \
+    tests/integration/kernels/test_pdl.py tests/integration/kernels/test_triton_tiled_gemv.py
+  stamp "pytest new native: $(tail -n 1 "$R/pytest-cuda-new.log")"
   # pytest -m cuda in the T4 profile (each test named; the native profile runs in `verify`)
   BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-220} )) step "pytest sm75" "$R/pytest-cuda-sm75.log" \
     env MINIVLLM_GPU_PROFILE=sm75 python3 -m pytest -m cuda -v -n 8 --timeout 300 -p no:cacheprovider -rfE
