@@ -103,7 +103,10 @@ class LLMEngine:
     # -- submission ----------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-                    prompt: str | None = None, request_id: str | None = None) -> str:
+                    prompt: str | None = None, request_id: str | None = None, handoff: bool = False) -> str:
+        """Queue a request; `handoff`: it is the prefill half of a split request, exported
+        after its first token (the serving worker does that), so it may take a handoff row
+        (EngineConfig.handoff_rows) when every slot is taken."""
         params = params or SamplingParams()
         try:
             check_request(prompt_ids, params, request_id=request_id, taken=request_id in self._requests,
@@ -117,6 +120,7 @@ class LLMEngine:
         rid = request_id or f"req-{index}"
         req = Request(rid, prompt, prompt_ids, params, self.tokenizer, self.model.device, index)
         req.constraint = constraint
+        req.handoff = handoff
         self._requests[rid] = req
         if self.flights is not None:
             self.flights.join(rid, req.prompt_ids)

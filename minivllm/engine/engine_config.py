@@ -36,8 +36,8 @@ class EngineConfig(KernelSettings):
                           choices=KV_MODES)
     page_size: int = option(16, "tokens per KV page", "kv cache")
     kv_memory_bytes: int | None = option(
-        None, "KV pool budget in bytes (default: enough for max_active_requests full-length sequences, capped at "
-        "1 GiB on CPU and at half of the free memory on a GPU)", "kv cache")
+        None, "KV pool budget in bytes (default: enough for max_active_requests + handoff_rows full-length "
+        "sequences, capped at 1 GiB on CPU and at half of the free memory on a GPU)", "kv cache")
     kv_memory_fraction: float | None = option(None, "KV pool budget as a fraction of free GPU memory, in (0, 0.95]",
                                               "kv cache")
     kv_shareable: bool = option(
@@ -48,6 +48,10 @@ class EngineConfig(KernelSettings):
                                        "scheduler")
     max_batched_tokens: int = option(512, "per-step token budget (decode rows + prefill chunks)", "scheduler")
     max_active_requests: int = option(16, "requests the scheduler runs at once (per worker)", "scheduler")
+    handoff_rows: int = option(
+        0, "rows beyond max_active_requests for the prefill halves of split requests, which leave for another "
+        "worker after their first token: a worker whose slots are all taken can still run them (issue 43)",
+        "scheduler")
     policy: str = option("fcfs", "which waiting request is admitted first", "scheduler", choices=POLICIES)
     enforce_eager: bool = option(False, "no CUDA graphs (decode steps and prompt chunks)", "kernels")
     prefill_graphs: bool = option(
@@ -114,6 +118,14 @@ class EngineConfig(KernelSettings):
         parse_draft_policy(self.draft_policy, self.num_draft_tokens)  # raises ConfigError naming the policy
         if not (isinstance(self.max_active_requests, int) and self.max_active_requests >= 1):
             raise ConfigError("max_active_requests", self.max_active_requests, "must be an integer >= 1")
+        if isinstance(self.handoff_rows, bool) or not (isinstance(self.handoff_rows, int) and self.handoff_rows >= 0):
+            raise ConfigError("handoff_rows", self.handoff_rows, "must be an integer >= 0 (default 0)")
+
+    @property
+    def max_rows(self) -> int:
+        """The most requests a step can hold: every slot plus the handoff rows. The model
+        runner's buffers and CUDA graphs, and the default KV pool, are sized for it."""
+        return self.max_active_requests + self.handoff_rows
 
     @property
     def prefix_cache_enabled(self) -> bool:
@@ -137,6 +149,6 @@ class EngineConfig(KernelSettings):
         # The CUDA graphs take one page as their scratch (padding rows write there): without
         # it counted, a pool sized for exactly one full-length request refuses that request.
         graph_scratch = 1 if device.type == "cuda" and not self.enforce_eager else 0
-        wanted = (self.max_active_requests * pages_per_seq + graph_scratch) * page_bytes
+        wanted = (self.max_rows * pages_per_seq + graph_scratch) * page_bytes
         cap = int(torch.cuda.mem_get_info(device)[0] * 0.5) if device.type == "cuda" else _CPU_KV_CAP
         return max(page_bytes * (pages_per_seq + graph_scratch), min(wanted, cap))

@@ -56,13 +56,13 @@ class ModelRunner:
         self.speculator = speculator
         self.options = config.kernel_options().resolved(model.device, dense_bytes=model.dense_bytes())
         self.graphs = None if config.enforce_eager else decode_graph_runner(
-            model, pool, max_rows=config.max_active_requests, max_model_len=max_model_len, options=self.options)
+            model, pool, max_rows=config.max_rows, max_model_len=max_model_len, options=self.options)
         self.prefill_graphs = None
         if self.graphs is not None and config.prefill_graphs:
             self.prefill_graphs = PrefillGraphRunner(
                 model, pool, scratch_page=self.graphs.scratch_page, max_tokens=config.max_batched_tokens,
-                max_rows=config.max_active_requests, max_model_len=max_model_len, options=self.options)
-        self.inputs = StepInputs(pool, tokens=config.max_batched_tokens, rows=config.max_active_requests,
+                max_rows=config.max_rows, max_model_len=max_model_len, options=self.options)
+        self.inputs = StepInputs(pool, tokens=config.max_batched_tokens, rows=config.max_rows,
                                  invariant=self.options.batch_invariant)
         # Set by the engine: something reads every drawn row's logits (LLMEngine.logits_hook),
         # so constrained rows are masked before their draw.
@@ -73,7 +73,7 @@ class ModelRunner:
 
             options = config.kernel_options().resolved(draft_model.device, dense_bytes=draft_model.dense_bytes())
             self.draft = DraftRunner(draft_model, speculator.drafter.pool, options, vocab=speculator.vocab,
-                                     stop_ids=speculator.stop_ids, max_rows=config.max_active_requests,
+                                     stop_ids=speculator.stop_ids, max_rows=config.max_rows,
                                      max_model_len=max_model_len, tokens=config.max_batched_tokens,
                                      eager=config.enforce_eager)
 

@@ -57,6 +57,9 @@ class Request:
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None
+        # The prefill half of a split request: it leaves for another engine after its first
+        # token, so it may run in one of the engine's handoff rows when every slot is taken.
+        self.handoff = False
 
     @property
     def all_ids(self) -> list[int]:

@@ -7,8 +7,9 @@ Step shape (as in vLLM v1):
      and is recomputed later);
   2. the rest of the `max_batched_tokens` budget goes to prefill chunks, ordered by the
      policy, over running requests that are still prefilling and waiting requests that
-     can be admitted (a free slot under `max_active_requests` and enough free pages
-     for their whole prompt).
+     can be admitted (a free slot under `max_active_requests`, or for the prefill half of
+     a split request one of the `handoff_rows` beyond, and enough free pages for their
+     whole prompt).
 
 Pages: the scheduler decides who runs, the KV manager (cache/kv_manager.py) which pages
 they get; it never touches a block table itself. Admission asks `KVManager.admit`, which
@@ -208,7 +209,7 @@ class Scheduler:
                 break
             if req.status in (Status.WAITING, Status.PREEMPTED):
                 # Not re-admitted in the step that preempted it: that would only churn.
-                if req in step.preempted or len(self.running) >= self.config.max_active_requests:
+                if req in step.preempted or not self._row_free_for(req):
                     continue
                 if self.flights is not None and self.flights.waiting_on(req.id) is not None:
                     continue
@@ -238,7 +239,7 @@ class Scheduler:
         planned as usual, after this one is applied (engine/step_pipeline.py). With every
         slot taken, nobody waiting can be admitted next step anyway: a slot a finishing row
         frees is filled one step later than without the pipeline."""
-        if self.waiting and len(self.running) < self.config.max_active_requests:
+        if any(self._row_free_for(req) for req in self.waiting):
             return None
         rows = []
         for row in plan.rows:
@@ -274,6 +275,14 @@ class Scheduler:
                 row.draft_tokens = k
                 row.n_tokens = 1 + k
         return budget
+
+    def _row_free_for(self, req: Request) -> bool:
+        """Whether admitting `req` keeps the step within its rows: requests that stay hold
+        at most `max_active_requests` of them; the prefill halves of split requests, which
+        leave after their first token, may also take the `handoff_rows` beyond."""
+        if len(self.running) >= self.config.max_rows:
+            return False
+        return req.handoff or sum(not r.handoff for r in self.running) < self.config.max_active_requests
 
     def _admit(self, req: Request) -> bool:
         """Give a waiting request pages for every known token, restoring what the prefix

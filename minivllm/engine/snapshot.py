@@ -6,7 +6,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
     {
       "schema": "minivllm.engine.snapshot/1",
       "engine": {model, architecture, device, activation_dtype, kv_dtype, kv_mode, page_size,
-                 max_model_len, max_batched_tokens, max_active_requests, policy},
+                 max_model_len, max_batched_tokens, max_active_requests, handoff_rows, policy},
       "queues": {
         "policy": str,
         "waiting":   [request],    # never scheduled yet
@@ -97,6 +97,7 @@ def build_snapshot(engine, scheduler, kv, requests: dict) -> dict:
             "max_model_len": engine.max_model_len,
             "max_batched_tokens": cfg.max_batched_tokens,
             "max_active_requests": cfg.max_active_requests,
+            "handoff_rows": cfg.handoff_rows,
             "policy": cfg.policy,
         },
         "queues": scheduler.snapshot(),

@@ -95,11 +95,16 @@ def gpu_profile(device=None) -> GpuProfile:
 TRITON_CPU_ENV = "MINIVLLM_TRITON_CPU"
 
 
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1): on CPU
+    tensors, with no compiler, no inline PTX and no autotuning."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def runs_gpu_path(device) -> bool:
     """Whether a model on `device` takes the GPU code path: CUDA, or the CPU under the
     interpreter when MINIVLLM_TRITON_CPU=1."""
     kind = getattr(device, "type", str(device))
     if kind == "cuda":
         return True
-    return (kind == "cpu" and os.environ.get(TRITON_CPU_ENV) == "1"
-            and os.environ.get("TRITON_INTERPRET") == "1")
+    return kind == "cpu" and os.environ.get(TRITON_CPU_ENV) == "1" and triton_interpreting()

@@ -77,6 +77,8 @@ class Candidate:
     existing_decode_tokens: int
     max_active: int
     cached_tokens: int = 0  # of the incoming prompt, held by this worker's prefix cache
+    handoff_rows: int = 0  # rows beyond max_active for split requests' prefill halves (EngineConfig)
+    handoffs: int = 0  # such prefill halves here now (their work is in existing_*, not in the slots)
     prefill_tps: float | None = None
     decode_tps: float | None = None  # at `concurrency`, filled in by the cost policy
     concurrency: int = 1

@@ -3,8 +3,10 @@
 For every ordered pair of priced workers (A, B), the time until the incoming request
 would be done if A ran its prefill and first token and B the rest:
 
-    prefill_s  = A's finish replayed (router.incoming_finish_s) for the prompt, net of
-                 A's cached prefix, and one token
+    prefill_s  = A's time to the prompt's K/V (net of A's cached prefix) and one token:
+                 started now in a free handoff row (EngineConfig.handoff_rows: the prefill
+                 half leaves after its first token, so a worker with every slot taken can
+                 still run it), else A's finish replayed (router.incoming_finish_s)
     transfer_s = bytes / the measured link rate; bytes = K/V bytes per token on A x the
                  prompt's full pages (what kv_transfer.read_blocks sends)
     decode_s   = B's finish for the rest, arriving at prefill_s + transfer_s: the tail
@@ -58,6 +60,16 @@ class SplitCandidate:
     break_even_ms_per_token: float | None
 
 
+def prefill_half_s(a, finish_s) -> float:
+    """When A would have the prompt's K/V and the first token. In a free handoff row
+    (EngineConfig.handoff_rows) it starts now, beside A's running requests, at A's prefill
+    rate and one decode step at A's current concurrency; otherwise it waits for one of
+    A's slots like any request (the FCFS replay)."""
+    if a.handoffs < a.handoff_rows:
+        return a.incoming_prefill_tokens / a.prefill_tps + a.concurrency / a.decode_tps
+    return finish_s(dataclasses.replace(a, incoming_decode_tokens=1), 0.0)
+
+
 def price_splits(prompt_tokens: int, max_tokens: int, priced: list, pricing: SplitPricing,
                  finish_s) -> list[SplitCandidate]:
     """Every (prefill, decode) pair of the priced candidates (their rates filled in by the
@@ -71,7 +83,7 @@ def price_splits(prompt_tokens: int, max_tokens: int, priced: list, pricing: Spl
         page = pricing.page_size[a.worker]
         moved = (prompt_tokens // page) * page
         nbytes = int(moved * pricing.kv_bytes_per_token[a.worker])
-        prefill_s = finish_s(dataclasses.replace(a, incoming_decode_tokens=1), 0.0)
+        prefill_s = prefill_half_s(a, finish_s)
         transfer_s = nbytes / pricing.link_bytes_per_s
         for b in priced:
             if b.worker == a.worker or b.worker not in pricing.kv_bytes_per_token:

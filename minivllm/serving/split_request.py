@@ -56,6 +56,9 @@ from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import NoWorkerAvailable
 from minivllm.serving.split_pricing import SplitPricing
 
+# Rows each worker of a local cluster keeps for split requests' prefill halves beyond its
+# slots (EngineConfig.handoff_rows), unless the cluster is told otherwise (cluster.py).
+DEFAULT_HANDOFF_ROWS = 2
 PHASES = ("prefill", "transfer", "decode", "done")  # transfer: exported, not yet imported
 
 

@@ -136,6 +136,7 @@ class Worker:
             "placement": config.get("placement") or {},
             "vocab_size": self.llm.model.config.vocab_size,
             "max_active_requests": self.engine.config.max_active_requests,
+            "handoff_rows": self.engine.config.handoff_rows,
             # Where a split request's prefill worker may write its K/V straight in (kv_landing.py).
             "kv_landing": self.engine.pool.shared.describe() if self.engine.pool.shared is not None else None,
         }
@@ -249,7 +250,8 @@ class Worker:
         rid = msg["request_id"]
         try:
             params = msg.get("parsed_params") or params_from_wire(msg["params"])
-            self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid)
+            self.engine.add_request(msg["prompt_ids"], params, prompt=msg.get("prompt"), request_id=rid,
+                                    handoff=bool(msg.get("export_after")))
             if msg.get("export_after"):
                 self.exports[rid] = {"after": int(msg["export_after"]), "segment": msg["segment"],
                                      "await_landing": bool(msg.get("await_landing")), "landing": None, "due": None}

@@ -46,6 +46,7 @@ class InFlight:
     max_tokens: int
     routed_at: float = field(default_factory=time.monotonic)
     output_tokens: int = 0
+    handoff: bool = False  # a split request's prefill half: leaves after its first token, in a handoff row
 
 
 class WorkerHandle:
@@ -137,7 +138,10 @@ class WorkerHandle:
                *, export: dict | None = None) -> None:
         """`export` ({"export_after", "segment", "await_landing", "landing_pool"}): the
         prefill half of a split request."""
-        self._send_request(stream, InFlight(stream, len(prompt_ids), cached_estimate, params.max_tokens),
+        # The prefill half of a split request holds this worker for its first token only.
+        flight = InFlight(stream, len(prompt_ids), cached_estimate, export["export_after"], handoff=True) \
+            if export else InFlight(stream, len(prompt_ids), cached_estimate, params.max_tokens)
+        self._send_request(stream, flight,
                            {"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
                             "prompt": stream.prompt, "params": params_to_wire(params), **(export or {})})
 
@@ -228,14 +232,18 @@ class WorkerHandle:
             flights = list(self.in_flight.items())
             running = dict(self.running)
         active, queued = [], []  # [remaining prefill, remaining decode] per request, FCFS (JSON-friendly lists)
+        handoffs = []  # split requests' prefill halves: in handoff rows (or slots), not in the FCFS slots replayed
         for rid, f in flights:
-            if f.output_tokens > 0:
+            if f.handoff:
+                handoffs.append([max(0, f.prompt_tokens - max(running.get(rid, 0), f.cached_estimate)),
+                                 max(0, f.max_tokens - f.output_tokens)])
+            elif f.output_tokens > 0:
                 active.append([0, max(0, f.max_tokens - f.output_tokens)])
             elif rid in running:
                 active.append([max(0, f.prompt_tokens - max(running[rid], f.cached_estimate)), f.max_tokens])
             else:
                 queued.append([max(0, f.prompt_tokens - f.cached_estimate), f.max_tokens])
-        work = active + queued
+        work = active + queued + handoffs
         return Candidate(
             worker=self.name,
             healthy=self.healthy,
@@ -244,6 +252,8 @@ class WorkerHandle:
             existing_prefill_tokens=sum(p for p, _ in work),
             existing_decode_tokens=sum(d for _, d in work),
             max_active=int(self.info.get("max_active_requests", 1)),
+            handoff_rows=int(self.info.get("handoff_rows", 0)),
+            handoffs=len(handoffs),
             cached_tokens=cached_tokens,
             active_work=active,
             queued_work=queued,

@@ -21,7 +21,6 @@ are chosen for speed: an autotuned set for M = 1, a multi-row program for M > 1.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from minivllm.errors import ConfigError, DeviceError, UnsupportedTensorTypeError
+from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.kernels.triton import gemv_float, gemv_k_quants, gemv_legacy_quants
 
@@ -139,10 +139,6 @@ _dequant_gemv_m1 = triton.autotune(configs=_m1_configs(), key=["N", "N_GROUPS", 
 )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_inputs(x: torch.Tensor, w: QuantizedWeight) -> None:
     if w.ggml_type not in _KERNELS:
         supported = sorted(t.name for t in SUPPORTED_GEMV_TYPES)
@@ -160,7 +156,7 @@ def _check_inputs(x: torch.Tensor, w: QuantizedWeight) -> None:
         if x.dtype == torch.bfloat16 and not gpu_profile(x.device).bf16:
             raise DeviceError(f"triton_gemv({w.name!r}): bf16 activations need sm_80 or newer, "
                               f"{torch.cuda.get_device_name(x.device)} is older; use float16 or float32")
-    elif not (x.device.type == "cpu" and _interpreting()):
+    elif not (x.device.type == "cpu" and triton_interpreting()):
         raise DeviceError(f"triton_gemv({w.name!r}) is a Triton GPU kernel and got {x.device} tensors; move them "
                           f"to a CUDA device (CPU tensors run only under Triton's interpreter, TRITON_INTERPRET=1)")
 
@@ -184,7 +180,7 @@ def triton_gemv(x: torch.Tensor, w: QuantizedWeight, *, invariant: bool = False)
     args = (x, raw, out, m, n, x.stride(0), raw.stride(0), out.stride(0))
     common = dict(N_GROUPS=k // spec.group, DECODE=spec.decode, GROUP=spec.group)
 
-    if invariant or _interpreting():
+    if invariant or triton_interpreting():
         # The interpreter cannot autotune (no CUDA events); it runs the fixed configs.
         cfg = dict(_INVARIANT) if invariant or m == 1 else _multi_row_config(m)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.gemv_configs import GEMV_KERNEL_ENV
+from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.repacked_layout import R, RepackedWeight
 from minivllm.kernels.triton.attend_split_mma import dot3
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
@@ -157,7 +158,7 @@ def mma_gemv_applies(x: torch.Tensor, w: RepackedWeight) -> bool:
     if os.environ.get(GEMV_KERNEL_ENV) != "mma" or w.ggml_type.name != "Q4_K" or x.dtype != torch.float16:
         return False
     if x.device.type == "cpu":
-        return _interpreting()
+        return triton_interpreting()
     from minivllm.kernels.gpu_profile import gpu_profile
 
     return gpu_profile(x.device).tensor_core_dot
@@ -170,10 +171,6 @@ def mma_launch(n: int, k: int, sm_count: int) -> tuple[int, int]:
     programs = triton.cdiv(triton.cdiv(n, R), 4)
     split = min(k // 256, max(1, triton.cdiv(2 * sm_count, programs)))
     return 4, split
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def mma_gemv(x: torch.Tensor, w: RepackedWeight, *, block_nb: int = 4, split: int = 1, num_warps: int = 4,
@@ -202,5 +199,5 @@ def mma_gemv(x: torch.Tensor, w: RepackedWeight, *, block_nb: int = 4, split: in
         x, w.qs, w.planes["d"], w.planes["dmin"], w.planes["sc"], w.planes["mn"], bias if has_bias else dest, dest,
         m, n, x.stride(0), dest.stride(-2), m * n, sb_per, N_GROUPS=k // 32, BLOCK_NB=block_nb,
         IS_SPLIT=split > 1, HAS_BIAS=has_bias,
-        ASM=not _interpreting(), num_warps=num_warps, **pdl_args(x.device))
+        ASM=not triton_interpreting(), num_warps=num_warps, **pdl_args(x.device))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from minivllm.errors import ConfigError, DeviceError
+from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.triton.attend_split_mma import attend_split_mma, mma_block_m
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.split_tile import load_split_kv
@@ -419,7 +420,7 @@ def require_triton_device(tensors: dict[str, torch.Tensor], kernel: str) -> None
     device = next(iter(devices.values()))
     if device.type == "cuda":
         return
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cpu" and triton_interpreting():
         return
     raise DeviceError(f"{kernel} is a Triton GPU kernel and got {device} tensors; move them to a CUDA device "
                       f"(CPU tensors only run under Triton's interpreter: set TRITON_INTERPRET=1 before importing it)")

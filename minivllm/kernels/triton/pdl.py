@@ -34,7 +34,7 @@ import os
 import triton
 import triton.language as tl
 
-from minivllm.kernels.gpu_profile import gpu_profile
+from minivllm.kernels.gpu_profile import gpu_profile, triton_interpreting
 
 PDL_ENV = "MINIVLLM_PDL"
 PREFETCH_ENV = "MINIVLLM_GEMV_PREFETCH"
@@ -63,7 +63,7 @@ def pdl_requested() -> bool:
 
 
 def _enabled(device_type: str, index: int | None) -> bool:
-    if not pdl_requested() or device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not pdl_requested() or device_type != "cuda" or triton_interpreting():
         return False
     import torch
 

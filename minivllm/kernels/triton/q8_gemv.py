@@ -23,7 +23,6 @@ to 8 bits per group, as llama.cpp does), so it runs only under its own name
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
@@ -32,6 +31,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from minivllm.kernels.gemv_configs import GemvConfig, default_config
+from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.repacked_decode import store_rows, word_tile
@@ -39,10 +39,6 @@ from minivllm.kernels.triton.split_sum import SplitPartials
 
 _T = GGMLQuantizationType
 Q8_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # --- activations -----------------------------------------------------------------------
@@ -275,6 +271,6 @@ def q8_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig | None = None
         xw, dx, w.qs, *ptrs, bias if has_bias else dest, dest, m, n, n, m * n, g_per, triton.cdiv(n, R),
         N_GROUPS=k // 32, KIND=_KIND[w.ggml_type], T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias,
-        EMULATE=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        EMULATE=triton_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_args(xw.device))
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)

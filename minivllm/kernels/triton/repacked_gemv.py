@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.gemv_configs import GEMV_KERNEL_ENV
+from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.quant_weight import QuantizedWeight
 from minivllm.kernels.repacked_layout import PLANE_ORDER, REPACKED_TYPES, R, RepackedWeight, repack, unpack_raw  # noqa: F401 (re-exported)
 from minivllm.kernels.triton.repacked_decode import decode_field, group_scales, high_fields, scaled_sum
@@ -187,11 +188,6 @@ _repacked_gemv_tuned = triton.autotune(configs=_autotuned_configs(), key=["N", "
 )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-
 def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False, out_dtype: torch.dtype | None = None,
                   bias: torch.Tensor | None = None, autotune: bool = True, defer_split_sum: bool = False):
     """y = x @ W.T (+ bias) with float32 accumulation, rounded once to `out_dtype`
@@ -204,7 +200,7 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         raise ConfigError(f"x for {w.name!r}", tuple(x.shape), f"expected (M, {k}) activations")
     if x.device != w.device:
         raise DeviceError(f"repacked_gemv({w.name!r}): x is on {x.device} but the weight is on {w.device}")
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpreting()):
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and triton_interpreting()):
         raise DeviceError(f"repacked_gemv({w.name!r}) is a Triton GPU kernel and got {x.device} tensors; move "
                           f"them to a CUDA device (CPU tensors run only under TRITON_INTERPRET=1)")
     m = x.shape[0]
@@ -246,7 +242,7 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
                                          num_warps=4)
         return out
     grid = (m * triton.cdiv(n, R),)
-    if invariant or _interpreting() or not autotune:
+    if invariant or triton_interpreting() or not autotune:
         _repacked_gemv_kernel[grid](*args, **common, **_FIXED)
     else:
         _repacked_gemv_tuned[grid](*args, **common)

@@ -631,6 +631,7 @@ ENGINE_KEYS = {
     "max_model_len",
     "max_batched_tokens",
     "max_active_requests",
+    "handoff_rows",
     "policy",
 }
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}

@@ -104,6 +104,39 @@ def test_a_batching_gpu_with_long_answers_in_flight_keeps_a_short_request_whole(
     assert d["split"] is None and d["chosen"] == "cuda:0" and d["reason"] == "cost"
 
 
+def full_gpu(handoff_rows: int, handoffs: int) -> Candidate:
+    """A GPU whose 4 slots all hold 2,000-token answers, and one request queued for a slot."""
+    return Candidate("a", True, active=4, queued=1, existing_prefill_tokens=1000, existing_decode_tokens=8100,
+                     max_active=4, active_work=[[0, 2000]] * 4, queued_work=[[1000, 100]],
+                     handoff_rows=handoff_rows, handoffs=handoffs)
+
+
+def test_a_free_handoff_row_takes_the_prefill_half_without_waiting_for_a_slot():
+    """A GPU at its slot cap (4 answers of 2,000 tokens and one request queued): a whole
+    request waits for a slot; a split's prefill half runs now in a handoff row (one
+    step of the prompt at A's prefill rate and one decode step at A's concurrency), so
+    the split wins, the articles' case in its only live form here."""
+    gpu_rates = {"a": WorkerRates(prefill_tps=2000.0, decode_points={1: 20.0, 4: 80.0}),
+                 "b": WorkerRates(prefill_tps=100.0, decode_points={1: 50.0})}
+    d = Router("cost+split").choose(IncomingRequest("r", 1000, 101), [full_gpu(2, 0), idle("b")], gpu_rates,
+                                    pricing())
+    by = {c["worker"]: c for c in d["candidates"]}
+    per_request = 80.0 / 4  # decode_tps(4) / 4
+    # Whole on A: a slot frees after 2,000 tokens; the queued request takes it, the next one frees at the same time.
+    assert rel(by["a"]["finish_s"], 2000 / per_request + 1000 / 2000 + 101 / per_request)
+    ab = next(c for c in d["split_candidates"] if c["prefill"] == "a")
+    assert rel(ab["prefill_s"], 1000 / 2000 + 4 / 80.0)
+    tail = 1000 + 1 - 992
+    assert rel(ab["score"], ab["prefill_s"] + ab["transfer_s"] + tail / 100 + 100 / 50)
+    assert d["split"] == {"prefill": "a", "decode": "b"}
+    # Both handoff rows taken: the prefill half waits for a slot like the whole request, and the split loses.
+    d = Router("cost+split").choose(IncomingRequest("r", 1000, 101), [full_gpu(2, 2), idle("b")], gpu_rates,
+                                    pricing())
+    ab = next(c for c in d["split_candidates"] if c["prefill"] == "a")
+    assert rel(ab["prefill_s"], 2000 / per_request + 1000 / 2000 + 1 / per_request)
+    assert d["split"] is None
+
+
 def test_sampled_requests_split_only_between_workers_of_one_device_kind():
     d = Router("cost+split").choose(IncomingRequest("r", 1000, 101), [idle("a"), idle("b")], rates(),
                               pricing(sampled=True))
