@@ -190,7 +190,8 @@ elif [ "$MODE" = attention ]; then
   cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
 elif [ "$MODE" = verify ]; then
   # minivllm alone, one call, after a change of defaults: pytest -m cuda natively (each test
-  # named in the log), then issue 43's GPU -> CPU bench at backlogs 0 and 24 (the router's picks).
+  # named in the log), then issue 43's GPU -> CPU bench with A at its slot cap (8 slots, 8 long
+  # answers decoding): whole on A waits for a slot, a split's prefill half takes a handoff row.
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
   BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-230} )) step "pytest native" "$R/pytest-cuda-native.log" \
@@ -198,8 +199,8 @@ elif [ "$MODE" = verify ]; then
   stamp "pytest native: $(tail -n 1 "$R/pytest-cuda-native.log")"
   S05=$(sed -n 1p "$W/synthetic.log")
   step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \
-    disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 \
-    --outputs 128,512 --backlogs 0,24 --runs 1
+    disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096,1024 \
+    --outputs 128 --backlogs ${DISAGG_BACKLOGS:-8,0} --option max_active_requests=8 --runs 1
   grep -E "FAILED|ERROR" "$R/pytest-cuda-native.log" | head -20 | tee -a "$R/timeline.txt"
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
