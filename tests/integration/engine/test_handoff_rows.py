@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import DATA_DIR
 
 from minivllm import LLM, SamplingParams
@@ -23,9 +24,14 @@ LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 FIRST = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path):
-    return LLM(str(smollm2_path), device="cpu", dtype="float32", max_model_len=256, progress=False)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def llm(request, smollm2_path):
+    """On the GPU in f16 with CUDA graphs: a step of slots plus handoff rows replays the
+    graphs captured for `max_rows`."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dtype = "float32" if request.param == "cpu" else "float16"
+    return LLM(str(smollm2_path), device=request.param, dtype=dtype, max_model_len=256, progress=False)
 
 
 def engine(llm, **options) -> LLMEngine:
@@ -62,6 +68,8 @@ def test_a_full_engine_runs_a_handoff_in_its_handoff_row(llm):
     assert not e.request_state(queued).output_ids and not e.request_state(late_half).output_ids
     assert status(e, queued) == status(e, late_half) == "waiting"
     assert e.snapshot()["last_step"]["decode_rows"] == 2 and len(e.snapshot()["queues"]["running"]) == 3
+    e.step()  # until it is exported, the handoff decodes beside the slots: one row more than max_active_requests
+    assert e.snapshot()["last_step"]["decode_rows"] == 3 and len(e.request_state(split_half).output_ids) == 2
     e.release(split_half)  # exported: the serving worker lets it go, and its row is free again
     e.step()
     assert e.request_state(late_half).output_ids and not e.request_state(queued).output_ids
