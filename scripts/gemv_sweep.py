@@ -339,12 +339,12 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def mma_cells(r: dict) -> str:
     if "mma_us" not in r:
         return "— | — | —"
     lc = r["mma_launch"]
     return f"{r['mma_us']:.1f} | {r['mma_frac_of_copy']:.0%} | {lc['block_nb']}, {lc['split']}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

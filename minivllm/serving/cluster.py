@@ -40,7 +40,7 @@ from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
 from minivllm.serving.router import Candidate, IncomingRequest, NoWorkerAvailable, Router
-from minivllm.serving.split_request import DEFAULT_HANDOFF_ROWS, SplitRequests, check_split
+from minivllm.serving.split_request import SplitRequests, check_split, split_engine_options
 from minivllm.serving.worker_handle import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, WorkerHandle
 from minivllm.serving.worker_rates import profile_of
 from minivllm.serving.worker_recovery import DEFAULT_MAX_WORKER_RESTARTS, WorkerSupervisor
@@ -93,9 +93,7 @@ class Cluster:
         worker on the cluster at `ray_address`: "auto", "ray://host:10001", or None for a
         private local Ray instance; needs `pip install 'minivllm[ray]'`). `trace_directory`: each
         worker writes its Chrome trace there (obs/trace.py; a split's handoff is a scope).
-        Local clusters of several workers give each `handoff_rows=DEFAULT_HANDOFF_ROWS`
-        unless told otherwise: a worker with every slot taken can still run a split
-        request's prefill half, which is what makes a split pay under a backlog."""
+        Local clusters of several workers keep handoff rows (`split_engine_options`)."""
         from minivllm.gguf.tokenizer import Tokenizer
         from minivllm.models import resolve_model
 
@@ -112,8 +110,7 @@ class Cluster:
 
             self._ray = RayBackend(ray_address)
             self._ray.check_devices(self.devices)
-        if backend == "local" and len(self.devices) > 1:  # split requests are possible: room for their prefill halves
-            engine_options = {"handoff_rows": DEFAULT_HANDOFF_ROWS, **engine_options}
+        engine_options = split_engine_options(engine_options, backend, len(self.devices))
         self.router = Router(router)
         self.model_path = resolve_model(model, progress=progress)
         self.model_name = Path(model).stem if str(model).endswith(".gguf") else str(model)

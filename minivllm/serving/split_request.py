@@ -72,6 +72,16 @@ def split_refusal(params: SamplingParams) -> tuple[str, str] | None:
     return next(((field, what) for field, used, what in refused if used), None)
 
 
+def split_engine_options(engine_options: dict, backend: str, workers: int) -> dict:
+    """Where split requests are possible (local workers, more than one), each worker keeps
+    DEFAULT_HANDOFF_ROWS beyond its slots unless told otherwise: a worker with every slot
+    taken can still run a split's prefill half, which is when a split pays (a GPU at its
+    slot cap sends new requests' decode to an idle CPU)."""
+    if backend == "local" and workers > 1:
+        return {"handoff_rows": DEFAULT_HANDOFF_ROWS, **engine_options}
+    return engine_options
+
+
 def check_split(placement, params: SamplingParams, workers: dict, backend: str) -> tuple[str, str]:
     """The (prefill, decode) worker names, or a ConfigError naming what cannot be split."""
     if backend != "local":
