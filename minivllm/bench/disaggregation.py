@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minivllm.bench.common import loadavg, model_label, provenance, record_stat
+from minivllm.bench.disaggregation_burst import measure_burst, render_burst
 from minivllm.bench.results import write_results
 from minivllm.errors import ConfigError
 from minivllm.sampling.sampling_params import SamplingParams
@@ -295,7 +296,7 @@ def measure_case(cluster, a: str, b: str, texts: Prompts, *, prompt_tokens: int,
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "auto", *,
         prompts: list[int] | None = None, outputs: list[int] | None = None, backlogs: list[int] | None = None,
         cached_on_a: list[int] | None = None, runs: int | None = None, quick: bool = False,
-        engine_options: dict | None = None) -> list[dict]:
+        engine_options: dict | None = None, burst: int = 0) -> list[dict]:
     """Every (prompt, output, backlog) case, every mode `runs` times; writes
     benchmarks/results/disaggregation-<model>-<stamp>.{json,md}; returns the case rows."""
     from minivllm.models import resolve_model
@@ -349,6 +350,14 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
                   + f"; fastest {row['fastest']}, router {row['router_pick']}, transfer "
                   f"{row['transfer_ms']:.1f} ms for {row['kv_bytes'] / 1e6:.1f} MB ({row['transport']}; write "
                   f"{row['write_ms']:.1f} ms, mapping waits {row['attach_ms']} ms)", flush=True)
+        burst_row = None
+        if burst:  # the first prompt and answer lengths, A holding the largest backlog
+            burst_row = measure_burst(cluster, a, b, texts, Backlog, timed_request, burst=burst,
+                                      prompt_tokens=clamped[prompts[0]], max_tokens=outputs[0],
+                                      backlog=max(backlogs), backlog_tokens=max_model_len - BACKLOG_PROMPT_TOKENS - 1)
+            print("disaggregation burst: " + "; ".join(
+                f"{p} mean {r['e2e_s_mean']:.3f} s, makespan {r['makespan_s']:.3f} s, picks {r['picks']}"
+                for p, r in burst_row["policies"].items()), flush=True)
         link_end = cluster.snapshot()["splits"]["link"]
         sha = sha256_file(Path(cluster.model_path))
         a_device = next(w["device"] for w in workers if w["name"] == a)  # the spec ("cuda:0"), not its description
@@ -371,6 +380,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "prompts": prompts,
                 "cached_on_a": cached_on_a,
                 "prompts_clamped": clamped, "outputs": outputs, "backlogs": backlogs, "runs": runs, "quick": quick,
+                "burst": burst,
                 "engine_options": options, "backlog_prompt_tokens": BACKLOG_PROMPT_TOKENS, "modes": list(MODES),
                 "sampling": "greedy, ignore_eos", "wall_s": round(time.perf_counter() - t_all, 1),
                 "method": "one cluster; one request at a time; modes interleaved run by run; unique prompts"}
@@ -379,8 +389,9 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     meta["cpu"] = platform.processor() or platform.machine()
     meta["workers"] = {"A": a, "B": b, "list": workers}
     meta["link"] = link
+    meta["burst"] = burst_row
     meta["load_average_1_5_15"] = {"start": load_start, "end": loadavg()}
-    notes = render(rows, a, b, link)
+    notes = render(rows, a, b, link) + ("" if burst_row is None else "\n" + "\n".join(render_burst(burst_row, a, b)))
     columns = ["prompt_tokens", "cached_on_a", "max_tokens", "backlog", *MODES, "fastest", "router_pick",
                "router_agrees", "transfer_ms", "break_even_ms_per_token", "advantage_ms_per_token", "formula_right"]
     json_path, md_path = write_results(f"disaggregation-{model_label(model)}", meta, rows, columns, notes)

@@ -19,6 +19,7 @@ class Settings:
     cached_on_a: list[int] | None
     runs: int | None
     quick: bool
+    burst: int
     option: list[str]
 
 
@@ -39,6 +40,9 @@ def add_arguments(p) -> None:
                    help="comma list: prompt tokens already in A's prefix cache (a prefix A served before, whole "
                         "pages; default 0)")
     p.add_argument("--runs", type=int, default=None, help="runs per (case, mode) (default 3)")
+    p.add_argument("--burst", type=int, default=0,
+                   help="then N requests at once (the first prompt and answer lengths, A holding the largest "
+                        "backlog), routed cost+split and then cost, on a fresh backlog each (default 0: none)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for tests: prompts 64,160, 8-token answers, backlogs 0,2, 1 run")
     common.add_option(p, "engine option for both workers (repeatable), e.g. page_size=16, batch_invariant=true")
@@ -48,7 +52,8 @@ def run(s: Settings) -> int:
     from minivllm.bench.disaggregation import run
 
     run(s.model, s.inference_device, s.activation_dtype, prompts=s.prompts, outputs=s.outputs, backlogs=s.backlogs,
-        cached_on_a=s.cached_on_a, runs=s.runs, quick=s.quick, engine_options=common.engine_options(s.option))
+        cached_on_a=s.cached_on_a, runs=s.runs, quick=s.quick, engine_options=common.engine_options(s.option),
+        burst=s.burst)
     return 0
 
 

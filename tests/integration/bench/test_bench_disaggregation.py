@@ -95,3 +95,35 @@ def test_a_prefix_cached_on_a_serves_whole_on_a_and_the_split_from_the_cache(res
     assert by_mode["split"]["cached_prompt_tokens"] == 64
     assert by_mode["whole:B"]["cached_prompt_tokens"] == 0
     assert by_mode["split"]["kv_tokens"] == 96  # the prompt's full pages, cached or computed on A
+
+
+def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
+    """A holds 2 long answers in its 2 slots; 3 requests arrive at once, routed cost+split
+    and then cost. The record's figures are recomputed from its own per-request entries;
+    under `cost` nothing is split, and every pick is what its decision's scores chose."""
+    from minivllm.bench.disaggregation import run
+
+    (row,) = run(str(smollm2_path), ["cpu:1", "cpu:1"], prompts=[64], outputs=[6], backlogs=[2], runs=1,
+                 engine_options={"max_active_requests": 2}, burst=3)
+    assert row["a_at_slot_cap"]
+    (path,) = results_dir.glob("disaggregation-*.json")
+    data = json.loads(path.read_text())
+    burst = data["provenance"]["burst"]
+    assert (burst["burst"], burst["backlog"], burst["prompt_tokens"], burst["max_tokens"]) == (3, 2, 64, 6)
+    for policy, r in burst["policies"].items():
+        e2e = [d["e2e_s"] for d in r["decisions"]]
+        assert len(e2e) == 3 and r["e2e_s_median"] == pytest.approx(statistics.median(e2e))
+        assert r["makespan_s"] >= max(e2e)
+        assert sum(r["picks"].values()) == 3
+        assert r["picks"]["split"] == sum(d["pick"] == "split" for d in r["decisions"])
+        for d in r["decisions"]:
+            best_whole = min(d["whole"], key=d["whole"].get)
+            if d["pick"] != "split":
+                assert d["pick"] == ("whole:A" if best_whole == "cpu" else "whole:B")
+            else:
+                assert policy == "cost+split" and min(d["split"].values()) < 0.9 * d["whole"][best_whole]
+    assert burst["policies"]["cost"]["picks"]["split"] == 0
+    assert all(d["split"] == {} for d in burst["policies"]["cost"]["decisions"])
+    ratio = burst["policies"]["cost+split"]["e2e_s_mean"] / burst["policies"]["cost"]["e2e_s_mean"]
+    assert burst["mean_e2e_ratio"] == pytest.approx(ratio)
+    assert "## A burst: 3 requests at once" in path.with_name(path.name[:-5] + ".md").read_text()

@@ -1,0 +1,108 @@
+"""The burst of `bench disaggregation --burst N` (issue 43): N requests at once to a
+cluster whose prefill worker A is at its slot cap, routed by `cost+split` and then, on a
+fresh backlog, by `cost` (no split), so the split's effect on a burst is measured against
+the same burst without it.
+
+Why a burst: one request at a time (the cases) shows that a split can pay; a burst shows
+what the router does when several requests compete for A's handoff rows and B's slots,
+and whether the requests as a whole finish sooner. Per policy it reports each request's
+end-to-end time (median, mean ± std), the makespan (submit of the first to the end of the
+last), how many were split, and every decision's scores (the articles' table).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from minivllm.bench.common import record_stat
+from minivllm.sampling.sampling_params import SamplingParams
+
+POLICIES = ("cost+split", "cost")
+
+
+def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst: int, prompt_tokens: int,
+                  max_tokens: int, backlog: int, backlog_tokens: int) -> dict:
+    """`backlog_cls.start(...)` pins the long answers on A; `run_one(cluster, prompt, params)`
+    times one routed request (disaggregation.timed_request)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {"burst": burst, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "backlog": backlog,
+           "policies": {}}
+    for policy in POLICIES:
+        cluster.set_router(policy)
+        uid = f"burst.{policy}.{time.monotonic_ns()}"
+        load = backlog_cls.start(cluster, a, backlog, texts, backlog_tokens, uid) if backlog else None
+        results = burst_at_once(cluster, texts, run_one, params, uid, burst, prompt_tokens, load)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        out["policies"][policy] = summarize(results, a, b)
+    cluster.set_router("cost+split")
+    split, plain = (out["policies"][p] for p in POLICIES)
+    out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
+    out["makespan_ratio"] = split["makespan_s"] / plain["makespan_s"]
+    return out
+
+
+def burst_at_once(cluster, texts, run_one, params, uid: str, burst: int, prompt_tokens: int, load) -> list:
+    """Every request of the burst from its own thread at once; each entry (Timed, stream) or
+    the exception its thread raised. The backlog stops once every request has ended."""
+    results: list = [None] * burst
+
+    def one(i: int) -> None:
+        try:
+            results[i] = run_one(cluster, texts.make(f"{uid}.{i}", prompt_tokens), params)
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller, after every thread ended
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"burst-{i}", daemon=True) for i in range(burst)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        if load is not None:
+            load.stop()
+    return results
+
+
+def summarize(results: list[tuple], a: str, b: str) -> dict:
+    row: dict = {}
+    timings = [t for t, _ in results]
+    record_stat(row, "e2e_s", [t.finished - t.submitted for t in timings], column=False)
+    row["makespan_s"] = max(t.finished for t in timings) - min(t.submitted for t in timings)
+    picks, decisions = [], []
+    for t, stream in results:
+        d = stream.decision or {}
+        pick = "split" if d.get("split") else ("whole:A" if d.get("chosen") == a else "whole:B")
+        picks.append(pick)
+        decisions.append({"pick": pick, "e2e_s": t.finished - t.submitted, "reason": d.get("reason"),
+                          "whole": {c["worker"]: c.get("score") for c in d.get("candidates") or []},
+                          "split": {f"{s['prefill']}->{s['decode']}": s["score"]
+                                    for s in d.get("split_candidates") or []}})
+    row["picks"] = {p: picks.count(p) for p in ("whole:A", "whole:B", "split")}
+    row["decisions"] = decisions
+    return row
+
+
+def render_burst(burst: dict, a: str, b: str) -> list[str]:
+    out = [f"## A burst: {burst['burst']} requests at once ({burst['prompt_tokens']}-token prompts, "
+           f"{burst['max_tokens']}-token answers), A = {a} holding {burst['backlog']} long answers", "",
+           "| router | e2e s median | mean ± std | makespan s | whole:A / whole:B / split |", "|---|---|---|---|---|"]
+    for policy, r in burst["policies"].items():
+        p = r["picks"]
+        out.append(f"| {policy} | {r['e2e_s_median']:.3f} | {r['e2e_s_mean']:.3f} ± {r['e2e_s_std']:.3f} | "
+                   f"{r['makespan_s']:.3f} | {p['whole:A']} / {p['whole:B']} / {p['split']} |")
+    out += ["", f"cost+split ÷ cost: mean e2e {burst['mean_e2e_ratio']:.3f}, makespan {burst['makespan_ratio']:.3f}.",
+            "", "Decisions under cost+split, one per request (scores in s):", "",
+            f"| # | pick | e2e s | whole on {a} | whole on {b} | {a} → {b} | {b} → {a} |",
+            "|---|---|---|---|---|---|---|"]
+
+    def cell(v):
+        return "—" if v is None else f"{v:.3f}"
+
+    for i, d in enumerate(burst["policies"]["cost+split"]["decisions"]):
+        out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {cell(d['whole'].get(a))} | {cell(d['whole'].get(b))} "
+                   f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} |")
+    return out
