@@ -194,6 +194,7 @@ elif [ "$MODE" = verify ]; then
   # answers decoding): whole on A waits for a slot, a split's prefill half takes a handoff row.
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  [ "${GEMV_STEP:-0}" != 0 ] && start_7b_file  # for the step profiles at the end
   if [ "${NATIVE_PYTEST:-1}" != 0 ]; then
     BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-230} )) step "pytest native" "$R/pytest-cuda-native.log" \
       python3 -m pytest -m cuda -v -n 8 --timeout 90 -p no:cacheprovider -rfE
@@ -205,6 +206,16 @@ elif [ "$MODE" = verify ]; then
     --outputs 128 --backlogs ${DISAGG_BACKLOGS:-8,0} --option max_active_requests=8 --runs ${DISAGG_RUNS:-1} \
     --burst ${DISAGG_BURST:-4}
   grep -E "FAILED|ERROR" "$R/pytest-cuda-native.log" 2>/dev/null | head -20 | tee -a "$R/timeline.txt"
+  if [ "${GEMV_STEP:-0}" != 0 ]; then  # the GEMVs' share of copy bandwidth inside a 7B decode step
+    while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+    stamp "7B file: $(sed -n 2p "$W/synthetic.log")"
+    P="python3 scripts/profile_decode_step.py $R/profile $FIELDS --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 512"
+    step "profile 7b" "$R/profile-7b.log" $P
+    step "profile 7b prefetch" "$R/profile-7b-prefetch.log" env MINIVLLM_GEMV_PREFETCH=1 $P
+    step "profile 7b int8 gemv" "$R/profile-7b-int8.log" env MINIVLLM_Q8_GEMV=1 $P
+    grep -h "GEMV kernels" "$R"/profile/*.md | tee -a "$R/timeline.txt"
+    cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
+  fi
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
   # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.

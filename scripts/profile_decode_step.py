@@ -35,8 +35,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
+from minivllm.bench.kernels import copy_bandwidth_gbs
 from minivllm.bench.synthetic_model import ensure_synthetic_model
 from minivllm.kernels.gemv_configs import GEMV_KERNEL_ENV
+from minivllm.kernels.gpu_profile import gpu_profile
 from minivllm.kernels.triton.paged_attention import default_launch
 from minivllm.kernels.triton.pdl import PREFETCH_ENV, pdl_requested
 
@@ -175,11 +177,30 @@ def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, ou
     return result
 
 
+# The step's GEMV work: the decode GEMVs, their split-K sums and (MINIVLLM_Q8_GEMV=1) the
+# activations' quantization. (Deferred split sums run inside _add_rms_norm_kernel: not counted.)
+GEMV_KERNELS = re.compile(r"gemv|sum_splits|quantize_q8")
+
+
+def gemv_share(r: dict, copy_gbs: float | None) -> dict | None:
+    """The GEMVs' bandwidth in the step: the bytes they read a step (every projection and
+    the LM head once, at one row) over their kernels' time a step, and its share of a plain
+    device copy's bandwidth (read + write, bench/kernels.copy_bandwidth_gbs)."""
+    weight_bytes = (r.get("kernel_paths") or {}).get("gemv_weight_bytes")
+    us = sum(k["us_per_step"] for k in r.get("kernels", []) if GEMV_KERNELS.search(k["kernel"]))
+    if not weight_bytes or not us or r.get("rows") != 1 or r.get("prefill"):
+        return None
+    gbs = weight_bytes / us / 1e3
+    return {"gemv_us_per_step": us, "gemv_weight_bytes": weight_bytes, "gemv_gb_per_s": gbs,
+            "copy_gb_per_s": copy_gbs, "gemv_frac_of_copy": None if not copy_gbs else gbs / copy_gbs}
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
         f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}"
-        f"{', GEMV prefetch' if r.get('prefetch') else ''}{', MMA GEMV' if r.get('gemv_kernel') == 'mma' else ''}",
+        f"{', GEMV prefetch' if r.get('prefetch') else ''}{', MMA GEMV' if r.get('gemv_kernel') == 'mma' else ''}"
+        f"{', int8-activation GEMV (MINIVLLM_Q8_GEMV=1)' if r.get('int8_gemv') else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
         f"median {r['step_wall_us']['median'] or 0:.0f} µs",
@@ -187,6 +208,14 @@ def markdown(r: dict) -> str:
         f"({r['gaps_over_5us_per_step']:.1f} gaps > 5 µs per step; largest "
         f"{', '.join(f'{g:.0f}' for g in r['largest_gaps_us'][:4])} µs)",
         f"- {r['gpu_events_per_step']:.0f} GPU kernels and copies per step",
+    ]
+    g = r.get("gemv_share")
+    if g:
+        lines.append(f"- GEMV kernels {g['gemv_us_per_step']:.0f} µs/step over {g['gemv_weight_bytes'] / 1e9:.3f} GB "
+                     f"of weights: {g['gemv_gb_per_s']:.0f} GB/s"
+                     + (f", {g['gemv_frac_of_copy']:.1%} of a device copy ({g['copy_gb_per_s']:.0f} GB/s)"
+                        if g["gemv_frac_of_copy"] else ""))
+    lines += [
         "",
         "| kernel | calls/step | µs/step | share | µs/call |",
         "|---|---|---|---|---|",
@@ -211,7 +240,7 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     names = a.synthetic or ["qwen2.5-0.5b-q4_k_m", "qwen2.5-7b-q4_k_m"]
-    results = []
+    results, copy_gbs = [], None
     for name in names:
         for ctx in a.prompt_tokens or [512]:
             try:
@@ -223,10 +252,15 @@ def main() -> None:
             r["mma"] = default_launch().mma  # the tensor-core attention body (off: MINIVLLM_ATTENTION_MMA=0)
             r["prefetch"] = os.environ.get(PREFETCH_ENV) == "1"  # GEMV weights asked of L2 before the PDL wait
             r["gemv_kernel"] = os.environ.get(GEMV_KERNEL_ENV, "tiled")  # mma: the tensor-core Q4_K GEMV
+            r["int8_gemv"] = gpu_profile(torch.device(a.device)).int8_gemv if a.device.startswith("cuda") else False
+            if "error" not in r and copy_gbs is None and a.device.startswith("cuda"):
+                copy_gbs = copy_bandwidth_gbs(torch.device(a.device))
+            r["gemv_share"] = None if "error" in r else gemv_share(r, copy_gbs)
             results.append(r)
             tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
                    f"{'' if r['pdl'] else '-nopdl'}{'' if r['mma'] else '-plainattn'}"
-                   f"{'-prefetch' if r['prefetch'] else ''}{'-mmagemv' if r['gemv_kernel'] == 'mma' else ''}")
+                   f"{'-prefetch' if r['prefetch'] else ''}{'-mmagemv' if r['gemv_kernel'] == 'mma' else ''}"
+                   f"{'-int8gemv' if r['int8_gemv'] else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:
                 md = markdown(r)

@@ -36,7 +36,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
       "kernels": {<kernel settings>,
                   cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why},
                                        prefill: null | {buckets, captured, replays, failed}},
-                  weight_bytes, gemv_kinds: {kind: projections}},
+                  weight_bytes, gemv_weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
                    requests_finished, finished_stop, finished_length, finished_abort,
                    finished_error, rejected, steps_queued_ahead},
@@ -154,7 +154,8 @@ def describe_kernels(engine) -> dict:
                 "prefill": None if prefill is None else {
                     "buckets": prefill.buckets, "captured": sorted(prefill.graphs), "replays": prefill.replays,
                     "failed": {str(b): why for b, why in prefill.failed.items()}}},
-            "weight_bytes": model.weight_bytes(), "gemv_kinds": dict(kinds)}
+            "weight_bytes": model.weight_bytes(), "gemv_weight_bytes": model.gemv_weight_bytes(),
+            "gemv_kinds": dict(kinds)}
 
 
 def describe_step(index: int, plan, t0: float, logits_rows: int) -> dict:

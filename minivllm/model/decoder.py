@@ -99,6 +99,14 @@ class DecoderModel:
                 total += w.nbytes
         return total
 
+    def gemv_weight_bytes(self) -> int:
+        """Bytes a batch-1 decode step's GEMVs read: every projection and the LM head once
+        (the embedding only where the LM head is tied to it). What a step profile divides
+        by its GEMV time (scripts/profile_decode_step.py)."""
+        linears = [self.output] + [getattr(layer, f) for layer in self.layers
+                                   for f in ("q", "k", "v", "o", "gate", "up", "down")]
+        return sum({id(lin.weight): lin.weight.nbytes for lin in linears}.values())
+
     @torch.inference_mode()
     def forward_batch(
         self,

@@ -619,7 +619,7 @@ PREFIX_KEYS = {"enabled", "publication", "single_flight", "cached_pages", "idle_
                "lookups", "hits", "hit_rate", "restored_tokens", "published_pages", "duplicate_pages", "evicted_pages",
                "flights", "released", "flight_counters"}
 KERNEL_KEYS = {"gemv_max_rows", "dequant_cache", "batch_invariant", "cpu_gemv", "cuda_graphs", "weight_bytes",
-               "gemv_kinds"}
+               "gemv_weight_bytes", "gemv_kinds"}
 ENGINE_KEYS = {
     "model",
     "architecture",
@@ -748,3 +748,17 @@ def test_policies(llm):
     # Each long prompt (>= 12 tokens) fills the 8-token budget alone: the rotation puts a
     # different one first in each of the first three steps.
     assert [o[0] for o in rr_orders[:3]] == longs
+
+
+def test_gemv_weight_bytes_are_the_files_projection_and_head_bytes(llm, smollm2_path):
+    """What a step profile divides its GEMV time by: every projection's and the LM head's
+    bytes, read off the GGUF file by the gguf library (SmolLM2 ties its head to the
+    embedding, so the embedding's bytes are the head's)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(smollm2_path)).tensors}
+    projections = sum(n for name, n in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
+                      and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                 "ffn_down"))
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    assert llm.snapshot()["kernels"]["gemv_weight_bytes"] == projections + head
