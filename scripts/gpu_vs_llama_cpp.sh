@@ -194,7 +194,6 @@ elif [ "$MODE" = verify ]; then
   # answers decoding): whole on A waits for a slot, a split's prefill half takes a handoff row.
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
-  [ "${GEMV_STEP:-0}" != 0 ] && start_7b_file  # for the step profiles at the end
   if [ "${NATIVE_PYTEST:-1}" != 0 ]; then
     BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-230} )) step "pytest native" "$R/pytest-cuda-native.log" \
       python3 -m pytest -m cuda -v -n 8 --timeout 90 -p no:cacheprovider -rfE
@@ -207,6 +206,8 @@ elif [ "$MODE" = verify ]; then
     --burst ${DISAGG_BURST:-4}
   grep -E "FAILED|ERROR" "$R/pytest-cuda-native.log" 2>/dev/null | head -20 | tee -a "$R/timeline.txt"
   if [ "${GEMV_STEP:-0}" != 0 ]; then  # the GEMVs' share of copy bandwidth inside a 7B decode step
+    # (the file is written only now: writing it beside the bench slowed A's K/V writes 15-25x)
+    start_7b_file
     while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
     stamp "7B file: $(sed -n 2p "$W/synthetic.log")"
     P="python3 scripts/profile_decode_step.py $R/profile $FIELDS --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 512"

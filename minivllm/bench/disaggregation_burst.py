@@ -77,13 +77,28 @@ def summarize(results: list[tuple], a: str, b: str) -> dict:
         d = stream.decision or {}
         pick = "split" if d.get("split") else ("whole:A" if d.get("chosen") == a else "whole:B")
         picks.append(pick)
-        decisions.append({"pick": pick, "e2e_s": t.finished - t.submitted, "reason": d.get("reason"),
+        decisions.append({"pick": pick, "e2e_s": t.finished - t.submitted, "ttft_s": t.first_token - t.submitted,
+                          "where_the_time_went": time_split(stream.metrics or {}), "reason": d.get("reason"),
                           "whole": {c["worker"]: c.get("score") for c in d.get("candidates") or []},
                           "split": {f"{s['prefill']}->{s['decode']}": s["score"]
                                     for s in d.get("split_candidates") or []}})
     row["picks"] = {p: picks.count(p) for p in ("whole:A", "whole:B", "split")}
     row["decisions"] = decisions
     return row
+
+
+def time_split(metrics: dict) -> dict:
+    """Where a request's time went, from its metrics: the queue and first token on the
+    worker that prefilled it and, for a split, the handoff and the decode worker's queue."""
+    out = {k: metrics.get(k) for k in ("queue_time_s", "time_to_first_token_s", "decode_tokens_per_s")}
+    split = metrics.get("split")
+    if split:
+        decode = split.get("decode_metrics") or {}
+        out.update({k: split.get(k) for k in ("tokens_on_prefill_worker", "reserved_after_ms", "handoff_ms",
+                                               "write_ms", "transport")},
+                   decode_queue_time_s=decode.get("queue_time_s"), decode_output_tokens=decode.get("output_tokens"),
+                   decode_e2e_s=decode.get("e2e_s"))
+    return out
 
 
 def render_burst(burst: dict, a: str, b: str) -> list[str]:
@@ -96,13 +111,14 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
                    f"{r['makespan_s']:.3f} | {p['whole:A']} / {p['whole:B']} / {p['split']} |")
     out += ["", f"cost+split ÷ cost: mean e2e {burst['mean_e2e_ratio']:.3f}, makespan {burst['makespan_ratio']:.3f}.",
             "", "Decisions under cost+split, one per request (scores in s):", "",
-            f"| # | pick | e2e s | whole on {a} | whole on {b} | {a} → {b} | {b} → {a} |",
-            "|---|---|---|---|---|---|---|"]
+            f"| # | pick | e2e s | first token s | whole on {a} | whole on {b} | {a} → {b} | {b} → {a} |",
+            "|---|---|---|---|---|---|---|---|"]
 
     def cell(v):
         return "—" if v is None else f"{v:.3f}"
 
     for i, d in enumerate(burst["policies"]["cost+split"]["decisions"]):
-        out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {cell(d['whole'].get(a))} | {cell(d['whole'].get(b))} "
+        out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {d['ttft_s']:.3f} | {cell(d['whole'].get(a))} "
+                   f"| {cell(d['whole'].get(b))} "
                    f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} |")
     return out
