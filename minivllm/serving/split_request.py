@@ -177,6 +177,9 @@ class SplitRequests:
         # them (kv_landing.py); else, or if the answer comes late, the K/V go through the segment.
         # The split's lock is held until the prefill worker has its submit: the reservation
         # may come back first, and its landing must reach that worker after the request.
+        # B's ledger carries the decode half from now on, so routing the next request sees it.
+        page = (decode.info or {}).get("page_size", 1)  # B recomputes the tail past A's last full page
+        decode.expect(stream.request_id, len(prompt_ids) + 1 - len(prompt_ids) // page * page, params.max_tokens - 1)
         pool = (decode.info or {}).get("kv_landing")
         ps = pool["shape"][2] if pool else 0
         with split._lock:
@@ -318,6 +321,7 @@ class SplitRequest:
                 self.stream.push(event, metrics)
                 return
             unlink_segment(self.segment)  # a no-op unless it ended mid-transfer
+            self.decode.forget(self.request_id)  # a no-op once imported
             if self.reserve_sent:  # a no-op once imported; the prefill worker is done writing by now
                 self.decode.unreserve(self.request_id)
             metrics = self._whole_metrics(metrics)

@@ -137,6 +137,7 @@ class Worker:
             "vocab_size": self.llm.model.config.vocab_size,
             "max_active_requests": self.engine.config.max_active_requests,
             "handoff_rows": self.engine.config.handoff_rows,
+            "page_size": self.engine.pool.page_size,
             # Where a split request's prefill worker may write its K/V straight in (kv_landing.py).
             "kv_landing": self.engine.pool.shared.describe() if self.engine.pool.shared is not None else None,
         }

@@ -80,6 +80,9 @@ class WorkerHandle:
         self.running: dict[str, int] = {}  # request id -> prompt tokens computed, after the worker's last step
         self.in_flight: dict[str, InFlight] = {}
         self.reserving: dict[str, object] = {}  # split requests waiting for pages reserved here (`reserve`)
+        # Split requests whose decode half will come here once their prefill worker exports
+        # them: the router counts that work from the split's start (`expect`), not from its import.
+        self.expected: dict[str, list[int]] = {}  # request id -> [prefill tokens, decode tokens] it will bring
         self.lock = threading.RLock()
         self.last_message = time.monotonic()
         self.loop_age_s = 0.0
@@ -145,9 +148,20 @@ class WorkerHandle:
                            {"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
                             "prompt": stream.prompt, "params": params_to_wire(params), **(export or {})})
 
+    def expect(self, request_id: str, prefill_tokens: int, decode_tokens: int) -> None:
+        """A split request's decode half will come here: the router sees its work queued
+        here from now on, until `import_handoff` brings it or `forget` drops it."""
+        with self.lock:
+            self.expected[request_id] = [prefill_tokens, decode_tokens]
+
+    def forget(self, request_id: str) -> None:
+        with self.lock:
+            self.expected.pop(request_id, None)
+
     def import_handoff(self, stream, handoff: dict, params: SamplingParams) -> None:
         """The decode half of a split request: continue what another worker exported
         (`handoff` is its `exported` message's description, kv_segment.py)."""
+        self.forget(stream.request_id)
         tokens = len(handoff["prompt_ids"]) + len(handoff["output_ids"])
         left = params.max_tokens - len(handoff["output_ids"])
         self._send_request(stream, InFlight(stream, tokens, len(handoff["kv_token_ids"]), left),
@@ -231,6 +245,7 @@ class WorkerHandle:
         with self.lock:
             flights = list(self.in_flight.items())
             running = dict(self.running)
+            expected = [list(work) for work in self.expected.values()]
         active, queued = [], []  # [remaining prefill, remaining decode] per request, FCFS (JSON-friendly lists)
         handoffs = []  # split requests' prefill halves: in handoff rows (or slots), not in the FCFS slots replayed
         for rid, f in flights:
@@ -243,6 +258,7 @@ class WorkerHandle:
                 active.append([max(0, f.prompt_tokens - max(running[rid], f.cached_estimate)), f.max_tokens])
             else:
                 queued.append([max(0, f.prompt_tokens - f.cached_estimate), f.max_tokens])
+        queued += expected  # decode halves of splits on their way here: queued behind what is here now
         work = active + queued + handoffs
         return Candidate(
             worker=self.name,
@@ -402,6 +418,7 @@ class WorkerHandle:
                 self.error = reason
             flights = list(self.in_flight.values())
             self.in_flight.clear()
+            self.expected.clear()
             self.reserving.clear()  # their splits learn of it when their import fails
         if state == "dead" and self.on_down is not None:
             try:

@@ -78,6 +78,8 @@ def assert_idle(cluster):
             ok &= kv["available_pages"] + kv["reserved_pages"] == kv["total_pages"]
         return ok
     wait_for(idle, 30, "both workers idle with every page back")
+    # No split's decode half is still announced to a worker (WorkerHandle.expect).
+    assert all(not handle.expected for handle in cluster.workers.values())
     ledger = cluster.snapshot()["requests"]
     assert ledger["duplicate_terminals"] == 0 and ledger["submitted"] == sum(ledger["ended"].values()), ledger
 

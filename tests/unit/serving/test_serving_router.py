@@ -516,3 +516,19 @@ def test_worker_handle_submit_when_not_ready_fails_the_stream():
     assert handle.in_flight == {} and handle.counters["routed"] == 0
     events = list(stream)
     assert len(events) == 1 and events[0].finished
+
+
+def test_a_splits_decode_half_is_in_its_decode_workers_ledger_from_the_split_on():
+    """The router must see a split's decode half on B before B imports it: a burst priced
+    B as idle once per request and sent two splits and two whole requests to one CPU."""
+    handle = WorkerHandle(InferenceDevice("cpu", None, 1, "cpu#2"), {})
+    handle.state, handle.info = "ready", {"max_active_requests": 4}
+    handle.expect("s1", 9, 127)
+    c = handle.candidate()
+    assert (c.active, c.queued, c.queued_work) == (0, 1, [[9, 127]])
+    assert (c.existing_prefill_tokens, c.existing_decode_tokens) == (9, 127)
+    handle.forget("s1")
+    assert handle.candidate().queued == 0
+    handle.expect("s2", 9, 127)
+    handle._mark_down("dead", "worker cpu#2 exited")  # its expected halves go with it
+    assert handle.expected == {}
