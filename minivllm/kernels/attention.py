@@ -46,31 +46,3 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     qf = q.float().view(kvh, h // kvh, d) * d ** -0.5  # query heads grouped under their KV head
     probs = torch.softmax(torch.bmm(qf, k.float().permute(1, 2, 0)), dim=-1)  # (KVH, G, S)
     return torch.bmm(probs, v.float().permute(1, 0, 2)).reshape(1, h, d).to(q.dtype)
-
-
-def causal_attention_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], q_start: int) -> torch.Tensor:
-    """Causal attention over keys/values held in several pieces, read where they lie.
-
-    q: (T, H, D) for positions q_start..; runs: (k, v) slices of shape (L_i, KVH, D) that,
-    in order, hold positions 0..S-1. Scores are computed per piece and only the scores
-    (S floats per query row, not S×D keys) are joined for the softmax, so no request's
-    K/V is ever copied into a new tensor. Float32 throughout; returns q's dtype.
-    """
-    t, h, d = q.shape
-    kvh = runs[0][0].shape[1]
-    g = h // kvh
-    # (KVH, G*T, D): query heads grouped under their KV head, so K/V are never repeated.
-    qf = q.float().view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * t, d) * d ** -0.5
-    scores = torch.cat([torch.bmm(qf, k.float().permute(1, 2, 0)) for k, _ in runs], dim=-1)
-    s = scores.shape[-1]
-    q_pos = torch.arange(q_start, q_start + t, device=q.device).repeat(g)
-    k_pos = torch.arange(s, device=q.device)
-    scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.zeros(kvh, g * t, d, dtype=torch.float32, device=q.device)
-    offset = 0
-    for _, v in runs:
-        length = v.shape[0]
-        out += torch.bmm(probs[..., offset:offset + length], v.float().permute(1, 0, 2))
-        offset += length
-    return out.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(q.dtype)

@@ -141,3 +141,34 @@ def test_cuda_half_caches(dtype):
     k16, v16 = ka.to(dtype), va.to(dtype)
     for pos in range(19):
         torch.testing.assert_close(out_a[pos].double(), _reference(qa[pos], k16, v16, pos), rtol=1e-4, atol=1e-4)
+
+
+def test_a_decode_row_over_scattered_pages_without_the_cpu_kernel_is_the_one_run_result(monkeypatch):
+    """Without the compiled kernel (no compiler on the machine), a CPU decode row over
+    pages that are not consecutive gathers its keys once and takes the one-run path:
+    bitwise the result over consecutive pages, and never the per-page matmuls (two a
+    page per layer: a 4096-token context made a row 5-10x slower)."""
+    import minivllm.cache.batch_kv as batch_kv
+    from minivllm.kernels import cpu_gemv
+    from minivllm.kernels.attention import causal_attention
+
+    monkeypatch.setattr(cpu_gemv, "attend_decode_slots", lambda *a: None)
+    calls = []
+
+    def one_call(q, k, v, start):
+        calls.append(k.shape[0])
+        return causal_attention(q, k, v, start)
+
+    monkeypatch.setattr(batch_kv, "causal_attention", one_call)
+    n = 18
+    q, k, v = _tokens(n, seed=3, device="cpu")
+    pool = _pool("cpu")
+    scattered, consecutive = TABLE_A, [12, 13, 14, 15, 16]
+    for table in (scattered, consecutive):
+        slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(n)])
+        pool.k[0].view(-1, KV_HEADS, HEAD_DIM)[slots] = k
+        pool.v[0].view(-1, KV_HEADS, HEAD_DIM)[slots] = v
+    rows = [PagedBatchKV(pool, [Segment(t, n - 1, 1)]).attend_stored(0, q[n - 1:]) for t in (scattered, consecutive)]
+    assert calls == [n, n]  # one attention over all the row's keys, scattered or not
+    assert torch.equal(rows[0], rows[1])
+    torch.testing.assert_close(rows[0][0].double(), _reference(q[n - 1], k, v, n - 1), rtol=1e-5, atol=1e-6)
