@@ -180,7 +180,18 @@ class LLM:
             "draft_model_path": str(self.draft_model_path) if self.draft_model_path is not None else None,
             "config": self.config.describe(),
             "torch": torch.__version__,
+            "cpu_kernels": cpu_kernels(self.device),
         }
+
+
+def cpu_kernels(device: torch.device) -> str | None:
+    """On a CPU: the compiled kernels' instruction set ("avx2", "avx512"), or why they did
+    not build (then attention and GEMVs run in plain torch, much slower); None on a GPU."""
+    if device.type != "cpu":
+        return None
+    from minivllm.kernels import cpu_gemv
+
+    return cpu_gemv.isa() or f"not built: {cpu_gemv.unavailable_reason()}"
 
 
 def init_docstring() -> str:

@@ -38,6 +38,10 @@ def test_quick_disaggregation_bench(results_dir, smollm2_path):
     data = json.loads(path.read_text())
     meta = data["provenance"]
     assert PROVENANCE_KEYS <= set(meta) and meta["workers"]["A"] == "cpu" and meta["workers"]["B"] == "cpu#2"
+    from minivllm.kernels import cpu_gemv  # whether the CPU workers ran the compiled kernels, as this process would
+
+    want = cpu_gemv.isa() or f"not built: {cpu_gemv.unavailable_reason()}"
+    assert [w["cpu_kernels"] for w in meta["workers"]["list"]] == [want, want]
     assert [(r["prompt_tokens"], r["backlog"]) for r in data["rows"]] == [
         (p, b) for b in QUICK["backlogs"] for p in QUICK["prompts"]]
     assert len(rows) == len(data["rows"])
