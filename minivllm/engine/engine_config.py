@@ -50,7 +50,8 @@ class EngineConfig(KernelSettings):
     max_active_requests: int = option(16, "requests the scheduler runs at once (per worker)", "scheduler")
     handoff_rows: int = option(
         0, "rows beyond max_active_requests for the prefill halves of split requests, which leave for another "
-        "worker after their first token: a worker whose slots are all taken can still run them (issue 43)",
+        "worker after their first token: a worker whose slots are all taken can still run them (a local cluster "
+        "of several workers keeps 2 unless told)",
         "scheduler")
     policy: str = option("fcfs", "which waiting request is admitted first", "scheduler", choices=POLICIES)
     enforce_eager: bool = option(False, "no CUDA graphs (decode steps and prompt chunks)", "kernels")
