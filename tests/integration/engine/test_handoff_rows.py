@@ -25,13 +25,14 @@ FIRST = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def llm(request, smollm2_path):
+def llm(request, small_gpu_model_path):
     """On the GPU in f16 with CUDA graphs: a step of slots plus handoff rows replays the
-    graphs captured for `max_rows`."""
+    graphs captured for `max_rows` (SmolLM2, or on an offline GPU machine the synthetic
+    0.5B: the test compares two paths of the engine, not a reference)."""
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dtype = "float32" if request.param == "cpu" else "float16"
-    return LLM(str(smollm2_path), device=request.param, dtype=dtype, max_model_len=256, progress=False)
+    return LLM(str(small_gpu_model_path), device=request.param, dtype=dtype, max_model_len=256, progress=False)
 
 
 def engine(llm, **options) -> LLMEngine:
