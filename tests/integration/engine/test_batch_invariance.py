@@ -30,11 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module", params=[("cpu", "float32"), pytest.param(("cuda", "float16"), marks=pytest.mark.cuda)],
                 ids=["cpu-f32", "cuda-f16"])
-def llm(request, smollm2_path):
+def llm(request, small_gpu_model_path):
     # CUDA: Triton GEMV (invariant config), the paged-attention kernel for every row and
-    # the row-wise RMSNorm kernel; decode steps replay CUDA graphs.
+    # the row-wise RMSNorm kernel; decode steps replay CUDA graphs. SmolLM2, or on an
+    # offline GPU machine the synthetic 0.5B: bit equality holds whatever the weights.
     device, dtype = request.param
-    return LLM(str(smollm2_path), device=device, dtype=dtype, max_model_len=128, progress=False)
+    return LLM(str(small_gpu_model_path), device=device, dtype=dtype, max_model_len=128, progress=False)
 
 
 def run(llm, *, others: int, **options) -> list[torch.Tensor]:
@@ -88,6 +89,8 @@ def test_without_the_mode_the_same_changes_do_alter_logits(llm):
 
 
 def test_invariant_greedy_tokens_match_the_default_path_closely(llm, solo):
+    if "smollm2" not in str(llm.model_path).lower():
+        pytest.skip("a margin in logits is a statement about trained weights (the synthetic 0.5B is random)")
     # The mode changes kernels, not the model: its greedy choice agrees with the default
     # path's on every step where the default path's top-2 margin is not a near-tie.
     # Compared up to the first step where the choices differ: after it the two runs

@@ -896,11 +896,11 @@ def test_prefix_cache_defaults():
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [dict(prefix_cache=True), dict(prefix_cache=True, single_flight="after_prefill")],
                          ids=["cache", "cache+single-flight"])
-def test_outputs_are_identical_with_the_cache_on_or_off_on_cuda(smollm2_path, config):
+def test_outputs_are_identical_with_the_cache_on_or_off_on_cuda(small_gpu_model_path, config):
     """The same reference on a GPU in f16: the invariant Triton kernels (GEMV, paged
     attention over the block table, row-wise RMSNorm) and decode CUDA graphs must read
     restored pages exactly as the request's own."""
-    llm = LLM(str(smollm2_path), device="cuda", dtype="float16", max_model_len=SMOL_LEN, progress=False,
+    llm = LLM(str(small_gpu_model_path), device="cuda", dtype="float16", max_model_len=SMOL_LEN, progress=False,
               batch_invariant=True, prefix_cache=False)
     _, want, _ = shared_document_workload(llm, prefix_cache=False)
     engine, got, restored = shared_document_workload(llm, **config)

@@ -73,8 +73,8 @@ def test_greedy_speculation_matches_target_only_in_invariant_mode(smollm2_path, 
         assert draft_pages_free(engine)
 
 
-def test_identical_draft_accepts_everything_with_cuda_graphs(smollm2_path):
-    llm = LLM(str(smollm2_path), device="cuda", dtype="float16", progress=False, max_model_len=256)
+def test_identical_draft_accepts_everything_with_cuda_graphs(small_gpu_model_path):
+    llm = LLM(str(small_gpu_model_path), device="cuda", dtype="float16", progress=False, max_model_len=256)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
     engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(draft_policy="fixed:4", max_active_requests=4,
