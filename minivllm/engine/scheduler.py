@@ -204,12 +204,13 @@ class Scheduler:
         if self.speculator is not None:
             budget = self._add_draft_tokens(step, budget)
 
+        free = self._free_rows()
         for req in self._prefill_order():
             if budget == 0:
                 break
             if req.status in (Status.WAITING, Status.PREEMPTED):
                 # Not re-admitted in the step that preempted it: that would only churn.
-                if req in step.preempted or not self._row_free_for(req):
+                if req in step.preempted or not free[req.handoff]:
                     continue
                 if self.flights is not None and self.flights.waiting_on(req.id) is not None:
                     continue
@@ -217,6 +218,7 @@ class Scheduler:
                     continue
                 self.waiting.remove(req)
                 self.running.append(req)
+                free = self._free_rows()
             n = min(req.remaining, budget)
             step.rows.append(ScheduledRow(req, n, req.num_computed + n == req.num_tokens))
             scheduled.add(req.id)
@@ -239,7 +241,8 @@ class Scheduler:
         planned as usual, after this one is applied (engine/step_pipeline.py). With every
         slot taken, nobody waiting can be admitted next step anyway: a slot a finishing row
         frees is filled one step later than without the pipeline."""
-        if any(self._row_free_for(req) for req in self.waiting):
+        free = self._free_rows()
+        if any(free[req.handoff] for req in self.waiting):
             return None
         rows = []
         for row in plan.rows:
@@ -276,13 +279,16 @@ class Scheduler:
                 row.n_tokens = 1 + k
         return budget
 
-    def _row_free_for(self, req: Request) -> bool:
-        """Whether admitting `req` keeps the step within its rows: requests that stay hold
-        at most `max_active_requests` of them; the prefill halves of split requests, which
-        leave after their first token, may also take the `handoff_rows` beyond."""
+    def _free_rows(self) -> tuple[bool, bool]:
+        """(a row for a request that stays, a row for a handoff), indexed by `req.handoff`:
+        requests that stay hold at most `max_active_requests` rows; the prefill halves of
+        split requests, which leave after their first token, may also take the
+        `handoff_rows` beyond. Computed once per pass (and again after an admission), not
+        per waiting request."""
         if len(self.running) >= self.config.max_rows:
-            return False
-        return req.handoff or sum(not r.handoff for r in self.running) < self.config.max_active_requests
+            return False, False
+        staying = len(self.running) if not self.config.handoff_rows else sum(not r.handoff for r in self.running)
+        return staying < self.config.max_active_requests, True
 
     def _admit(self, req: Request) -> bool:
         """Give a waiting request pages for every known token, restoring what the prefix
