@@ -259,7 +259,7 @@ def attention_rows(torch, pa, old, timer, device, contexts, batches, width, laye
                         r = slice(batch - 1, batch)
                         alone = pa.paged_attention(case["q"][r].contiguous(), case["k"][last], case["v"][last],
                                                    case["tables"][r].contiguous(), case["row_seq"][:1],
-                                                   case["row_pos"][r].contiguous())
+                                                   case["row_pos"][r].contiguous(), launch=launch_of[label])
                         row["row_alone_bitwise_equal"] = bool(torch.equal(alone[0], batched))
                     rows.append(row)
                     print(f"attention {name:5s} ctx {ctx:5d} batch {batch:3d} {label:28s} {us:9.2f} µs/call "
