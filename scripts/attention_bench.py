@@ -213,7 +213,10 @@ def sweep_launches(pa) -> list[tuple[str, object]]:
 def mma_launches(pa) -> list[tuple[str, object]]:
     """The tensor-core body (attend_split_mma.py), f16 queries: split × warps, all heads."""
     return [(f"mma split={s} warps={w}", pa.SplitLaunch(split_tokens=s, num_warps=w, mma=True))
-            for s in (32, 64) for w in (1, 2, 4)]
+            for s in (32, 64) for w in (1, 2, 4)] + [
+        (f"mma split={s} warps=4 programs/SM={p} stages={st}",
+         pa.SplitLaunch(split_tokens=s, num_warps=4, programs_per_sm=p, num_stages=st, mma=True))
+        for s in (32, 64) for p in (1, 4, 8) for st in (1, 3)]
 
 
 def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, variants, rows, save):

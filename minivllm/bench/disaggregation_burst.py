@@ -37,6 +37,10 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         if errors:
             raise errors[0]
         out["policies"][policy] = summarize(results, a, b)
+        # What each worker measured of itself over the burst (aggregate decode tokens/s by
+        # batch size, corrected by every step): the rates the router priced with next.
+        out["policies"][policy]["rates_after"] = {name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations")}
+                                                  for name, h in cluster.workers.items()}
     cluster.set_router("cost+split")
     split, plain = (out["policies"][p] for p in POLICIES)
     out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
