@@ -125,4 +125,10 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
         out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {d['ttft_s']:.3f} | {cell(d['whole'].get(a))} "
                    f"| {cell(d['whole'].get(b))} "
                    f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} |")
+    rates = (burst["policies"]["cost+split"].get("rates_after") or {}).get(b) or {}
+    if rates.get("decode_tps"):
+        points = ", ".join(f"{n} rows {float(r):.1f}" for n, r in sorted(rates["decode_tps"].items(),
+                                                                           key=lambda kv: int(kv[0])))
+        out += ["", f"{b}'s decode rate after the split burst, as it measured its own steps (tokens/s, all rows "
+                f"together): {points}."]
     return out
