@@ -229,6 +229,7 @@ def main() -> int:
                 lambda i, x=x, dense=dense: lambda: torch.nn.functional.linear(x, dense[i % len(dense)]), n * k * 2
             )
             row["f16_cublas_frac_of_copy"] = n * k * 2 / (row["f16_cublas_us"] * 1e-6) / 1e9 / copy_gbs
+            time_same_bytes(row, nbytes, copies, dev, frac, graph_us)
             del dense, ws
             torch.cuda.empty_cache()
             winners[shape_key(tname, n, k)] = row["best"]
@@ -296,6 +297,17 @@ def time_mma(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: i
                    mma_max_rel_diff_vs_legacy=float((y - y_legacy).abs().max() / y_legacy.abs().max()))
 
 
+def time_same_bytes(row: dict, nbytes: int, copies: int, dev, frac, graph_us) -> None:
+    """What moving this weight's bytes costs with no GEMV at all, timed the same way: torch's
+    sum over them (read only) and a copy of them (read + write). At a few MB a launch's ramp
+    and tail are much of any kernel's time; the sum is a ceiling the GEMV cannot pass."""
+    flat = [torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device=dev) for _ in range(copies)]
+    dst = torch.empty_like(flat[0])
+    row["read_sum_us"] = graph_us(lambda i: lambda: flat[i % copies].sum(dtype=torch.int64), nbytes)
+    row["copy_same_bytes_us"] = graph_us(lambda i: lambda: dst.copy_(flat[i % copies]), nbytes)
+    row["read_sum_frac_of_copy"] = frac(row["read_sum_us"])
+
+
 def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, prof, copy_gbs: float) -> None:
     """The JSON, the Markdown table and the config table so far (rewritten after every row,
     so a run stopped early keeps what it measured)."""
@@ -320,8 +332,9 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         f"copy bandwidth {copy_gbs:.0f} GB/s (read + write); fraction = weight bytes / time / copy bandwidth",
         "",
         "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
-        "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) "
+        "| sum of the bytes µs | of copy | copy of the bytes µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["best"]
@@ -334,9 +347,16 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
             f"| {r['best_frac_of_copy']:.0%} "
             f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
-            f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} |"
+            f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} "
+            f"| {same_bytes_cells(r)} |"
         )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
+
+
+def same_bytes_cells(r: dict) -> str:
+    if "read_sum_us" not in r:
+        return "— | — | —"
+    return f"{r['read_sum_us']:.1f} | {r['read_sum_frac_of_copy']:.0%} | {r['copy_same_bytes_us']:.1f}"
 
 
 def mma_cells(r: dict) -> str:
