@@ -1,0 +1,71 @@
+"""Decode step time of one CPU engine holding 1 or 2 long requests, imported (as a split
+request's decode half arrives: pages from another engine's export) or prefilled here.
+
+Why: in `bench disaggregation --burst` on the H100 machine, two split requests decoding
+together on the CPU worker ran at ~6-8 tokens/s each where one alone ran at ~30 (issue 43).
+This measures the engine alone, outside the cluster, so the two can be told apart:
+
+    python scripts/cpu_imported_rows.py MODEL.gguf --context 4096 --threads 8
+
+Prints one line per case: ms per decode step (median over the steps after every row has
+its first token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def step_ms(engine, rids) -> list[float]:
+    while not all(engine.request_state(r).output_ids for r in rids):
+        engine.step()
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--tokens", type=int, default=24, help="decode tokens per request")
+    args = ap.parse_args()
+    from minivllm import LLM, SamplingParams
+    from minivllm.engine.engine import LLMEngine
+    from minivllm.engine.engine_config import EngineConfig
+
+    torch.set_num_threads(args.threads)
+    ctx = args.context
+    llm = LLM(args.model, device="cpu", max_model_len=ctx + 2 * args.tokens, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+
+    def engine() -> LLMEngine:
+        return LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=ctx + 2 * args.tokens,
+                                                                max_active_requests=4))
+
+    prompts = [[100 + i + j % 1000 for j in range(ctx)] for i in range(2)]
+    a = engine()
+    exported = [a.add_request(p, params) for p in prompts]
+    while not all(a.request_state(r).output_ids for r in exported):
+        a.step()
+    handoffs = [a.export_request(r) for r in exported]
+    for rows, imported in ((1, True), (2, True), (2, False)):
+        b = engine()
+        rids = ([b.import_request(h) for h in handoffs[:rows]] if imported
+                else [b.add_request(p, params) for p in prompts[:rows]])
+        ms = step_ms(b, rids)
+        print(f"context {ctx}, threads {args.threads}, {rows} row(s), {'imported' if imported else 'prefilled here'}: "
+              f"{statistics.median(ms):.1f} ms per decode step (median of {len(ms)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
