@@ -61,6 +61,10 @@ SPLIT_TOKENS = 64
 # one wave beside the working ones (8 warps at ~180 registers: 1 resident per SM) while
 # a 7B row alone still gets a program per split up to 4224 tokens (66 × 64).
 _PROGRAMS_PER_SM = 2
+# The tensor-core body (4 warps, several resident per SM) aims for 4: a 7B row alone at
+# 4096 tokens took 11.2-11.5 µs a layer against 12.3-12.8 at 1 or 2 (512 tokens: the same
+# 6.6-7.5 either way; h100-s51-attention-sweep-mma-launches.json).
+_PROGRAMS_PER_SM_MMA = 4
 # Splits whose K/V one program has in flight when it walks several (batch 8 and 32): the
 # loop is software-pipelined through shared memory (sm_80+; 2 stages of a 64 × 128 f16
 # K and V tile take ~40 KB on sm_90). A program with one split just loads it.
@@ -77,7 +81,7 @@ class SplitLaunch:
 
     split_tokens: int | None = None  # None: SPLIT_TOKENS
     num_warps: int | None = None  # None: from the tile size (split_warps)
-    programs_per_sm: int = _PROGRAMS_PER_SM
+    programs_per_sm: int | None = None  # None: _PROGRAMS_PER_SM, or _PROGRAMS_PER_SM_MMA for the MMA body
     num_stages: int = _SPLIT_STAGES  # K/V loads in flight per program (software pipelining)
     maxnreg: int | None = None  # a register cap (2 resident programs per SM at 8 warps: 128)
     heads_per_program: int | None = None  # query heads a program attends for (None: all of its KV head's)
@@ -283,7 +287,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         raise ConfigError("heads_per_program", heads, f"must divide the {group} query heads of a KV head")
     head_programs = kvh * (group // heads)
     mma = launch.mma and heads > 1 and _mma_allowed(q, k_pages, v_pages)
-    programs = split_programs(t * head_programs, n_splits, _sm_count(q.device) * launch.programs_per_sm)
+    per_sm = launch.programs_per_sm or (_PROGRAMS_PER_SM_MMA if mma else _PROGRAMS_PER_SM)
+    programs = split_programs(t * head_programs, n_splits, _sm_count(q.device) * per_sm)
     part = torch.empty((t, h, n_splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((t, h, n_splits, 2), dtype=torch.float32, device=q.device)
     _paged_attention_split_kernel[(t, head_programs, programs)](
