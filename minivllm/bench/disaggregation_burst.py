@@ -17,8 +17,10 @@ import time
 
 from minivllm.bench.common import record_stat
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.serving.worker import DEFAULT_STATE_INTERVAL_S
 
 POLICIES = ("cost+split", "cost")
+STATE_WAIT_S = 2.5 * DEFAULT_STATE_INTERVAL_S  # two of the workers' state reports and a bit
 
 
 def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst: int, prompt_tokens: int,
@@ -32,7 +34,10 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         cluster.set_router(policy)
         uid = f"burst.{policy}.{time.monotonic_ns()}"
         load = backlog_cls.start(cluster, a, backlog, texts, backlog_tokens, uid) if backlog else None
+        before = engine_counters(cluster)
+        t0 = time.perf_counter()
         results = burst_at_once(cluster, texts, run_one, params, uid, burst, prompt_tokens, load)
+        seconds = time.perf_counter() - t0
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -41,10 +46,32 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         # batch size, corrected by every step): the rates the router priced with next.
         out["policies"][policy]["rates_after"] = {name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations")}
                                                   for name, h in cluster.workers.items()}
+        out["policies"][policy]["engine_steps"] = steps_during(before, engine_counters(cluster), seconds)
     cluster.set_router("cost+split")
     split, plain = (out["policies"][p] for p in POLICIES)
     out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
     out["makespan_ratio"] = split["makespan_s"] / plain["makespan_s"]
+    return out
+
+
+def engine_counters(cluster) -> dict:
+    """Each worker's engine counters as of its latest state report (every
+    state_interval_s), read after one more report has had time to arrive."""
+    time.sleep(STATE_WAIT_S)
+    return {name: dict((h.snapshot or {}).get("counters") or {}) for name, h in cluster.workers.items()}
+
+
+def steps_during(before: dict, after: dict, seconds: float) -> dict:
+    """Per worker over the burst (backlog included): steps, prompt and decode tokens,
+    preemptions, decode tokens per step, and wall ms per step. A worker whose steps are
+    slow shows here whatever the requests' own timings say."""
+    out = {}
+    for name, end in after.items():
+        d = {k: end.get(k, 0) - before.get(name, {}).get(k, 0)
+             for k in ("steps", "prefill_tokens", "decode_tokens", "preemptions")}
+        d["decode_tokens_per_step"] = d["decode_tokens"] / d["steps"] if d["steps"] else None
+        d["wall_ms_per_step"] = seconds * 1e3 / d["steps"] if d["steps"] else None
+        out[name] = d
     return out
 
 
@@ -125,6 +152,12 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
         out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {d['ttft_s']:.3f} | {cell(d['whole'].get(a))} "
                    f"| {cell(d['whole'].get(b))} "
                    f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} |")
+    steps = (burst["policies"]["cost+split"].get("engine_steps") or {}).get(b)
+    if steps and steps["steps"]:
+        out += ["", f"{b} over the split burst: {steps['steps']} steps, {steps['decode_tokens']} decode and "
+                f"{steps['prefill_tokens']} prompt tokens, {steps['preemptions']} preemptions; "
+                f"{steps['decode_tokens_per_step']:.2f} decode tokens a step, {steps['wall_ms_per_step']:.1f} ms of "
+                "the burst's wall time a step."]
     rates = (burst["policies"]["cost+split"].get("rates_after") or {}).get(b) or {}
     if rates.get("decode_tps"):
         points = ", ".join(f"{n} rows {float(r):.1f}" for n, r in sorted(rates["decode_tps"].items(),

@@ -120,6 +120,11 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
         assert r["makespan_s"] >= max(e2e)
         assert sum(r["picks"].values()) == 3
         assert r["picks"]["split"] == sum(d["pick"] == "split" for d in r["decisions"])
+        # The workers' own step counts over the burst: every answer's tokens after its first
+        # were decode tokens on some worker (the backlog's come on top).
+        steps = r["engine_steps"]
+        assert sum(s["decode_tokens"] for s in steps.values()) >= 3 * 5
+        assert all(s["steps"] > 0 and s["wall_ms_per_step"] > 0 for s in steps.values() if s["decode_tokens"])
         for d in r["decisions"]:
             best_whole = min(d["whole"], key=d["whole"].get)
             if d["pick"] != "split":
