@@ -68,9 +68,11 @@ def steps_during(before: dict, after: dict, seconds: float) -> dict:
     out = {}
     for name, end in after.items():
         d = {k: end.get(k, 0) - before.get(name, {}).get(k, 0)
-             for k in ("steps", "prefill_tokens", "decode_tokens", "preemptions")}
+             for k in ("steps", "prefill_tokens", "decode_tokens", "preemptions", "step_us")}
         d["decode_tokens_per_step"] = d["decode_tokens"] / d["steps"] if d["steps"] else None
         d["wall_ms_per_step"] = seconds * 1e3 / d["steps"] if d["steps"] else None
+        d["busy_ms_per_step"] = d["step_us"] / 1e3 / d["steps"] if d["steps"] else None
+        d["busy_share"] = d["step_us"] / 1e6 / seconds  # time inside steps over the burst's wall time
         out[name] = d
     return out
 
@@ -156,8 +158,9 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
     if steps and steps["steps"]:
         out += ["", f"{b} over the split burst: {steps['steps']} steps, {steps['decode_tokens']} decode and "
                 f"{steps['prefill_tokens']} prompt tokens, {steps['preemptions']} preemptions; "
-                f"{steps['decode_tokens_per_step']:.2f} decode tokens a step, {steps['wall_ms_per_step']:.1f} ms of "
-                "the burst's wall time a step."]
+                f"{steps['decode_tokens_per_step']:.2f} decode tokens a step, {steps['busy_ms_per_step']:.1f} ms "
+                f"inside a step and {steps['wall_ms_per_step']:.1f} ms of wall time a step (inside steps "
+                f"{steps['busy_share']:.0%} of the burst)."]
     rates = (burst["policies"]["cost+split"].get("rates_after") or {}).get(b) or {}
     if rates.get("decode_tps"):
         points = ", ".join(f"{n} rows {float(r):.1f}" for n, r in sorted(rates["decode_tps"].items(),

@@ -58,7 +58,8 @@ from minivllm.sampling.outputs import TokenEvent
 
 COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted", "requests_finished",
             "finished_stop", "finished_length", "finished_abort", "finished_error", "rejected",
-            "steps_queued_ahead")  # decode steps queued before the previous one's tokens were read
+            "steps_queued_ahead",  # decode steps queued before the previous one's tokens were read
+            "step_us")  # wall time inside steps (plan to update), summed: busy time beside the wall clock
 
 
 @dataclass
@@ -333,6 +334,7 @@ class Scheduler:
         counters["prefill_tokens"] += plan.prefill_tokens
         counters["decode_tokens"] += plan.decode_rows
         described = describe_step(counters["steps"], plan, t0, logits_rows=output.logits_rows)
+        counters["step_us"] += round(described["duration_s"] * 1e6)
         self.last_step = described
         if output.forward_error is not None:
             return self._with_released([self.finish(row.request, "error", token=-1, text="", error=output.forward_error)

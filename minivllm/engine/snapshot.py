@@ -39,7 +39,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                   weight_bytes, gemv_weight_bytes, gemv_kinds: {kind: projections}},
       "counters": {steps, prefill_tokens, decode_tokens, preemptions, requests_submitted,
                    requests_finished, finished_stop, finished_length, finished_abort,
-                   finished_error, rejected, steps_queued_ahead},
+                   finished_error, rejected, steps_queued_ahead, step_us},
       "structured": {forced, masked_ahead, masked_at_draw, checked},  # how constrained tokens
                    # were drawn (sampling/constrained_draw.py): forced by the grammar with no
                    # mask, masked beside the forward, masked at the draw, settled by a check

@@ -20,6 +20,7 @@ Everything here is f32 on the CPU.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import single_sequence
@@ -583,13 +584,17 @@ def test_run_is_the_one_step_loop(llm, ref):
             engine.release(rids[2])  # a consumer that stops early
         return busy or turns[0] == 1
 
+    wall = time.perf_counter()
     for events in engine.run(between_steps):
         for event in events:
             tokens.setdefault(event.request_id, []).append(event.token_id)
             if event.finished:
                 last[event.request_id] = event
+    wall = time.perf_counter() - wall
     snap = engine.snapshot()
     assert snap["counters"]["finished_abort"] == 1 and rids[2] not in last
+    # Time inside steps, summed: some of the loop's wall time, never more.
+    assert 0 < snap["counters"]["step_us"] <= wall * 1e6
     assert not snap["queues"]["running"] and not snap["queues"]["waiting"]
     assert snap["kv"]["available_pages"] == snap["kv"]["total_pages"]  # free or cached-idle
     assert engine.request_ids() == rids[:2]
@@ -642,7 +647,7 @@ LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows
 ROW_KEYS = {"id", "phase", "tokens", "draft_tokens"}
 COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted",
                 "requests_finished", "finished_stop", "finished_length", "finished_abort", "finished_error",
-                "rejected", "steps_queued_ahead"}
+                "rejected", "steps_queued_ahead", "step_us"}
 STRUCTURED_KEYS = {"forced", "masked_ahead", "masked_at_draw", "checked"}
 REQUEST_KEYS = {"id", "status", "phase", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens",
                 "restored_tokens", "pages", "block_table", "preemptions", "flight", "waiting_on", "speculation"}
