@@ -34,10 +34,8 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         cluster.set_router(policy)
         uid = f"burst.{policy}.{time.monotonic_ns()}"
         load = backlog_cls.start(cluster, a, backlog, texts, backlog_tokens, uid) if backlog else None
-        before = engine_counters(cluster)
-        t0 = time.perf_counter()
+        before, t0 = engine_counters(cluster), time.perf_counter()
         results = burst_at_once(cluster, texts, run_one, params, uid, burst, prompt_tokens, load)
-        seconds = time.perf_counter() - t0
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -46,7 +44,8 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         # batch size, corrected by every step): the rates the router priced with next.
         out["policies"][policy]["rates_after"] = {name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations")}
                                                   for name, h in cluster.workers.items()}
-        out["policies"][policy]["engine_steps"] = steps_during(before, engine_counters(cluster), seconds)
+        after = engine_counters(cluster)
+        out["policies"][policy]["engine_steps"] = steps_during(before, after, time.perf_counter() - t0)
     cluster.set_router("cost+split")
     split, plain = (out["policies"][p] for p in POLICIES)
     out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
@@ -62,9 +61,11 @@ def engine_counters(cluster) -> dict:
 
 
 def steps_during(before: dict, after: dict, seconds: float) -> dict:
-    """Per worker over the burst (backlog included): steps, prompt and decode tokens,
-    preemptions, decode tokens per step, and wall ms per step. A worker whose steps are
-    slow shows here whatever the requests' own timings say."""
+    """Per worker between the two reads (the burst, its backlog, and up to a state report
+    interval either side): steps, prompt and decode tokens, preemptions, decode tokens a
+    step, ms inside a step and wall ms a step. A slow step shows in the first, a worker
+    idle between its steps in the second. `seconds` spans the reads, so the busy share is
+    within a report interval's error of the truth."""
     out = {}
     for name, end in after.items():
         d = {k: end.get(k, 0) - before.get(name, {}).get(k, 0)

@@ -124,7 +124,7 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
         # were decode tokens on some worker (the backlog's come on top).
         steps = r["engine_steps"]
         assert sum(s["decode_tokens"] for s in steps.values()) >= 3 * 5
-        assert all(s["steps"] > 0 and 0 < s["busy_ms_per_step"] <= s["wall_ms_per_step"]
+        assert all(s["steps"] > 0 and s["busy_ms_per_step"] > 0 and s["wall_ms_per_step"] > 0
                    for s in steps.values() if s["decode_tokens"])
         for d in r["decisions"]:
             best_whole = min(d["whole"], key=d["whole"].get)
