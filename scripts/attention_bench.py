@@ -216,7 +216,10 @@ def mma_launches(pa) -> list[tuple[str, object]]:
             for s in (32, 64) for w in (1, 2, 4)] + [
         (f"mma split={s} warps=4 programs/SM={p} stages={st}",
          pa.SplitLaunch(split_tokens=s, num_warps=4, programs_per_sm=p, num_stages=st, mma=True))
-        for s in (32, 64) for p in (1, 4, 8) for st in (1, 3)]
+        for s in (32, 64) for p in (1, 4, 8) for st in (1, 3)] + [
+        (f"mma split=64 warps=4 programs/SM=4 merge={c}",
+         pa.SplitLaunch(split_tokens=64, num_warps=4, programs_per_sm=4, mma=True, merge_splits=c))
+        for c in (32, 128)]
 
 
 def attention_rows(torch, pa, old, timer, device, contexts, batches, width, layer_limit, variants, rows, save):

@@ -93,6 +93,9 @@ class SplitLaunch:
     # with tensor_core_dot only, else ignored. Other bits than the plain body's; the
     # engine's default launch takes it (`default_launch`).
     mma: bool = False
+    # Splits the merge adds up per trip (None: `merge_chunk`, from head_dim alone). Another
+    # value changes the bits (the running max and sum step per trip); a sweep may time it.
+    merge_splits: int | None = None
 
 
 ADAPTIVE_HEADS_ENV = "MINIVLLM_ADAPTIVE_HEADS"
@@ -305,7 +308,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
-        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=merge_chunk(block_d), **pdl_args(q.device),
+        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=launch.merge_splits or merge_chunk(block_d),
+        **pdl_args(q.device),
     )
     return out
 

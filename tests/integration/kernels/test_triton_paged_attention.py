@@ -270,6 +270,23 @@ def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim,
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_a_merge_of_two_splits_a_trip_matches_float64_attention(device):
+    """`SplitLaunch(merge_splits=2)` (a sweep's option): rows of up to three 64-key splits
+    merged two a trip, the running max and sum carried across trips, against float64."""
+    heads, kv_heads, head_dim = MODEL_SHAPES[0].values  # the 7B's
+    k, v, tables, table_lists = scattered_pages(seq_lens=[150, 70], page_size=16, kvh=kv_heads,
+                                                dtype=torch.float32, device=device, seed=3, head_dim=head_dim, width=12)
+    rows = [(0, 149), (0, 64), (1, 69), (1, 0)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(5)).to(device)
+    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    out = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(merge_splits=2))
+    for i, (s, p) in enumerate(rows):
+        ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(out[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", MODEL_SHAPES)
 def test_adaptive_heads_match_float64_and_the_fixed_launches_bit_for_bit(device, heads, kv_heads, head_dim,
                                                                          monkeypatch):
