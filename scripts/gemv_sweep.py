@@ -220,6 +220,8 @@ def main() -> int:
             y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
             ref8 = xd @ ws[0].dequantize(torch.float32).T
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
+            if not paired:  # the persistent kernel (a candidate: kernels/triton/persistent_gemv.py)
+                time_persistent(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
                 time_mma(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             dense = [
@@ -267,6 +269,36 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             found = [(n, k)]
         out += [shape for shape in found if shape not in out]
     return out
+
+
+# (row groups a tile, pipeline stages, programs per SM, warps) tried for the persistent kernel.
+PERSISTENT_CANDIDATES = [(2, 4, 2, 4), (4, 3, 2, 4), (4, 4, 2, 4), (4, 4, 1, 4), (8, 3, 1, 4), (8, 3, 2, 8),
+                         (4, 6, 1, 4), (2, 6, 4, 4)]
+
+
+def time_persistent(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: int, graph_us,
+                    y_legacy) -> None:
+    """The persistent kernel at each of PERSISTENT_CANDIDATES: the best into `row`, every
+    one in row["candidates"], and the best one's distance from the legacy kernel's result."""
+    from minivllm.kernels.triton.persistent_gemv import persistent_gemv
+
+    best = None
+    for nb, stages, per_sm, warps in PERSISTENT_CANDIDATES:
+        launch = dict(block_nb=nb, num_stages=stages, programs_per_sm=per_sm, num_warps=warps)
+        try:
+            us = graph_us(lambda i, launch=launch: lambda: persistent_gemv(
+                x, ws[i % copies], out_dtype=torch.float16, **launch), nbytes)
+        except Exception as exc:  # a launch that does not compile here (registers, shared memory)
+            row["candidates"].append({"kernel": "persistent", **launch, "error": f"{type(exc).__name__}: "
+                                                                                f"{str(exc)[:120]}"})
+            continue
+        row["candidates"].append({"kernel": "persistent", **launch, "us": us})
+        if best is None or us < best[1]:
+            best = (launch, us)
+    if best is not None:
+        y = persistent_gemv(x, ws[0], **best[0])
+        row.update(persistent_us=best[1], persistent_frac_of_copy=frac(best[1]), persistent_launch=best[0],
+                   persistent_max_rel_diff_vs_legacy=float((y - y_legacy).abs().max() / y_legacy.abs().max()))
 
 
 def time_mma(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: int, graph_us, y_legacy) -> None:
@@ -333,8 +365,9 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         "",
         "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
         "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) "
-        "| sum of the bytes µs | of copy | copy of the bytes µs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sum of the bytes µs | of copy | copy of the bytes µs "
+        "| persistent µs | of copy | (nb, stages, per SM, warps) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["best"]
@@ -348,9 +381,17 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
             f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
             f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} "
-            f"| {same_bytes_cells(r)} |"
+            f"| {same_bytes_cells(r)} | {persistent_cells(r)} |"
         )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
+
+
+def persistent_cells(r: dict) -> str:
+    if "persistent_us" not in r:
+        return "— | — | —"
+    lc = r["persistent_launch"]
+    return (f"{r['persistent_us']:.1f} | {r['persistent_frac_of_copy']:.0%} | {lc['block_nb']}, {lc['num_stages']}, "
+            f"{lc['programs_per_sm']}, {lc['num_warps']}")
 
 
 def same_bytes_cells(r: dict) -> str:

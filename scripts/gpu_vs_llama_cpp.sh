@@ -326,14 +326,15 @@ else
       $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
   done
   # the defaults since s49 turned off one at a time (the plain attention body; PDL), then the GEMV's
-  # weights asked of L2 before its PDL wait (MINIVLLM_GEMV_PREFETCH=1; opt-in until measured)
+  # weights asked of L2 before its PDL wait (MINIVLLM_GEMV_PREFETCH=1; opt-in until measured) and the
+  # persistent GEMV (MINIVLLM_GEMV_KERNEL=persistent; the tensor-core one lost, h100-s51: 52 against 328 tok/s)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode plain attention $s" "$R/decode-plainattn-$s.log" env MINIVLLM_ATTENTION_MMA=0 $DEC $SYN $s \
       --prompt-tokens 512
     step "decode prefetch $s" "$R/decode-prefetch-$s.log" env MINIVLLM_GEMV_PREFETCH=1 $DEC $SYN $s \
       --prompt-tokens 512
-    step "decode mma gemv $s" "$R/decode-mmagemv-$s.log" env MINIVLLM_GEMV_KERNEL=mma $DEC $SYN $s \
-      --prompt-tokens 512
+    step "decode persistent gemv $s" "$R/decode-persistent-$s.log" env MINIVLLM_GEMV_KERNEL=persistent $DEC $SYN \
+      $s --prompt-tokens 512
   done
   step "decode no pdl 7b" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 512
@@ -377,7 +378,8 @@ else
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
   step "profile prefetch 512" "$R/profile-prefetch.log" env MINIVLLM_GEMV_PREFETCH=1 $P --prompt-tokens 512 \
     --synthetic qwen2.5-7b-q4_k_m
-  step "profile mma gemv 512" "$R/profile-mmagemv.log" env MINIVLLM_GEMV_KERNEL=mma $P --prompt-tokens 512 \
+  step "profile persistent gemv 512" "$R/profile-persistent.log" env MINIVLLM_GEMV_KERNEL=persistent $P \
+    --prompt-tokens 512 \
     --synthetic qwen2.5-7b-q4_k_m
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m

@@ -120,7 +120,8 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)"),
                             ("nopdl", "PDL off (MINIVLLM_PDL=0)"),
                             ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)"),
-                            ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)")):
+                            ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)"),
+                            ("persistent", "persistent GEMV (MINIVLLM_GEMV_KERNEL=persistent)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]

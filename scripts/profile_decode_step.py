@@ -179,6 +179,12 @@ def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, ou
 
 # The step's GEMV work: the decode GEMVs, their split-K sums and (MINIVLLM_Q8_GEMV=1) the
 # activations' quantization. (Deferred split sums run inside _add_rms_norm_kernel: not counted.)
+def gemv_label(r: dict) -> str:
+    """', MMA GEMV' / ', persistent GEMV' where the run took another decode GEMV than the tiled one."""
+    kernel = r.get("gemv_kernel", "tiled")
+    return "" if kernel == "tiled" else f", {'MMA' if kernel == 'mma' else kernel} GEMV"
+
+
 GEMV_KERNELS = re.compile(r"gemv|sum_splits|quantize_q8")
 
 
@@ -199,7 +205,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
         f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}"
-        f"{', GEMV prefetch' if r.get('prefetch') else ''}{', MMA GEMV' if r.get('gemv_kernel') == 'mma' else ''}"
+        f"{', GEMV prefetch' if r.get('prefetch') else ''}{gemv_label(r)}"
         f"{', int8-activation GEMV (MINIVLLM_Q8_GEMV=1)' if r.get('int8_gemv') else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
@@ -259,7 +265,8 @@ def main() -> None:
             results.append(r)
             tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
                    f"{'' if r['pdl'] else '-nopdl'}{'' if r['mma'] else '-plainattn'}"
-                   f"{'-prefetch' if r['prefetch'] else ''}{'-mmagemv' if r['gemv_kernel'] == 'mma' else ''}"
+                   f"{'-prefetch' if r['prefetch'] else ''}"
+                   f"{'' if r['gemv_kernel'] == 'tiled' else '-' + r['gemv_kernel'] + 'gemv'}"
                    f"{'-int8gemv' if r['int8_gemv'] else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))
             if "error" not in r:

@@ -49,7 +49,7 @@ from minivllm.kernels.triton.split_sum import ROUND_CODES, SplitPartials, round_
 
 
 @triton.jit
-def _trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
+def gemv_trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
           N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr, BLOCK_NB: tl.constexpr,
           BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
     """One trip of the K loop: groups g0 .. g0 + BLOCK_G of the tile's rows added to acc
@@ -142,11 +142,11 @@ def _tiled_gemv_kernel(
     # the same order as one masked loop: the same sums, fewer instructions a weight.
     n_full = (g_hi - g_lo) // BLOCK_G * BLOCK_G
     for i in range(0, n_full, BLOCK_G):
-        acc = _trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
-                    e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
+        acc = gemv_trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
+                        c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
     if n_full < g_hi - g_lo:
-        acc = _trip(acc, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
-                    c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
+        acc = gemv_trip(acc, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
+                        b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
     if PAIRED:
         _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT,
