@@ -27,8 +27,8 @@ cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_I
 
 
 @cpu_only
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("block_nb", [1, 2])
+@pytest.mark.parametrize("ggml_type,block_nb", [(t, 2) for t in TYPES] + [(T.Q4_K, 1)],
+                         ids=lambda v: v.name if isinstance(v, T) else f"nb{v}")
 def test_matches_reference_and_the_tiled_kernel_interpreted(ggml_type, block_nb):
     # N = 22: 6 row groups, the last of 2 rows; with 2 row groups a tile and one SM's 2
     # programs, each program walks 1-2 tiles. K = 512: 16 groups, 4 trips of 4.
