@@ -273,20 +273,17 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
   stamp "0.5B file written; 7B file started (background)"
   if [ "${SWEEP:-1}" != 0 ]; then  # the fused, 0.5B and 7B o/down shapes, PDL on; run 2 uses the table
     T=Q4_K,Q6_K,Q8_0,Q5_0
-    BUDGET=${SWEEP_BUDGET:-130} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
+    BUDGET=${SWEEP_BUDGET:-200} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
       --quick $T --shapes 0.5b,fused,3584x3584,3584x18944
     stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
     cp "$W"/sweep/* "$R/" 2>/dev/null
-    # the same 7B shapes with the weights asked of L2 before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)
-    BUDGET=$(( $(date +%s) - T0 + ${PREFETCH_SWEEP_BUDGET:-60} )) step "sweep prefetch" "$R/sweep-prefetch.log" \
-      env MINIVLLM_GEMV_PREFETCH=1 python3 scripts/gemv_sweep.py "$W/sweep-prefetch" --types Q4_K,Q6_K \
-      --quick Q4_K,Q6_K --shapes fused,3584x3584,3584x18944
-    for f in "$W"/sweep-prefetch/gemv-sweep-*; do cp "$f" "$R/prefetch-$(basename "$f")" 2>/dev/null; done
+    # (the sweep with the weights asked of L2 before the PDL wait ran until h100-s51: slower; dropped)
   fi
-  # the newest GPU tests natively (the MMA GEMV skips in the T4 profile, which has no tl.dot)
+  # the newest GPU tests natively
   BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-90} )) step "pytest new native" "$R/pytest-cuda-new.log" \
-    python3 -m pytest -m cuda -v -n 4 --timeout 120 -p no:cacheprovider -rfE tests/integration/kernels/test_mma_gemv.py \
-    tests/integration/kernels/test_pdl.py tests/integration/kernels/test_triton_tiled_gemv.py
+    python3 -m pytest -m cuda -v -n 4 --timeout 120 -p no:cacheprovider -rfE \
+    tests/integration/kernels/test_triton_persistent_gemv.py tests/integration/kernels/test_pdl.py \
+    tests/integration/kernels/test_triton_tiled_gemv.py tests/integration/engine/test_handoff_rows.py
   stamp "pytest new native: $(tail -n 1 "$R/pytest-cuda-new.log")"
   # pytest -m cuda in the T4 profile (each test named; the native profile runs in `verify`)
   BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-220} )) step "pytest sm75" "$R/pytest-cuda-sm75.log" \
@@ -394,5 +391,5 @@ fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
 cp "$R/timeline.txt" "$OUT/run$MODE-summary.txt"
-[ "$MODE" = 1 ] && cp "$R"/gemv-sweep-*.md "$R"/prefetch-gemv-sweep-*.md "$OUT/" 2>/dev/null
+[ "$MODE" = 1 ] && cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null
 exit 0
