@@ -220,7 +220,7 @@ def main() -> int:
             y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
             ref8 = xd @ ws[0].dequantize(torch.float32).T
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
-            if not paired:  # the persistent kernel (a candidate: kernels/triton/persistent_gemv.py)
+            if not paired and n * k >= PERSISTENT_MIN_WEIGHTS:  # the persistent kernel (persistent_gemv.py)
                 time_persistent(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
                 time_mma(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
@@ -271,9 +271,10 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     return out
 
 
-# (row groups a tile, pipeline stages, programs per SM, warps) tried for the persistent kernel.
-PERSISTENT_CANDIDATES = [(2, 4, 2, 4), (4, 3, 2, 4), (4, 4, 2, 4), (4, 4, 1, 4), (8, 3, 1, 4), (8, 3, 2, 8),
-                         (4, 6, 1, 4), (2, 6, 4, 4)]
+# (row groups a tile, pipeline stages, programs per SM, warps) tried for the persistent kernel,
+# at the 7B's matrices only (each launch and K is a compile of its own, a second or two).
+PERSISTENT_CANDIDATES = [(2, 4, 2, 4), (4, 3, 2, 4), (4, 4, 1, 4), (8, 3, 1, 4), (4, 6, 1, 4), (2, 6, 4, 4)]
+PERSISTENT_MIN_WEIGHTS = 3584 * 3584
 
 
 def time_persistent(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: int, graph_us,

@@ -271,10 +271,10 @@ from minivllm.bench.synthetic_model import ensure_synthetic_model as e
 print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=True)
 \"" >> "$W/synthetic.log" 2>&1 < /dev/null &
   stamp "0.5B file written; 7B file started (background)"
-  if [ "${SWEEP:-1}" != 0 ]; then  # the fused, 0.5B and 7B o/down shapes, PDL on; run 2 uses the table
+  if [ "${SWEEP:-1}" != 0 ]; then  # the 7B o/fused/down, then the 0.5B shapes, PDL on; run 2 uses the table
     T=Q4_K,Q6_K,Q8_0,Q5_0
     BUDGET=${SWEEP_BUDGET:-200} step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py "$W/sweep" --types $T \
-      --quick $T --shapes 0.5b,fused,3584x3584,3584x18944
+      --quick $T --shapes 3584x3584,fused,3584x18944,0.5b
     stamp "sweep rows: $(grep -c '^Q' "$R/sweep.log")"
     cp "$W"/sweep/* "$R/" 2>/dev/null
     # (the sweep with the weights asked of L2 before the PDL wait ran until h100-s51: slower; dropped)
