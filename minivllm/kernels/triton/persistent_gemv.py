@@ -12,9 +12,11 @@ flight while this tile's last ones are summed, every SM streams its share from t
 first cycle to the last, and there is no K split to add up.
 
 Arithmetic: tiled_gemv's `gemv_trip` over each tile's K in order, then the same two
-sums over the tile; BLOCK_G divides the groups, so no trip is partial. A row's bits
-depend on BLOCK_NB and BLOCK_G only (not on the program count, nor on M: each
-activation row has its own programs), so a fixed launch serves batch-invariant mode.
+sums over the tile; BLOCK_G divides the groups, so no trip is partial. Under the
+interpreter its bits are the tiled kernel's at split 1 with the same tile (tested); on a
+GPU the warps' layout may order the tile's final sums otherwise. A row's bits depend on
+the tile and the warps only (not on the program count, nor on M: each activation row
+has its own programs), so a fixed launch serves batch-invariant mode.
 """
 
 from __future__ import annotations
