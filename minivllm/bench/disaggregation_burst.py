@@ -1,7 +1,8 @@
 """The burst of `bench disaggregation --burst N` (issue 43): N requests at once to a
-cluster whose prefill worker A is at its slot cap, routed by `cost+split` and then, on a
-fresh backlog, by `cost` (no split), so the split's effect on a burst is measured against
-the same burst without it.
+cluster whose prefill worker A is at its slot cap, routed by `cost+split`, then, each on
+a fresh backlog, by `cost` (no split) and with every request split by hand, so the
+router's choices are measured against the same burst without splits and with nothing
+but splits (what N splits decoding side by side on B cost).
 
 Why a burst: one request at a time (the cases) shows that a split can pay; a burst shows
 what the router does when several requests compete for A's handoff rows and B's slots,
@@ -19,7 +20,9 @@ from minivllm.bench.common import record_stat
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.worker import DEFAULT_STATE_INTERVAL_S
 
-POLICIES = ("cost+split", "cost")
+# "split": every request of the burst placed (A, B) by hand, whatever the router would do:
+# what splits decoding side by side on B cost, measured beside the router's choices.
+POLICIES = ("cost+split", "cost", "split")
 STATE_WAIT_S = 2.5 * DEFAULT_STATE_INTERVAL_S  # two of the workers' state reports and a bit
 
 
@@ -31,11 +34,12 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
     out = {"burst": burst, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "backlog": backlog,
            "policies": {}}
     for policy in POLICIES:
-        cluster.set_router(policy)
+        cluster.set_router("cost" if policy == "split" else policy)
+        run = run_one if policy != "split" else (lambda c, prompt, p: run_one(c, prompt, p, placement=(a, b)))
         uid = f"burst.{policy}.{time.monotonic_ns()}"
         load = backlog_cls.start(cluster, a, backlog, texts, backlog_tokens, uid) if backlog else None
         before, t0 = engine_counters(cluster), time.perf_counter()
-        results = burst_at_once(cluster, texts, run_one, params, uid, burst, prompt_tokens, load)
+        results = burst_at_once(cluster, texts, run, params, uid, burst, prompt_tokens, load)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -47,9 +51,10 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         after = engine_counters(cluster)
         out["policies"][policy]["engine_steps"] = steps_during(before, after, time.perf_counter() - t0)
     cluster.set_router("cost+split")
-    split, plain = (out["policies"][p] for p in POLICIES)
+    split, plain, forced = (out["policies"][p] for p in POLICIES)
     out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
     out["makespan_ratio"] = split["makespan_s"] / plain["makespan_s"]
+    out["all_split_mean_e2e_ratio"] = forced["e2e_s_mean"] / plain["e2e_s_mean"]
     return out
 
 
@@ -141,9 +146,11 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
            "| router | e2e s median | mean ± std | makespan s | whole:A / whole:B / split |", "|---|---|---|---|---|"]
     for policy, r in burst["policies"].items():
         p = r["picks"]
-        out.append(f"| {policy} | {r['e2e_s_median']:.3f} | {r['e2e_s_mean']:.3f} ± {r['e2e_s_std']:.3f} | "
+        label = "every request split (by hand)" if policy == "split" else policy
+        out.append(f"| {label} | {r['e2e_s_median']:.3f} | {r['e2e_s_mean']:.3f} ± {r['e2e_s_std']:.3f} | "
                    f"{r['makespan_s']:.3f} | {p['whole:A']} / {p['whole:B']} / {p['split']} |")
-    out += ["", f"cost+split ÷ cost: mean e2e {burst['mean_e2e_ratio']:.3f}, makespan {burst['makespan_ratio']:.3f}.",
+    out += ["", f"cost+split ÷ cost: mean e2e {burst['mean_e2e_ratio']:.3f}, makespan {burst['makespan_ratio']:.3f}; "
+            f"every request split by hand ÷ cost: mean e2e {burst['all_split_mean_e2e_ratio']:.3f}.",
             "", "Decisions under cost+split, one per request (scores in s):", "",
             f"| # | pick | e2e s | first token s | whole on {a} | whole on {b} | {a} → {b} | {b} → {a} |",
             "|---|---|---|---|---|---|---|---|"]
@@ -155,9 +162,11 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
         out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {d['ttft_s']:.3f} | {cell(d['whole'].get(a))} "
                    f"| {cell(d['whole'].get(b))} "
                    f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} |")
-    steps = (burst["policies"]["cost+split"].get("engine_steps") or {}).get(b)
-    if steps and steps["steps"]:
-        out += ["", f"{b} over the split burst: {steps['steps']} steps, {steps['decode_tokens']} decode and "
+    for policy in ("cost+split", "split"):
+        steps = (burst["policies"][policy].get("engine_steps") or {}).get(b)
+        if not steps or not steps["steps"]:
+            continue
+        out += ["", f"{b} over the {policy} burst: {steps['steps']} steps, {steps['decode_tokens']} decode and "
                 f"{steps['prefill_tokens']} prompt tokens, {steps['preemptions']} preemptions; "
                 f"{steps['decode_tokens_per_step']:.2f} decode tokens a step, {steps['busy_ms_per_step']:.1f} ms "
                 f"inside a step and {steps['wall_ms_per_step']:.1f} ms of wall time a step (inside steps "

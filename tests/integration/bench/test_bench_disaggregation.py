@@ -102,9 +102,10 @@ def test_a_prefix_cached_on_a_serves_whole_on_a_and_the_split_from_the_cache(res
 
 
 def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
-    """A holds 2 long answers in its 2 slots; 3 requests arrive at once, routed cost+split
-    and then cost. The record's figures are recomputed from its own per-request entries;
-    under `cost` nothing is split, and every pick is what its decision's scores chose."""
+    """A holds 2 long answers in its 2 slots; 3 requests arrive at once, routed cost+split,
+    then cost, then each split by hand. The record's figures are recomputed from its own
+    per-request entries; under `cost` nothing is split, by hand everything is, and every
+    routed pick is what its decision's scores chose."""
     from minivllm.bench.disaggregation import run
 
     (row,) = run(str(smollm2_path), ["cpu:1", "cpu:1"], prompts=[64], outputs=[6], backlogs=[2], runs=1,
@@ -126,6 +127,9 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
         assert sum(s["decode_tokens"] for s in steps.values()) >= 3 * 5
         assert all(s["steps"] > 0 and s["busy_ms_per_step"] > 0 and s["wall_ms_per_step"] > 0
                    for s in steps.values() if s["decode_tokens"])
+        if policy == "split":  # every request placed (A, B) by hand
+            assert r["picks"]["split"] == 3
+            continue
         for d in r["decisions"]:
             best_whole = min(d["whole"], key=d["whole"].get)
             if d["pick"] != "split":
@@ -136,4 +140,6 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
     assert all(d["split"] == {} for d in burst["policies"]["cost"]["decisions"])
     ratio = burst["policies"]["cost+split"]["e2e_s_mean"] / burst["policies"]["cost"]["e2e_s_mean"]
     assert burst["mean_e2e_ratio"] == pytest.approx(ratio)
+    forced = burst["policies"]["split"]["e2e_s_mean"] / burst["policies"]["cost"]["e2e_s_mean"]
+    assert burst["all_split_mean_e2e_ratio"] == pytest.approx(forced)
     assert "## A burst: 3 requests at once" in path.with_name(path.name[:-5] + ".md").read_text()
