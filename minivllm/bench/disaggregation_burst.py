@@ -39,6 +39,7 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         uid = f"burst.{policy}.{time.monotonic_ns()}"
         load = backlog_cls.start(cluster, a, backlog, texts, backlog_tokens, uid) if backlog else None
         before, t0 = engine_counters(cluster), time.perf_counter()
+        cpu_before = process_cpu(cluster)
         results = burst_at_once(cluster, texts, run, params, uid, burst, prompt_tokens, load)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -48,8 +49,11 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         # batch size, corrected by every step): the rates the router priced with next.
         out["policies"][policy]["rates_after"] = {name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations")}
                                                   for name, h in cluster.workers.items()}
+        cpu_after = process_cpu(cluster)
         after = engine_counters(cluster)
-        out["policies"][policy]["engine_steps"] = steps_during(before, after, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        out["policies"][policy]["engine_steps"] = steps_during(before, after, seconds)
+        out["policies"][policy]["cores_busy"] = cores_busy(cpu_before, cpu_after, seconds)
     cluster.set_router("cost+split")
     split, plain, forced = (out["policies"][p] for p in POLICIES)
     out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
@@ -63,6 +67,33 @@ def engine_counters(cluster) -> dict:
     state_interval_s), read after one more report has had time to arrive."""
     time.sleep(STATE_WAIT_S)
     return {name: dict((h.snapshot or {}).get("counters") or {}) for name, h in cluster.workers.items()}
+
+
+def process_cpu(cluster) -> dict:
+    """CPU seconds so far (user + system) of each worker's process, of this process (the
+    router and the clients) and of the whole host: who held the cores while B decoded.
+    A worker on another node (Ray) is left out."""
+    import psutil
+
+    out = {"host": sum(psutil.cpu_times()[:3]), "router": sum(psutil.Process().cpu_times()[:2])}
+    for name, h in cluster.workers.items():
+        pid = h.transport.pid if h.transport is not None else None
+        try:
+            out[name] = sum(psutil.Process(pid).cpu_times()[:2]) if pid else None
+        except psutil.Error:
+            out[name] = None
+    return out
+
+
+def cores_busy(before: dict, after: dict, seconds: float) -> dict:
+    """Average cores each process kept busy between the two reads; `host` is every process
+    on the machine (user + nice + system), `host_cores` how many it has."""
+    import psutil
+
+    out = {k: (after[k] - before[k]) / seconds for k in after
+           if after.get(k) is not None and before.get(k) is not None}
+    out["host_cores"] = psutil.cpu_count()
+    return out
 
 
 def steps_during(before: dict, after: dict, seconds: float) -> dict:
@@ -171,6 +202,11 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
                 f"{steps['decode_tokens_per_step']:.2f} decode tokens a step, {steps['busy_ms_per_step']:.1f} ms "
                 f"inside a step and {steps['wall_ms_per_step']:.1f} ms of wall time a step (inside steps "
                 f"{steps['busy_share']:.0%} of the burst)."]
+        cores = burst["policies"][policy].get("cores_busy") or {}
+        if cores:
+            held = ", ".join(f"{k} {v:.1f}" for k, v in cores.items() if k != "host_cores")
+            out += ["", f"Cores kept busy over the {policy} burst, on average ({cores['host_cores']} on the host): "
+                    f"{held}."]
     rates = (burst["policies"]["cost+split"].get("rates_after") or {}).get(b) or {}
     if rates.get("decode_tps"):
         points = ", ".join(f"{n} rows {float(r):.1f}" for n, r in sorted(rates["decode_tps"].items(),

@@ -127,6 +127,10 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
         assert sum(s["decode_tokens"] for s in steps.values()) >= 3 * 5
         assert all(s["steps"] > 0 and s["busy_ms_per_step"] > 0 and s["wall_ms_per_step"] > 0
                    for s in steps.values() if s["decode_tokens"])
+        # Who held the cores: each local worker's process worked, and none beyond the host.
+        cores = r["cores_busy"]
+        assert all(0 < cores[name] <= cores["host_cores"] for name in steps)
+        assert cores["host"] <= cores["host_cores"] * 1.05
         if policy == "split":  # every request placed (A, B) by hand
             assert r["picks"]["split"] == 3
             continue
