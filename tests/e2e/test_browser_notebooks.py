@@ -2,6 +2,7 @@
 runs it, and read through the page's DOM:
 - the browser console logs no error and the page throws none;
 - no cell shows an error output;
+- the outputs show what the notebook expects (test_notebooks.missing_expected_outputs);
 - every chart is a plotly one with data: each `.js-plotly-plot` element's own `data` (what
   plotly.js drew) has at least one trace with a finite point, and no trace holds NaN or
   infinity; every live chart of ours (`.minivllm-chart`) is such a plot;
@@ -33,6 +34,7 @@ from test_browser_workbench import (
     _free_port,
     _run_all,
 )
+from test_notebooks import missing_expected_outputs
 
 NOTEBOOKS = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))
 PER_NOTEBOOK_S = 1200
@@ -178,6 +180,9 @@ def test_notebook_in_chromium_has_no_console_error_and_only_finite_plotly_charts
         f"{o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"] if o["output_type"] == "error"
     ]
     assert not errors, f"{notebook}: error outputs: {errors}"
+    committed = json.loads((REPO_ROOT / "notebooks" / notebook).read_text())
+    missing = missing_expected_outputs(committed.get("metadata", {}), [o for c in cells for o in c["outputs"]])
+    assert not missing, f"{notebook}: {missing} missing from the outputs"
     assert all(c["execution_count"] for c in cells), f"{notebook}: cells that never ran: " + str(
         ["".join(c["source"])[:60] for c in cells if not c["execution_count"]])
     assert not page_errors, f"{notebook}: the page threw: {page_errors}"
