@@ -70,29 +70,38 @@ def engine_counters(cluster) -> dict:
 
 
 def process_cpu(cluster) -> dict:
-    """CPU seconds so far (user + system) of each worker's process, of this process (the
-    router and the clients) and of the whole host: who held the cores while B decoded.
-    A worker on another node (Ray) is left out."""
+    """CPU seconds so far (user + system) of each worker's process and of each of its
+    threads, of this process (the router and the clients) and of the whole host: who held
+    the cores while B decoded. A worker on another node (Ray) is left out."""
     import psutil
 
-    out = {"host": sum(psutil.cpu_times()[:3]), "router": sum(psutil.Process().cpu_times()[:2])}
+    out = {"host": sum(psutil.cpu_times()[:3]), "router": sum(psutil.Process().cpu_times()[:2]), "threads": {}}
     for name, h in cluster.workers.items():
         pid = h.transport.pid if h.transport is not None else None
         try:
-            out[name] = sum(psutil.Process(pid).cpu_times()[:2]) if pid else None
+            proc = psutil.Process(pid) if pid else None
+            out[name] = sum(proc.cpu_times()[:2]) if proc else None
+            out["threads"][name] = {t.id: t.user_time + t.system_time for t in proc.threads()} if proc else {}
         except psutil.Error:
             out[name] = None
     return out
 
 
-def cores_busy(before: dict, after: dict, seconds: float) -> dict:
+def cores_busy(before: dict, after: dict, seconds: float, top: int = 4) -> dict:
     """Average cores each process kept busy between the two reads; `host` is every process
-    on the machine (user + nice + system), `host_cores` how many it has."""
+    on the machine (user + nice + system), `host_cores` how many it has. Per worker, its
+    busiest threads' cores too: one thread near 1.0 beside idle compute threads is a step
+    loop waiting on serial work, not a slow kernel."""
     import psutil
 
     out = {k: (after[k] - before[k]) / seconds for k in after
-           if after.get(k) is not None and before.get(k) is not None}
+           if k != "threads" and after.get(k) is not None and before.get(k) is not None}
     out["host_cores"] = psutil.cpu_count()
+    out["busiest_threads"] = {}
+    for name, threads in after.get("threads", {}).items():
+        then = before.get("threads", {}).get(name, {})
+        busy = sorted(((t - then.get(tid, 0.0)) / seconds for tid, t in threads.items()), reverse=True)
+        out["busiest_threads"][name] = [round(b, 3) for b in busy[:top]]
     return out
 
 
@@ -204,9 +213,11 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
                 f"{steps['busy_share']:.0%} of the burst)."]
         cores = burst["policies"][policy].get("cores_busy") or {}
         if cores:
-            held = ", ".join(f"{k} {v:.1f}" for k, v in cores.items() if k != "host_cores")
+            held = ", ".join(f"{k} {v:.1f}" for k, v in cores.items() if k not in ("host_cores", "busiest_threads"))
+            threads = "; ".join(f"{k}: " + ", ".join(f"{v:.2f}" for v in t)
+                                for k, t in (cores.get("busiest_threads") or {}).items())
             out += ["", f"Cores kept busy over the {policy} burst, on average ({cores['host_cores']} on the host): "
-                    f"{held}."]
+                    f"{held}. Busiest threads, in cores: {threads}."]
     rates = (burst["policies"]["cost+split"].get("rates_after") or {}).get(b) or {}
     if rates.get("decode_tps"):
         points = ", ".join(f"{n} rows {float(r):.1f}" for n, r in sorted(rates["decode_tps"].items(),

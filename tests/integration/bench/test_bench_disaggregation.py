@@ -131,6 +131,9 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
         cores = r["cores_busy"]
         assert all(0 < cores[name] <= cores["host_cores"] for name in steps)
         assert cores["host"] <= cores["host_cores"] * 1.05
+        for name in steps:  # a thread is busy at most one core, and the busiest come first
+            busiest = cores["busiest_threads"][name]
+            assert busiest == sorted(busiest, reverse=True) and 0 < busiest[0] <= 1.05
         if policy == "split":  # every request placed (A, B) by hand
             assert r["picks"]["split"] == 3
             continue
