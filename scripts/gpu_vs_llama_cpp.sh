@@ -7,7 +7,9 @@
 #   here:     python3 scripts/gpu_vs_llama_cpp_table.py run1.tgz run2.tgz   # the one JSON + Markdown table
 #   any time: ... profile   # pytest -m cuda in both profiles, then a profile of decode steps (no peer)
 #   short of device time: ... once   # the most important rows of runs 1 and 2 in one call
-#   minivllm alone: ... quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
+#   minivllm alone: ... lean (the rows still unmeasured: GEMV sweep with the persistent kernel
+#                   and the read ceiling on the 7B shapes, the newest CUDA tests, 7B decode
+#                   at 512 and 4096 tokens, default and persistent GEMV) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #                   | verify (native CUDA tests, GPU -> CPU bench at backlogs 0 and 24)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
@@ -26,7 +28,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | quick | attention | verify | profile}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | lean | quick | attention | verify | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -217,6 +219,31 @@ elif [ "$MODE" = verify ]; then
     grep -h "GEMV kernels" "$R"/profile/*.md | tee -a "$R/timeline.txt"
     cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
   fi
+elif [ "$MODE" = lean ]; then
+  # One short call, minivllm alone, for a session whose device time cannot cover runs 1 and 2.
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  start_7b_file
+  T=Q4_K,Q6_K,Q8_0,Q5_0
+  BUDGET=$(( $(date +%s) - T0 + ${SWEEP_BUDGET:-170} )) step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py \
+    "$W/sweep" --types $T --quick $T --shapes 3584x3584,fused,3584x18944
+  cp "$W"/sweep/* "$R/" 2>/dev/null
+  BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-80} )) step "pytest new native" "$R/pytest-cuda-new.log" \
+    python3 -m pytest -m cuda -v -n 4 --timeout 120 -p no:cacheprovider -rfE \
+    tests/integration/kernels/test_triton_persistent_gemv.py tests/integration/engine/test_handoff_rows.py
+  stamp "pytest new native: $(tail -n 1 "$R/pytest-cuda-new.log")"
+  BUDGET=$(( $(date +%s) - T0 + 45 )) step "pytest sm75 handoff rows" "$R/pytest-cuda-sm75.log" \
+    env MINIVLLM_GPU_PROFILE=sm75 python3 -m pytest -m cuda -v --timeout 120 -p no:cacheprovider -rfE \
+    tests/integration/engine/test_handoff_rows.py
+  stamp "pytest sm75 handoff rows: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  step "decode 7b" "$R/decode-qwen2.5-7b-q4_k_m.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
+  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "decode persistent gemv 7b" "$R/decode-persistent-qwen2.5-7b-q4_k_m.log" env MINIVLLM_GEMV_KERNEL=persistent \
+    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
   # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.
@@ -391,5 +418,5 @@ fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
 cp "$R/timeline.txt" "$OUT/run$MODE-summary.txt"
-[ "$MODE" = 1 ] && cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null
+case "$MODE" in 1|lean) cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null ;; esac
 exit 0
