@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--tokens", type=int, default=24, help="decode tokens per request")
+    ap.add_argument("--stagger", type=int, default=3, help="decode steps between the two imports in the staggered case")
     args = ap.parse_args()
     from minivllm import LLM, SamplingParams
     from minivllm.engine.engine import LLMEngine
@@ -57,12 +58,20 @@ def main() -> int:
     while not all(a.request_state(r).output_ids for r in exported):
         a.step()
     handoffs = [a.export_request(r) for r in exported]
-    for rows, imported in ((1, True), (2, True), (2, False)):
+    for rows, imported, stagger in ((1, True, 0), (2, True, 0), (2, True, args.stagger), (2, False, 0)):
         b = engine()
-        rids = ([b.import_request(h) for h in handoffs[:rows]] if imported
-                else [b.add_request(p, params) for p in prompts[:rows]])
+        if stagger:  # as in the cluster: the second arrives while the first decodes, rows then a few tokens apart
+            rids = [b.import_request(handoffs[0])]
+            for _ in range(stagger):
+                b.step()
+            rids.append(b.import_request(handoffs[1]))
+        else:
+            rids = ([b.import_request(h) for h in handoffs[:rows]] if imported
+                    else [b.add_request(p, params) for p in prompts[:rows]])
         ms = step_ms(b, rids)
-        print(f"context {ctx}, threads {args.threads}, {rows} row(s), {'imported' if imported else 'prefilled here'}: "
+        how = "imported" if imported else "prefilled here"
+        how += f", the second {stagger} steps after the first" if stagger else ""
+        print(f"context {ctx}, threads {args.threads}, {rows} row(s), {how}: "
               f"{statistics.median(ms):.1f} ms per decode step (median of {len(ms)})", flush=True)
     return 0
 
