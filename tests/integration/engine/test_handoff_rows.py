@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from conftest import DATA_DIR
+from engine_invariants import free_equals_total
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.engine import LLMEngine
@@ -94,8 +95,7 @@ def test_a_full_engine_runs_a_handoff_in_its_handoff_row(llm):
     e.release(late_half)
     while e.has_unfinished():
         e.step()
-    snap = e.snapshot()["kv"]
-    assert snap["available_pages"] == snap["total_pages"]
+    free_equals_total(e)  # every page back (on CUDA, but the graphs' scratch page)
 
 
 def test_without_handoff_rows_a_handoff_waits_for_a_slot(llm):
