@@ -49,11 +49,10 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         # batch size, corrected by every step): the rates the router priced with next.
         out["policies"][policy]["rates_after"] = {name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations")}
                                                   for name, h in cluster.workers.items()}
-        cpu_after = process_cpu(cluster)
+        cpu_after, cpu_seconds = process_cpu(cluster), time.perf_counter() - t0  # the burst alone
         after = engine_counters(cluster)
-        seconds = time.perf_counter() - t0
-        out["policies"][policy]["engine_steps"] = steps_during(before, after, seconds)
-        out["policies"][policy]["cores_busy"] = cores_busy(cpu_before, cpu_after, seconds)
+        out["policies"][policy]["engine_steps"] = steps_during(before, after, time.perf_counter() - t0)
+        out["policies"][policy]["cores_busy"] = cores_busy(cpu_before, cpu_after, cpu_seconds)
     cluster.set_router("cost+split")
     split, plain, forced = (out["policies"][p] for p in POLICIES)
     out["mean_e2e_ratio"] = split["e2e_s_mean"] / plain["e2e_s_mean"]
