@@ -8,7 +8,9 @@ This measures the engine alone, outside the cluster, so the two can be told apar
     python scripts/cpu_imported_rows.py MODEL.gguf --context 4096 --threads 8
 
 Prints one line per case: ms per decode step (median over the steps after every row has
-its first token).
+its first token). The last two cases repeat the imported ones in a shareable pool (a
+memfd mapping, `cache/shared_pool_memory.py`), as the cluster's CPU worker has it: shared
+memory may get no transparent huge pages where anonymous memory does.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def main() -> int:
     llm = LLM(args.model, device="cpu", max_model_len=ctx + 2 * args.tokens, progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
 
-    def engine() -> LLMEngine:
+    def engine(shareable: bool = False) -> LLMEngine:
         return LLMEngine(llm.model, llm.tokenizer, EngineConfig(max_model_len=ctx + 2 * args.tokens,
-                                                                max_active_requests=4))
+                                                                max_active_requests=4, kv_shareable=shareable))
 
     prompts = [[100 + i + j % 1000 for j in range(ctx)] for i in range(2)]
     a = engine()
@@ -58,8 +60,10 @@ def main() -> int:
     while not all(a.request_state(r).output_ids for r in exported):
         a.step()
     handoffs = [a.export_request(r) for r in exported]
-    for rows, imported, stagger in ((1, True, 0), (2, True, 0), (2, True, args.stagger), (2, False, 0)):
-        b = engine()
+    cases = ((1, True, 0, False), (2, True, 0, False), (2, True, args.stagger, False), (2, False, 0, False),
+             (1, True, 0, True), (2, True, 0, True))
+    for rows, imported, stagger, shareable in cases:
+        b = engine(shareable)
         if stagger:  # as in the cluster: the second arrives while the first decodes, rows then a few tokens apart
             rids = [b.import_request(handoffs[0])]
             for _ in range(stagger):
@@ -71,6 +75,7 @@ def main() -> int:
         ms = step_ms(b, rids)
         how = "imported" if imported else "prefilled here"
         how += f", the second {stagger} steps after the first" if stagger else ""
+        how += ", shared pool" if shareable else ""
         print(f"context {ctx}, threads {args.threads}, {rows} row(s), {how}: "
               f"{statistics.median(ms):.1f} ms per decode step (median of {len(ms)})", flush=True)
     return 0
