@@ -186,3 +186,30 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
         # sm_90's paired launches compile with the weights' L2 prefetch (MINIVLLM_GEMV_PREFETCH=1)
         prefetch = True if arch == "90" and key.startswith("tiled/") and key.endswith("/True") else None
         assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90", "prefetch": prefetch}, key
+
+
+@pytest.mark.parametrize("arch", ["75", "90"])
+def test_tiled_gemv_loads_its_weights_16_bytes_at_a_time(arch):
+    """scripts/gemv_sass.py compiles the kernel as a real launch specializes it (aligned
+    pointers) and counts its K loop's SASS: each thread's tile words must arrive in
+    128-bit loads (Q4_K: 4 a trip of 16 words; Q8_0: 8 a trip of 32), the layout's whole
+    point. A change that breaks the vector loads (a non-contiguous row axis, an offset
+    Triton cannot prove aligned) quadruples the load instructions; this fails then."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gemv_sass.py"), "--arch", arch, "--types",
+                           "Q4_K,Q8_0", "--config", "4,32,1,4,2"], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[1:-1]]
+            for r in proc.stdout.splitlines() if r.startswith("| Q")}
+    # 4 row groups x 32 groups x 4 rows x (Q4_K: 4 words, Q8_0: 8 words) over 128 threads
+    assert rows["Q4_K"][5] == "4 x 16 B", rows
+    assert rows["Q8_0"][5] == "8 x 16 B", rows
+    assert 2.0 < float(rows["Q4_K"][4]) < 12.0, rows  # a loop was found and it is the K loop, not a tail
