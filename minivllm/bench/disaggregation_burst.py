@@ -47,8 +47,9 @@ def measure_burst(cluster, a: str, b: str, texts, backlog_cls, run_one, *, burst
         out["policies"][policy] = summarize(results, a, b)
         # What each worker measured of itself over the burst (aggregate decode tokens/s by
         # batch size, corrected by every step): the rates the router priced with next.
-        out["policies"][policy]["rates_after"] = {name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations")}
-                                                  for name, h in cluster.workers.items()}
+        out["policies"][policy]["rates_after"] = {
+            name: {k: h.rates_wire.get(k) for k in ("decode_tps", "observations", "context_s", "calibration_context")}
+            for name, h in cluster.workers.items()}
         cpu_after, cpu_seconds = process_cpu(cluster), time.perf_counter() - t0  # the burst alone
         after = engine_counters(cluster)
         out["policies"][policy]["engine_steps"] = steps_during(before, after, time.perf_counter() - t0)
@@ -222,5 +223,6 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
         points = ", ".join(f"{n} rows {float(r):.1f}" for n, r in sorted(rates["decode_tps"].items(),
                                                                            key=lambda kv: int(kv[0])))
         out += ["", f"{b}'s decode rate after the split burst, as it measured its own steps (tokens/s, all rows "
-                f"together): {points}."]
+                f"together, at {rates.get('calibration_context') or '?'} tokens of context a row): {points}; "
+                f"context term {1e6 * float(rates.get('context_s') or 0.0):.2f} µs a step per token beyond that."]
     return out

@@ -85,6 +85,11 @@ class ScheduledStep:
     def decode_rows(self) -> int:
         return sum(1 for r in self.rows if r.request.phase == "decode")
 
+    @property
+    def decode_context_tokens(self) -> int:
+        """The K/V tokens the decode rows attend to, summed (the rates' context term)."""
+        return sum(r.request.num_computed + r.n_tokens for r in self.rows if r.request.phase == "decode")
+
     def logits_offsets(self) -> list[tuple[ScheduledRow, int]]:
         """Each row that reads logits, with its first row in the step's logits: a plain row
         reads one, a verification row one per draft token plus one."""

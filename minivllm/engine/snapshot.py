@@ -32,7 +32,7 @@ This is a contract: the widgets, the router and the tests read only this. Schema
                       recent_rounds: [{step, request, proposed, accepted, bonus, tv_mean}],
                       last_error},
       "last_step": {index, rows: [{id, phase, tokens, draft_tokens}], prefill_tokens, decode_rows,
-                    logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
+                    decode_context_tokens, logits_rows, preempted: [id], kernel_paths: {path: calls}, duration_s},
       "kernels": {<kernel settings>,
                   cuda_graphs: null | {buckets, captured, replays, failed: {bucket: why},
                                        prefill: null | {buckets, captured, replays, failed}},
@@ -166,6 +166,7 @@ def describe_step(index: int, plan, t0: float, logits_rows: int) -> dict:
                   "draft_tokens": r.draft_tokens} for r in plan.rows],
         "prefill_tokens": plan.prefill_tokens,
         "decode_rows": plan.decode_rows,
+        "decode_context_tokens": plan.decode_context_tokens,
         "logits_rows": logits_rows,
         "preempted": [r.id for r in plan.preempted],
         "kernel_paths": {},  # calls per matmul path in this step's forward ("gemv", "gemm", ...)

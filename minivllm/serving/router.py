@@ -33,6 +33,10 @@ Policies (`--router`):
       beside it: on an H100 (h100-s49 disaggregation bench) a GPU with 24 long answers in
       flight scored 6.5 s by drain for a 128-token answer it served in 0.37 s, so the
       router sent the request to decode on the CPU, which took 1.9 s.
+    The decode rate is taken at the context the rows would hold (worker_rates.py, the
+    context term): the worker's running requests' contexts plus the incoming request's
+    mean one (its prompt and half its answer), so a long prompt's decode on a CPU is
+    priced at the K/V it reads, not at calibration's 128 tokens.
     A worker without measured rates cannot be priced: then the decision falls back to
     least-loaded and says so.
 
@@ -79,6 +83,8 @@ class Candidate:
     cached_tokens: int = 0  # of the incoming prompt, held by this worker's prefix cache
     handoff_rows: int = 0  # rows beyond max_active for split requests' prefill halves (EngineConfig)
     handoffs: int = 0  # such prefill halves here now (their work is in existing_*, not in the slots)
+    context_tokens: int = 0  # the running requests' contexts (prompt + tokens so far), summed
+    decode_context: int | None = None  # the rows' context decode_tps was taken at, filled in by the cost policy
     prefill_tps: float | None = None
     decode_tps: float | None = None  # at `concurrency`, filled in by the cost policy
     concurrency: int = 1
@@ -137,7 +143,7 @@ class Router:
         elif self.policy.startswith("forced:"):
             chosen = self._forced(candidates)
         else:
-            chosen, reason = self._cost(healthy, rates or {})
+            chosen, reason = self._cost(healthy, rates or {}, incoming)
             if split is not None and self.policy == "cost+split" and reason == "cost":
                 splits = price_splits(incoming.prompt_tokens, incoming.max_tokens, healthy, split, incoming_finish_s)
                 won = min(splits, key=lambda s: s.score, default=None)
@@ -181,14 +187,15 @@ class Router:
         raise ConfigError("router", self.policy, f"no worker is named {target!r}; workers: "
                           + ", ".join(c.worker for c in candidates))
 
-    def _cost(self, healthy: list[Candidate], rates: dict) -> tuple[Candidate, str]:
+    def _cost(self, healthy: list[Candidate], rates: dict, incoming: IncomingRequest) -> tuple[Candidate, str]:
         for c in healthy:
             r = rates.get(c.worker)
             c.concurrency = max(1, min(c.max_active, c.in_flight + 1))
             if r is None or not r.known:
                 continue
             c.prefill_tps = r.prefill_rate()
-            c.decode_tps = r.decode_rate(c.concurrency)
+            c.decode_context = decode_context(c, incoming)
+            c.decode_tps = c.concurrency / r.decode_step_s(c.concurrency, c.decode_context)
             c.prefill_s = (c.existing_prefill_tokens + c.incoming_prefill_tokens) / c.prefill_tps
             c.decode_s = (c.existing_decode_tokens + c.incoming_decode_tokens) / c.decode_tps
             c.drain_s = c.prefill_s + c.decode_s
@@ -203,6 +210,14 @@ class Router:
 
     def snapshot(self) -> dict:
         return {"policy": self.policy, "counters": dict(self.counters), "decisions": list(self.decisions)}
+
+
+def decode_context(c: Candidate, incoming: IncomingRequest) -> int:
+    """The context the `c.concurrency` rows decoding beside the incoming request would hold:
+    its own mean (prompt + half its answer) and the others' share of the running contexts."""
+    others = c.concurrency - 1
+    running = c.context_tokens * min(1.0, others / c.active) if c.active else 0
+    return round(running) + incoming.prompt_tokens + incoming.max_tokens // 2
 
 
 def incoming_finish_s(c: Candidate, arrival: float = 0.0) -> float:

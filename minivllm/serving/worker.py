@@ -280,7 +280,8 @@ class Worker:
         engine = self.engine
         step = engine.last_step
         if not any(row.get("draft_tokens") for row in step["rows"]):
-            self.rates.observe_step(step["prefill_tokens"], step["decode_rows"], step["duration_s"])
+            self.rates.observe_step(step["prefill_tokens"], step["decode_rows"], step["duration_s"],
+                                    step["decode_context_tokens"])
         self._send_events(events)
         if self.exports:
             self._export_due()

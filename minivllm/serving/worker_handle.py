@@ -247,6 +247,7 @@ class WorkerHandle:
             running = dict(self.running)
             expected = [list(work) for work in self.expected.values()]
         active, queued = [], []  # [remaining prefill, remaining decode] per request, FCFS (JSON-friendly lists)
+        context = 0  # the running requests' contexts: the K/V each decode step reads
         handoffs = []  # split requests' prefill halves: in handoff rows (or slots), not in the FCFS slots replayed
         for rid, f in flights:
             if f.handoff:
@@ -254,8 +255,10 @@ class WorkerHandle:
                                  max(0, f.max_tokens - f.output_tokens)])
             elif f.output_tokens > 0:
                 active.append([0, max(0, f.max_tokens - f.output_tokens)])
+                context += f.prompt_tokens + f.output_tokens
             elif rid in running:
                 active.append([max(0, f.prompt_tokens - max(running[rid], f.cached_estimate)), f.max_tokens])
+                context += f.prompt_tokens
             else:
                 queued.append([max(0, f.prompt_tokens - f.cached_estimate), f.max_tokens])
         queued += expected  # decode halves of splits on their way here: queued behind what is here now
@@ -270,6 +273,7 @@ class WorkerHandle:
             max_active=int(self.info.get("max_active_requests", 1)),
             handoff_rows=int(self.info.get("handoff_rows", 0)),
             handoffs=len(handoffs),
+            context_tokens=context,
             cached_tokens=cached_tokens,
             active_work=active,
             queued_work=queued,

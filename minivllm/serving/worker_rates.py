@@ -22,6 +22,19 @@ nearest observed one's correction. The corrected curve is the calibrated points 
 observed batch sizes, each base rate times its correction, interpolated linearly.
 (Fixed profiles would not follow the machine, and per-request rates under batching
 would understate a worker's throughput, which is why the steps, not the requests, are the measurements.)
+
+The context term. A decode step also reads every row's K/V, so it is slower the longer
+the rows' contexts: on the H100 machine's CPU worker (Qwen2.5-0.5B, 8 threads, f32 K/V of
+24.6 KB a token) a row at 4096 tokens reads ~100 MB a step that calibration at 128 tokens
+never saw, and the router priced two such decodes at a third of what they took (issue 43,
+docs/disaggregation.md). So the rates keep `context_s`: step seconds per token of context
+beyond the `calibration_context` each row had when the decode points were measured,
+
+    step_s(batch, context) = batch / decode_rate(batch) + context_s * max(0, context - batch * calibration_context)
+
+(context: the step's rows' context tokens, summed), measured at start-up from batch-1 decode
+at two context lengths (calibration.py). Online corrections take the context term out of
+a step's time first, so they correct the batch curve, not the missing context.
 """
 
 from __future__ import annotations
@@ -48,6 +61,8 @@ class WorkerRates:
     prefill_correction: float = 1.0
     decode_corrections: dict[int, float] = field(default_factory=dict)  # batch -> correction
     observations: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    context_s: float = 0.0  # decode step seconds per context token beyond calibration_context a row
+    calibration_context: int = 0  # each row's context when decode_points were measured
 
     @property
     def known(self) -> bool:
@@ -73,6 +88,19 @@ class WorkerRates:
             return None
         return _interpolate(self.corrected_decode_points(), batch)
 
+    def decode_step_s(self, batch: int, context_tokens: int | None = None) -> float | None:
+        """One decode step's seconds with `batch` rows holding `context_tokens` tokens of
+        context in all (None: as calibrated)."""
+        rate = self.decode_rate(batch)
+        if rate is None:
+            return None
+        return batch / rate + self._context_part(batch, context_tokens)
+
+    def _context_part(self, batch: int, context_tokens: int | None) -> float:
+        if context_tokens is None:
+            return 0.0
+        return self.context_s * max(0, context_tokens - batch * self.calibration_context)
+
     def _decode_base(self, batch: int) -> float | None:
         if not self.decode_points:
             return None
@@ -81,12 +109,18 @@ class WorkerRates:
 
     # -- online correction ---------------------------------------------------------------
 
-    def observe_step(self, prefill_tokens: int, decode_rows: int, duration_s: float) -> None:
-        """One engine step's counts and wall time (speculative rounds excluded by the caller)."""
+    def observe_step(self, prefill_tokens: int, decode_rows: int, duration_s: float,
+                     context_tokens: int | None = None) -> None:
+        """One engine step's counts and wall time (speculative rounds excluded by the
+        caller); `context_tokens`: its decode rows' context, summed (the context term is
+        taken out of a decode-only step's time before it corrects the batch curve)."""
         if duration_s < MIN_STEP_S or not self.known:
             return
         if prefill_tokens == 0 and decode_rows > 0:
-            observed = decode_rows / duration_s
+            base_s = duration_s - self._context_part(decode_rows, context_tokens)
+            if base_s < MIN_STEP_S:
+                return
+            observed = decode_rows / base_s
             current = self.decode_correction_at(decode_rows)  # a new batch size starts from its neighbour's
             self.decode_corrections[decode_rows] = self._nudge(current, observed / self._decode_base(decode_rows))
             self.observations["decode"] += 1
@@ -120,6 +154,8 @@ class WorkerRates:
             "decode_corrections": {str(b): c for b, c in sorted(self.decode_corrections.items())},
             "observations": dict(self.observations),
             "source": self.source,
+            "context_s": self.context_s,
+            "calibration_context": self.calibration_context,
         }
 
     @classmethod
@@ -133,6 +169,8 @@ class WorkerRates:
             decode_points={int(b): float(r) for b, r in d["decode_tps"].items()},
             source=d.get("source", "profile"),
             observations=dict(d.get("observations", {})),
+            context_s=float(d.get("context_s") or 0.0),
+            calibration_context=int(d.get("calibration_context") or 0),
         )
 
 
@@ -153,19 +191,23 @@ def profile_of(model_name: str, rates: dict[str, WorkerRates]) -> dict:
     `load_profile` reads; workers without known rates are left out."""
     return {"model": model_name,
             "workers": {name: {"prefill_tps": r.prefill_rate(),
-                               "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points}}
+                               "decode_tps": {str(b): r.decode_rate(b) for b in r.decode_points},
+                               "context_s": r.context_s, "calibration_context": r.calibration_context}
                         for name, r in rates.items() if r.known}}
 
 
 def load_profile(path: str | Path, worker: str) -> WorkerRates:
     """Rates for `worker` (a name like "cpu" or "cuda:0") from a profile file:
-    {"workers": {"cpu": {"prefill_tps": 73, "decode_tps": {"1": 45, "4": 120}}, ...}}."""
+    {"workers": {"cpu": {"prefill_tps": 73, "decode_tps": {"1": 45, "4": 120}}, ...}}, and
+    optionally the context term ("context_s", "calibration_context"; none if absent)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
         entry = data["workers"][worker]
         rates = WorkerRates(prefill_tps=float(entry["prefill_tps"]),
-                            decode_points={int(b): float(r) for b, r in entry["decode_tps"].items()}, source="profile")
+                            decode_points={int(b): float(r) for b, r in entry["decode_tps"].items()}, source="profile",
+                            context_s=float(entry.get("context_s") or 0.0),
+                            calibration_context=int(entry.get("calibration_context") or 0))
     except FileNotFoundError:
         raise ConfigError(
             "rates_profile", str(path), "no such file; write one with Cluster.save_rates_profile()"
@@ -179,4 +221,6 @@ def load_profile(path: str | Path, worker: str) -> WorkerRates:
         ) from None
     if rates.prefill_tps <= 0 or not rates.decode_points or min(rates.decode_points.values()) <= 0:
         raise ConfigError("rates_profile", str(path), f"rates for {worker!r} must be positive")
+    if not math.isfinite(rates.context_s) or rates.context_s < 0 or rates.calibration_context < 0:
+        raise ConfigError("rates_profile", str(path), f"the context term for {worker!r} must be finite and >= 0")
     return rates

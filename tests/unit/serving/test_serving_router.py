@@ -443,14 +443,17 @@ def test_load_profile(tmp_path):
 
 def test_a_written_profile_reads_back_as_the_rates_it_came_from(tmp_path):
     # Reference: the file format written by hand in test_load_profile above.
-    rates = WorkerRates(prefill_tps=73.0, decode_points={1: 45.0, 4: 120.0}, source="calibration")
+    rates = WorkerRates(prefill_tps=73.0, decode_points={1: 45.0, 4: 120.0}, source="calibration",
+                        context_s=2e-6, calibration_context=128)
     profile = profile_of("smollm2-135m", {"cpu": rates, "cuda:0": WorkerRates()})
     assert profile == {"model": "smollm2-135m",
-                       "workers": {"cpu": {"prefill_tps": 73.0, "decode_tps": {"1": 45.0, "4": 120.0}}}}
+                       "workers": {"cpu": {"prefill_tps": 73.0, "decode_tps": {"1": 45.0, "4": 120.0},
+                                           "context_s": 2e-6, "calibration_context": 128}}}
     path = tmp_path / "rates.json"
     path.write_text(json.dumps(profile))
     back = load_profile(path, "cpu")
     assert back.prefill_rate() == 73.0 and back.decode_points == {1: 45.0, 4: 120.0}
+    assert (back.context_s, back.calibration_context) == (2e-6, 128)
 
 
 # -- WorkerHandle.candidate(): the ledger as the router sees it ---------------------------------------
