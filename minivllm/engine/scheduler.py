@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from minivllm.cache.flight_coordinator import FlightCoordinator
 from minivllm.cache.kv_manager import KVManager, Reservation
 from minivllm.engine.engine_config import EngineConfig
 from minivllm.engine.request import Request, Status
 from minivllm.engine.runner_output import RowError, RowOutput, RunnerOutput
+from minivllm.engine.scheduled_step import ScheduledRow, ScheduledStep
 from minivllm.engine.snapshot import describe_step
 from minivllm.engine.step_pipeline import can_continue
 from minivllm.engine.token_append import append_token, constraint_error
@@ -60,45 +60,6 @@ COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "preemptions", "requests
             "finished_stop", "finished_length", "finished_abort", "finished_error", "rejected",
             "steps_queued_ahead",  # decode steps queued before the previous one's tokens were read
             "step_us")  # wall time inside steps (plan to update), summed: busy time beside the wall clock
-
-
-@dataclass
-class ScheduledRow:
-    request: Request
-    n_tokens: int
-    needs_logits: bool  # the chunk reaches the end of the known tokens
-    draft_tokens: int = 0  # a speculative decode row: 1 + draft_tokens tokens, logits at every one
-    keep_logits: bool = False  # a flight leader's prompt end: its logits release the followers
-
-
-@dataclass
-class ScheduledStep:
-    rows: list[ScheduledRow] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)  # when the step began (its scheduling included)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(r.n_tokens for r in self.rows if r.request.phase == "prefill")
-
-    @property
-    def decode_rows(self) -> int:
-        return sum(1 for r in self.rows if r.request.phase == "decode")
-
-    @property
-    def decode_context_tokens(self) -> int:
-        """The K/V tokens the decode rows attend to, summed (the rates' context term)."""
-        return sum(r.request.num_computed + r.n_tokens for r in self.rows if r.request.phase == "decode")
-
-    def logits_offsets(self) -> list[tuple[ScheduledRow, int]]:
-        """Each row that reads logits, with its first row in the step's logits: a plain row
-        reads one, a verification row one per draft token plus one."""
-        offsets, li = [], 0
-        for row in self.rows:
-            if row.needs_logits:
-                offsets.append((row, li))
-                li += row.draft_tokens + 1
-        return offsets
 
 
 class Scheduler:
