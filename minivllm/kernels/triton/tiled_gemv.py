@@ -45,7 +45,15 @@ from minivllm.kernels.triton.repacked_decode import (
     store_rows,
     word_tile,
 )
-from minivllm.kernels.triton.split_sum import ROUND_CODES, SplitPartials, round_to, slice_sum
+from minivllm.kernels.triton.split_sum import (
+    ROUND_CODES,
+    SplitPartials,
+    fixup_requested,
+    last_slice_sums,
+    round_to,
+    slice_sum,
+    split_tickets,
+)
 
 
 @triton.jit
@@ -99,7 +107,8 @@ def _tiled_gemv_kernel(
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False, EVEN_N: tl.constexpr = False,
-    PF_LINES: tl.constexpr = 0,
+    PF_LINES: tl.constexpr = 0, FIXUP: tl.constexpr = False, SPLIT: tl.constexpr = 1, ticket_ptr=None,
+    final_ptr=None,
 ):  # fmt: skip
     """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
     N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
@@ -109,7 +118,10 @@ def _tiled_gemv_kernel(
     EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
     program's row groups), so whole trips load without masks.
     PF_LINES (PDL only): the 128-byte lines of each of its row groups' weight slice that a
-    program asks of L2 before its wait (pdl.py: `prefetch_l2`, `prefetch_lines`); 0: none."""
+    program asks of L2 before its wait (pdl.py: `prefetch_l2`, `prefetch_lines`); 0: none.
+    FIXUP (split into SPLIT slices, not paired): the last program of each output tile sums
+    the slices into final_ptr [M, N] itself (`split_sum.last_slice_sums`, tickets at
+    ticket_ptr)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -153,6 +165,11 @@ def _tiled_gemv_kernel(
                       HAS_BIAS, ROUND)
     else:
         store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT, HAS_BIAS)
+        if FIXUP:
+            rows = (pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]) * RR + tl.arange(0, RR)[None, :]
+            last_slice_sums(ticket_ptr + pid_m * tl.num_programs(0) + pid_n, out_ptr,
+                            pid_m.to(tl.int64) * stride_om + rows, rows < N, stride_os, bias_ptr, rows, final_ptr,
+                            pid_m.to(tl.int64) * N + rows, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -265,12 +282,19 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     has_bias = bias is not None
     dest = (torch.empty((m, n), dtype=out_dtype, device=x.device) if split == 1
             else torch.empty((split, m, n), dtype=torch.float32, device=x.device))
+    # Split and summed here: in this launch where asked (split_sum.py), else by a second one.
+    tickets = (split_tickets(x.device, grid[0] * m) if split > 1 and not defer_split_sum and fixup_requested()
+               else None)
+    fixup = {} if tickets is None else {"FIXUP": True, "SPLIT": split, "ticket_ptr": tickets,
+                                        "final_ptr": torch.empty((m, n), dtype=out_dtype, device=x.device)}
     _tiled_gemv_kernel[grid](
         x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
         triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R))
+        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R), **fixup)
+    if fixup:
+        return fixup["final_ptr"]
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)
 
 

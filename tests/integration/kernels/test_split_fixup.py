@@ -1,0 +1,92 @@
+"""The split GEMV that sums its own slices (`MINIVLLM_SPLIT_FIXUP=1`,
+split_sum.last_slice_sums): the same bits as the second launch it replaces.
+
+Reference: the same GEMV with the fixup off, whose partials `tiled_gemv._sum_splits_kernel`
+adds in slice order (itself checked against torch's dequantized reference in
+test_triton_tiled_gemv.py). Same partials, same order, same rounding: the outputs must be
+equal bit for bit, with or without a bias, in float32 and float16, at M = 1 and M = 3,
+and the tickets must be back at zero after every launch (else the next launch's last
+program would sum too early or never). CPU cases run Triton's interpreter; `cuda` ones
+repeat many launches, where programs really race for the last ticket.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from test_triton_gemv import assert_close_to_reference, random_weight, reference  # noqa: E402
+from triton_devices import INTERPRETED  # sets TRITON_INTERPRET before any kernel module loads
+
+from minivllm.kernels.gemv_configs import GemvConfig  # noqa: E402
+from minivllm.kernels.repacked_layout import repack  # noqa: E402
+from minivllm.kernels.triton import split_sum  # noqa: E402
+from minivllm.kernels.triton.tiled_gemv import tiled_gemv  # noqa: E402
+
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1 (no GPU here)")
+
+
+def _both(monkeypatch, x, rw, config, **kw):
+    monkeypatch.setenv(split_sum.FIXUP_ENV, "0")
+    two_launches = tiled_gemv(x, rw, config, **kw)
+    monkeypatch.setenv(split_sum.FIXUP_ENV, "1")
+    one_launch = tiled_gemv(x, rw, config, **kw)
+    return two_launches, one_launch
+
+
+def _tickets_zero() -> bool:
+    return all(int(buf.abs().sum()) == 0 for buf in split_sum._TICKETS.values())
+
+
+@cpu_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("split", [2, 3])
+def test_in_launch_sum_is_the_second_launchs_bits_interpreted(monkeypatch, ggml_type, split):
+    n, k = 21, 768  # 21 rows: a partial row group and a partial tile; 24 groups in 2 or 3 slices
+    w = random_weight(ggml_type, n, k, seed=51)
+    rw = repack(w)
+    gen = torch.Generator().manual_seed(52)
+    config = GemvConfig(block_nb=2, block_g=4, split=split)
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        for kw in ({}, {"bias": bias}, {"out_dtype": torch.float16}):
+            xx = x.half() if kw.get("out_dtype") is torch.float16 else x
+            two, one = _both(monkeypatch, xx, rw, config, **kw)
+            assert one.dtype == two.dtype and one.shape == (m, n)
+            assert torch.equal(one, two), (m, kw)
+            assert _tickets_zero()
+    monkeypatch.setenv(split_sum.FIXUP_ENV, "1")
+    assert_close_to_reference(tiled_gemv(x, rw, config), reference(x, w), k)
+
+
+@cpu_only
+def test_deferred_partials_and_unsplit_launches_ignore_the_switch(monkeypatch):
+    w = random_weight(T.Q4_K, 8, 512, seed=53)
+    rw = repack(w)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(54))
+    monkeypatch.setenv(split_sum.FIXUP_ENV, "1")
+    deferred = tiled_gemv(x, rw, GemvConfig(block_nb=1, block_g=4, split=2), defer_split_sum=True)
+    assert isinstance(deferred, split_sum.SplitPartials) and deferred.split == 2
+    assert torch.equal(tiled_gemv(x, rw, GemvConfig(block_nb=1, block_g=4, split=1)),
+                       _both(monkeypatch, x, rw, GemvConfig(block_nb=1, block_g=4, split=1))[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_in_launch_sum_is_the_second_launchs_bits_cuda(monkeypatch, ggml_type):
+    """The fused QKV's shape (4608 x 3584) at split 2 and 4, 50 launches each, the
+    weights' tiles racing for their last ticket every time."""
+    w = random_weight(ggml_type, 4608, 3584, device="cuda", seed=55)
+    rw = repack(w)
+    gen = torch.Generator().manual_seed(56)
+    for config in (GemvConfig(block_nb=4, block_g=32, split=2), GemvConfig(block_nb=8, block_g=32, split=4,
+                                                                             num_warps=8)):
+        x = torch.randn(1, 3584, generator=gen).cuda().half()
+        bias = torch.randn(4608, generator=gen).cuda()
+        two, _ = _both(monkeypatch, x, rw, config, bias=bias, out_dtype=torch.float16)
+        for _ in range(50):
+            _, one = _both(monkeypatch, x, rw, config, bias=bias, out_dtype=torch.float16)
+            assert torch.equal(one, two)
+        torch.cuda.synchronize()
+        assert _tickets_zero()
