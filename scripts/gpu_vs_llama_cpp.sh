@@ -281,7 +281,7 @@ elif [ "$MODE" = once ]; then
   BUDGET=$(( $(date +%s) - T0 + 120 )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
     -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
     tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py \
-    tests/integration/kernels/test_triton_tiled_gemv.py
+    tests/integration/kernels/test_triton_tiled_gemv.py tests/integration/kernels/test_split_fixup.py
   stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
   decode_rows  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
   while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 45 ]; do sleep 3; done
