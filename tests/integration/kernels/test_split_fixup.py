@@ -29,6 +29,12 @@ cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_I
 def _both(monkeypatch, x, rw, config, **kw):
     monkeypatch.setenv(split_sum.FIXUP_ENV, "0")
     two_launches = tiled_gemv(x, rw, config, **kw)
+    # The workspace comes from torch.empty, which hands back the memory just freed: leave
+    # other partials there (of -3x), so on a GPU a program that summed before every slice
+    # had been stored would add stale numbers and show, instead of the reference's own.
+    # (The interpreter runs programs one after another: there, the last program always
+    # sums last, so it checks the arithmetic and the tickets, not the race.)
+    tiled_gemv(-3 * x, rw, config, **kw)
     monkeypatch.setenv(split_sum.FIXUP_ENV, "1")
     one_launch = tiled_gemv(x, rw, config, **kw)
     return two_launches, one_launch
