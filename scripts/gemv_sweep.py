@@ -220,6 +220,8 @@ def main() -> int:
             y8 = q8.q8_gemv(x, ws[0], bests["int8"][0], xq=xq)
             ref8 = xd @ ws[0].dequantize(torch.float32).T
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
+            if not paired:  # the split configs again, summing their slices in the same launch (split_sum.py)
+                time_fixup(row, kernels["float"], nbytes, frac, graph_us)
             if not paired and n * k >= PERSISTENT_MIN_WEIGHTS:  # the persistent kernel (persistent_gemv.py)
                 time_persistent(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
@@ -330,6 +332,26 @@ def time_mma(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: i
                    mma_max_rel_diff_vs_legacy=float((y - y_legacy).abs().max() / y_legacy.abs().max()))
 
 
+def time_fixup(row: dict, make, nbytes: int, frac, graph_us) -> None:
+    """The three fastest split float configs of this row, timed again with
+    MINIVLLM_SPLIT_FIXUP=1 (the tile's last program sums the slices: no second launch)."""
+    from minivllm.kernels.gemv_configs import GemvConfig
+    from minivllm.kernels.triton.split_sum import FIXUP_ENV
+
+    split = sorted((c for c in row["candidates"] if c["kernel"] == "float" and c.get("us") and c["split"] > 1),
+                   key=lambda c: c["us"])[:3]
+    os.environ[FIXUP_ENV] = "1"
+    try:
+        for c in split:
+            cfg = GemvConfig(**{k: c[k] for k in ("block_nb", "block_g", "split", "num_warps", "num_stages")})
+            us = graph_us(lambda i, cfg=cfg: make(cfg, i), nbytes)
+            if "fixup_us" not in row or us < row["fixup_us"]:
+                row.update(fixup_us=us, fixup_frac_of_copy=frac(us), fixup_config=cfg.as_dict(),
+                           fixup_without_us=c["us"])
+    finally:
+        os.environ.pop(FIXUP_ENV)
+
+
 def time_same_bytes(row: dict, nbytes: int, copies: int, dev, frac, graph_us) -> None:
     """What moving this weight's bytes costs with no GEMV at all, timed the same way: a
     kernel that only reads them (bench/read_roofline.py: the ceiling a GEMV of this size
@@ -370,8 +392,9 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
         "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) "
         "| read-only kernel µs | of copy | copy of the bytes µs "
-        "| persistent µs | of copy | (nb, stages, per SM, warps) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| persistent µs | of copy | (nb, stages, per SM, warps) "
+        "| split summed in-launch µs | of copy | same config, two launches µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["best"]
@@ -385,7 +408,7 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
             f"| {b['block_nb']}, {b['block_g']}, {b['split']}, {b['num_warps']}, {b['num_stages']} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
             f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} "
-            f"| {same_bytes_cells(r)} | {persistent_cells(r)} |"
+            f"| {same_bytes_cells(r)} | {persistent_cells(r)} | {fixup_cells(r)} |"
         )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
 
@@ -396,6 +419,12 @@ def persistent_cells(r: dict) -> str:
     lc = r["persistent_launch"]
     return (f"{r['persistent_us']:.1f} | {r['persistent_frac_of_copy']:.0%} | {lc['block_nb']}, {lc['num_stages']}, "
             f"{lc['programs_per_sm']}, {lc['num_warps']}")
+
+
+def fixup_cells(r: dict) -> str:
+    if "fixup_us" not in r:
+        return "— | — | —"
+    return f"{r['fixup_us']:.1f} | {r['fixup_frac_of_copy']:.0%} | {r['fixup_without_us']:.1f}"
 
 
 def same_bytes_cells(r: dict) -> str:

@@ -7,9 +7,9 @@
 #   here:     python3 scripts/gpu_vs_llama_cpp_table.py run1.tgz run2.tgz   # the one JSON + Markdown table
 #   any time: ... profile   # pytest -m cuda in both profiles, then a profile of decode steps (no peer)
 #   short of device time: ... once   # the most important rows of runs 1 and 2 in one call
-#   minivllm alone: ... lean (the rows still unmeasured: GEMV sweep with the persistent kernel
-#                   and the read ceiling on the 7B shapes, the newest CUDA tests, 7B decode
-#                   at 512 and 4096 tokens, default and persistent GEMV) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
+#   minivllm alone: ... lean (the rows still unmeasured: GEMV sweep with the read ceiling and
+#                   the in-launch split sum on the 7B shapes, the newest CUDA tests, 7B decode
+#                   at 512 and 4096 tokens, and at 512 with the split sum in-launch) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #                   | verify (native CUDA tests, GPU -> CPU bench at backlogs 0 and 24)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
@@ -237,7 +237,7 @@ elif [ "$MODE" = lean ]; then
   cp "$W"/sweep/* "$R/" 2>/dev/null
   BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-80} )) step "pytest new native" "$R/pytest-cuda-new.log" \
     python3 -m pytest -m cuda -v -n 4 --timeout 120 -p no:cacheprovider -rfE \
-    tests/integration/kernels/test_triton_persistent_gemv.py tests/integration/engine/test_handoff_rows.py
+    tests/integration/kernels/test_split_fixup.py tests/integration/engine/test_handoff_rows.py
   stamp "pytest new native: $(tail -n 1 "$R/pytest-cuda-new.log")"
   if [ "${SM75:-1}" != 0 ]; then
     BUDGET=$(( $(date +%s) - T0 + 45 )) step "pytest sm75 handoff rows" "$R/pytest-cuda-sm75.log" \
@@ -250,7 +250,7 @@ elif [ "$MODE" = lean ]; then
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
   step "decode 7b" "$R/decode-qwen2.5-7b-q4_k_m.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "decode persistent gemv 7b" "$R/decode-persistent-qwen2.5-7b-q4_k_m.log" env MINIVLLM_GEMV_KERNEL=persistent \
+  step "decode split fixup 7b" "$R/decode-fixup-qwen2.5-7b-q4_k_m.log" env MINIVLLM_SPLIT_FIXUP=1 \
     $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL

@@ -15,8 +15,10 @@ Three places apply that rule, all through `slice_sum` and `round_to`:
   sums, and in which order, is not, so the bits are the second launch's. It saves that
   launch (~2.5 us in a CUDA graph on an H100, the fused QKV's once a layer). The tickets
   are int32 counters per (tile, row) that the summing program sets back to 0, so they
-  are zero between launches; one buffer per device and stream (`split_tickets`), since
-  two GEMVs in flight at once on one buffer would share counters;
+  are zero between launches; one buffer per device (`split_tickets`). That assumes one
+  split GEMV at a time on a device, which holds because the engine runs its forwards on
+  one stream (eagerly, or replayed from graphs captured on a side stream, never beside
+  another forward); two GEMVs in flight at once would share counters;
 * `fused._add_rms_norm_kernel`: given the unsummed `SplitPartials` of the o- or
   down-projection (`QuantLinear.partials`), it sums them while it adds them to the
   residual stream, with the same bits as the separate launch followed by add_rms_norm.
@@ -112,7 +114,7 @@ def round_to(v, ROUND: tl.constexpr):
 
 
 FIXUP_ENV = "MINIVLLM_SPLIT_FIXUP"
-_TICKETS: dict = {}  # (device, stream) -> int32 counters, zero between launches
+_TICKETS: dict = {}  # device -> int32 counters, zero between launches
 
 
 def fixup_requested() -> bool:
@@ -120,15 +122,11 @@ def fixup_requested() -> bool:
     return os.environ.get(FIXUP_ENV, "0").strip() == "1"
 
 
-def split_tickets(device: torch.device, count: int) -> torch.Tensor | None:
-    """At least `count` zeroed int32 tickets for GEMVs on `device`'s current stream, or
-    None while a CUDA graph is being captured and the buffer would have to grow (a
-    capture must not allocate memory it then owns; the caller uses the second launch)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _TICKETS.get(key)
+def split_tickets(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed int32 tickets for split GEMVs on `device`. Grown during a
+    CUDA-graph capture, the new buffer comes from the graph's pool and its zeroing is a
+    node of the graph: harmless, since tickets are zero at that point of every replay."""
+    buf = _TICKETS.get(device)
     if buf is None or buf.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _TICKETS[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        buf = _TICKETS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
     return buf

@@ -283,10 +283,10 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     dest = (torch.empty((m, n), dtype=out_dtype, device=x.device) if split == 1
             else torch.empty((split, m, n), dtype=torch.float32, device=x.device))
     # Split and summed here: in this launch where asked (split_sum.py), else by a second one.
-    tickets = (split_tickets(x.device, grid[0] * m) if split > 1 and not defer_split_sum and fixup_requested()
-               else None)
-    fixup = {} if tickets is None else {"FIXUP": True, "SPLIT": split, "ticket_ptr": tickets,
-                                        "final_ptr": torch.empty((m, n), dtype=out_dtype, device=x.device)}
+    fixup = {}
+    if split > 1 and not defer_split_sum and fixup_requested():
+        fixup = {"FIXUP": True, "SPLIT": split, "ticket_ptr": split_tickets(x.device, grid[0] * m),
+                 "final_ptr": torch.empty((m, n), dtype=out_dtype, device=x.device)}
     _tiled_gemv_kernel[grid](
         x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
         triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,

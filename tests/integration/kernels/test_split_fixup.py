@@ -96,3 +96,42 @@ def test_in_launch_sum_is_the_second_launchs_bits_cuda(monkeypatch, ggml_type):
             assert torch.equal(one, two)
         torch.cuda.synchronize()
         assert _tickets_zero()
+
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minivllm.kernels.triton.tiled_gemv import _tiled_gemv_kernel
+arch = int(sys.argv[1])
+sig = {"x_ptr": "*fp16", "q_ptr": "*i32", "a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*u8", "e_ptr": "*u8",
+       "bias_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_om": "i32",
+       "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32", "PAIR_RB": "i32", "ONES": "i32"}
+const = {"N_GROUPS": 112, "KIND": 4, "T": 4, "RR": 4, "BLOCK_NB": 4, "BLOCK_G": 32, "IS_SPLIT": True,
+         "HAS_BIAS": True, "PAIRED": False, "ROUND": 0, "PDL": arch >= 90, "EVEN_N": False, "PF_LINES": 0,
+         "FIXUP": True, "SPLIT": 2}
+sig.update({k: "constexpr" for k in const})
+sig.update({"ticket_ptr": "*i32", "final_ptr": "*fp16"})
+k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=GPUTarget("cuda", arch, 32),
+                   options={"num_warps": 4, "num_stages": 2})
+p = k.asm["ptx"]
+print(json.dumps({"target": f".target sm_{arch}" in p, "ticket": "atom.global.gpu.acq_rel.add" in p,
+                  "l2_only": "ld.global.cg" in p, "bf16": "bf16" in p}))
+"""
+
+
+@pytest.mark.parametrize("arch", ["75", "90"])
+def test_in_launch_sum_compiles_for_t4_sm75_and_sm90(arch):
+    """The ticket is an acquire-release atomic at GPU scope and the slices are read past
+    L1 (`.cg`), on a T4 and an H100, compiled here without a device."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, arch], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"target": True, "ticket": True, "l2_only": True,
+                                                                 "bf16": False}
