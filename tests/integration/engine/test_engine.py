@@ -642,8 +642,8 @@ ENGINE_KEYS = {
 QUEUE_KEYS = {"policy", "waiting", "preempted", "running"}
 KV_KEYS = {"page_size", "total_pages", "free_pages", "available_pages", "used_pages", "bytes", "page_states",
            "ref_counts", "reserved_pages"}
-LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "logits_rows", "preempted", "kernel_paths",
-                  "duration_s"}
+LAST_STEP_KEYS = {"index", "rows", "prefill_tokens", "decode_rows", "decode_context_tokens", "logits_rows",
+                  "preempted", "kernel_paths", "duration_s"}
 ROW_KEYS = {"id", "phase", "tokens", "draft_tokens"}
 COUNTER_KEYS = {"steps", "prefill_tokens", "decode_tokens", "preemptions", "requests_submitted",
                 "requests_finished", "finished_stop", "finished_length", "finished_abort", "finished_error",
@@ -701,6 +701,8 @@ def test_snapshot_schema_and_a_mixed_step(llm, monkeypatch):
     assert last["rows"] == [{"id": short, "phase": "decode", "tokens": 1, "draft_tokens": 0},
                             {"id": long, "phase": "prefill", "tokens": 7, "draft_tokens": 0}]
     assert last["decode_rows"] == 1 and last["prefill_tokens"] == 7
+    # the decode row attends to its prompt and its first token; the prefill chunk is not counted
+    assert last["decode_context_tokens"] == len(tok.encode(PROMPTS[9])) + 1
     assert last["logits_rows"] == 1 < len(last["rows"])  # the prefill chunk is not the prompt's end
     assert asked == [(8, [0], 1)]  # the forward computed logits for the decode row only
     assert last["index"] == snap["counters"]["steps"] == 2
