@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument(
         "--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)"
     )
+    ap.add_argument("--persistent", action="store_true",
+                    help="also time the persistent kernel (it lost everywhere on the H100, h100-s52)")
     ap.add_argument("--shapes", default="all", help="comma-separated shape sets (7b, fused, 0.5b) or NxK entries")
     args = ap.parse_args()
     global SHAPES
@@ -222,7 +224,7 @@ def main() -> int:
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
             if not paired:  # the split configs again, summing their slices in the same launch (split_sum.py)
                 time_fixup(row, kernels["float"], nbytes, frac, graph_us)
-            if not paired and n * k >= PERSISTENT_MIN_WEIGHTS:  # the persistent kernel (persistent_gemv.py)
+            if args.persistent and not paired and n * k >= PERSISTENT_MIN_WEIGHTS:  # persistent_gemv.py
                 time_persistent(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
                 time_mma(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
