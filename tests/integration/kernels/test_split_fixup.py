@@ -45,7 +45,7 @@ def _tickets_zero() -> bool:
 
 
 @cpu_only
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("split", [2, 3])
 def test_in_launch_sum_is_the_second_launchs_bits_interpreted(monkeypatch, ggml_type, split):
     n, k = 21, 768  # 21 rows: a partial row group and a partial tile; 24 groups in 2 or 3 slices
