@@ -142,7 +142,8 @@ for kind, (a, b, c, e) in planes.items():
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
                      "PDL": hopper, "EVEN_N": split,  # both the masked and the unmasked trips
-                     "PF_LINES": 64 if hopper and paired else 0}  # weights asked of L2 before the wait
+                     "PF_LINES": 64 if hopper and paired else 0,  # weights asked of L2 before the wait
+                     "FIXUP": False, "SPLIT": 1, "ticket_ptr": None, "final_ptr": None}  # test_split_fixup.py's
             sig.update({k: "constexpr" for k in const})
             k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
                                options={"num_warps": 4, "num_stages": 2})
