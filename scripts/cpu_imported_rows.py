@@ -8,9 +8,11 @@ This measures the engine alone, outside the cluster, so the two can be told apar
     python scripts/cpu_imported_rows.py MODEL.gguf --context 4096 --threads 8
 
 Prints one line per case: ms per decode step (median over the steps after every row has
-its first token). The last two cases repeat the imported ones in a shareable pool (a
-memfd mapping, `cache/shared_pool_memory.py`), as the cluster's CPU worker has it: shared
-memory may get no transparent huge pages where anonymous memory does.
+its first token). Two cases repeat the imported ones in a shareable pool (a memfd mapping,
+`cache/shared_pool_memory.py`), as the cluster's CPU worker has it: shared memory may get
+no transparent huge pages where anonymous memory does. The last two also run the worker's
+warm-up and calibration first, as a cluster worker has before any split arrives, so the
+imported requests get pages in the order those requests left them, not a fresh pool's.
 """
 
 from __future__ import annotations
@@ -60,10 +62,17 @@ def main() -> int:
     while not all(a.request_state(r).output_ids for r in exported):
         a.step()
     handoffs = [a.export_request(r) for r in exported]
-    cases = ((1, True, 0, False), (2, True, 0, False), (2, True, args.stagger, False), (2, False, 0, False),
-             (1, True, 0, True), (2, True, 0, True))
-    for rows, imported, stagger, shareable in cases:
+    cases = ((1, True, 0, False, False), (2, True, 0, False, False), (2, True, args.stagger, False, False),
+             (2, False, 0, False, False), (1, True, 0, True, False), (2, True, 0, True, False),
+             (1, True, 0, True, True), (2, True, 0, True, True))
+    for rows, imported, stagger, shareable, history in cases:
         b = engine(shareable)
+        if history:  # as a cluster worker is when a split arrives: warmed up and calibrated first,
+            # so its free pages are in whatever order those requests left them
+            from minivllm.serving.calibration import calibrate, warm_up
+
+            warm_up(b)
+            calibrate(b)
         if stagger:  # as in the cluster: the second arrives while the first decodes, rows then a few tokens apart
             rids = [b.import_request(handoffs[0])]
             for _ in range(stagger):
@@ -76,6 +85,7 @@ def main() -> int:
         how = "imported" if imported else "prefilled here"
         how += f", the second {stagger} steps after the first" if stagger else ""
         how += ", shared pool" if shareable else ""
+        how += ", after warm-up and calibration" if history else ""
         print(f"context {ctx}, threads {args.threads}, {rows} row(s), {how}: "
               f"{statistics.median(ms):.1f} ms per decode step (median of {len(ms)})", flush=True)
     return 0
