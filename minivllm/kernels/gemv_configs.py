@@ -36,6 +36,7 @@ class GemvConfig:
     split: int = 1  # slices of K (fixed-order reduction when > 1)
     num_warps: int = 4
     num_stages: int = 2
+    t_outer: bool = False  # the tile's T axis outermost (tiled_gemv.gemv_trip_t_outer); not for gate+up
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -100,6 +100,52 @@ def gemv_trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
     return acc + scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND)
 
 
+@triton.jit
+def gemv_trip_t_outer(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
+                      e_ptr, N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+                      BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
+    """`gemv_trip` over a [T, NB, G, R] tile (T_OUTER): Triton spreads lanes over the
+    fastest axes first, so with T outermost one thread holds a group's T words for its 4
+    rows, and the group's scales apply once to their T-summed field sums (acc: [NB, G, R])
+    instead of once a word: 589 instructions a trip against 736 for Q4_K (sm_90 SASS,
+    scripts/gemv_sass.py). Same weights and activations, another order of the sums."""
+    gg = g0 + g4  # [1, 1, G, 1]
+    ok = nb_ok & (gg < g_hi)  # [1, NB, G, 1]
+    w = load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1)  # [T, NB, G, R]
+    w_hi = w >> 16
+    h_lo = w
+    h_hi = w
+    if KIND == 5:
+        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1).to(tl.int32)
+        h_lo, h_hi = high_fields(h, KIND)
+    elif KIND == 2:
+        h_lo, h_hi = high_fields(load(b_ptr + (nb * N_GROUPS + gg) * RR + r4, ok, 0, MASKED, 0) >> t4, KIND)
+    g2 = g0 + offs_g[None, :]  # [1, G]
+    x_off = g2 * 32 + offs_t[:, None]  # [T, G]: x[g*32 + p*T + t]
+    x_ok = g2 < g_hi
+    ps = tl.zeros([T, BLOCK_NB, BLOCK_G, RR], dtype=tl.float32)
+    ps_hi = tl.zeros([T, BLOCK_NB, BLOCK_G, RR], dtype=tl.float32)
+    xs = tl.zeros([T, BLOCK_G], dtype=tl.float32)
+    for p in tl.static_range(32 // T):
+        x2 = load(x_row + x_off + p * T, x_ok, 0.0, MASKED, 2).to(tl.float32)
+        xs += x2
+        xp = x2[:, None, :, None]
+        f = decode_field(w, w_hi, h_lo, h_hi, p, KIND, ONES)
+        if KIND == 5 and p >= 4:
+            ps_hi += f * xp
+        else:
+            ps += f * xp
+    nb3 = tl.reshape(nb, [BLOCK_NB, 1, 1])
+    gg3 = tl.reshape(gg, [1, BLOCK_G, 1])
+    r3 = tl.reshape(r4, [1, 1, RR])
+    ok3 = tl.reshape(nb_ok, [BLOCK_NB, 1, 1]) & (gg3 < g_hi)
+    gr = (nb3 * N_GROUPS + gg3) * RR + r3
+    sb = (nb3 * (N_GROUPS // 8) + gg3 // 8) * RR + r3
+    d, m, s_lo, s_hi = group_scales(a_ptr, b_ptr, c_ptr, e_ptr, gr, sb, ok3, KIND, MASKED)
+    sx = tl.reshape(tl.sum(xs, axis=0), [1, BLOCK_G, 1])  # the group's activation sum (Q4_1, Q4_K mins)
+    return acc + scaled_sum(tl.sum(ps, axis=0), tl.sum(ps_hi, axis=0), sx, d, m, s_lo, s_hi, KIND)
+
+
 @triton.jit(do_not_specialize=["M", "N", "N_RB", "G_PER_SPLIT", "PAIR_RB", "ONES"])
 def _tiled_gemv_kernel(
     x_ptr, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, bias_ptr, out_ptr,
@@ -108,7 +154,7 @@ def _tiled_gemv_kernel(
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     PF_LINES: tl.constexpr = 0, FIXUP: tl.constexpr = False, SPLIT: tl.constexpr = 1, ticket_ptr=None,
-    final_ptr=None,
+    final_ptr=None, T_OUTER: tl.constexpr = False,
 ):  # fmt: skip
     """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
     N_RB: the gate half's): the tile's row groups alternate gate, up (BLOCK_NB // 2 of
@@ -121,7 +167,8 @@ def _tiled_gemv_kernel(
     program asks of L2 before its wait (pdl.py: `prefetch_l2`, `prefetch_lines`); 0: none.
     FIXUP (split into SPLIT slices, not paired): the last program of each output tile sums
     the slices into final_ptr [M, N] itself (`split_sum.last_slice_sums`, tickets at
-    ticket_ptr)."""
+    ticket_ptr).
+    T_OUTER (not paired): the tile's axes ordered [T, NB, G, R] (`gemv_trip_t_outer`)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -130,13 +177,20 @@ def _tiled_gemv_kernel(
         nb_own = pid_n * (BLOCK_NB // 2) + tile // 2  # this gate/up pair's row group of the gate half
         nb_ok = nb_own < N_RB
         nb = nb_own + (tile % 2) * PAIR_RB
+    elif T_OUTER:
+        nb = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[None, :, None, None]  # [1, NB, 1, 1]
+        nb_ok = nb < N_RB
     else:
         nb = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None, None, None]  # [NB, 1, 1, 1]
         nb_ok = nb < N_RB
     offs_g = tl.arange(0, BLOCK_G)
     offs_t = tl.arange(0, T)
-    g4 = offs_g[None, :, None, None]
-    t4 = offs_t[None, None, :, None]
+    if T_OUTER:
+        g4 = offs_g[None, None, :, None]
+        t4 = offs_t[:, None, None, None]
+    else:
+        g4 = offs_g[None, :, None, None]
+        t4 = offs_t[None, None, :, None]
     r4 = tl.arange(0, RR)[None, None, None, :]
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     g_lo = pid_s * G_PER_SPLIT
@@ -148,18 +202,28 @@ def _tiled_gemv_kernel(
         prefetch_l2(q_ptr + (nb2 * N_GROUPS + g_lo).to(tl.int64) * (T * RR) + line,
                     tl.reshape(nb_ok, [BLOCK_NB, 1]) & (line < words))
     wait_for_producers(PDL)
-    acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
     # Whole trips first, loaded without masks where the tile's rows are all inside the
     # matrix (EVEN_N), then the slice's last partial trip, if any, masked. Same trips in
     # the same order as one masked loop: the same sums, fewer instructions a weight.
     n_full = (g_hi - g_lo) // BLOCK_G * BLOCK_G
-    for i in range(0, n_full, BLOCK_G):
-        acc = gemv_trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
-                        c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
-    if n_full < g_hi - g_lo:
-        acc = gemv_trip(acc, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
-                        b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
+    if T_OUTER:
+        acc3 = tl.zeros([BLOCK_NB, BLOCK_G, RR], dtype=tl.float32)
+        for i in range(0, n_full, BLOCK_G):
+            acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
+                                     a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
+        if n_full < g_hi - g_lo:
+            acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
+                                     q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
+        y = tl.sum(acc3, axis=1)  # [NB, R]
+    else:
+        acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
+        for i in range(0, n_full, BLOCK_G):
+            acc = gemv_trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
+                            b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
+        if n_full < g_hi - g_lo:
+            acc = gemv_trip(acc, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
+                            b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
     if PAIRED:
         _store_swiglu(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT,
                       HAS_BIAS, ROUND)
@@ -292,7 +356,8 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
         triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R), **fixup)
+        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R), **fixup,
+        T_OUTER=config.t_outer)
     if fixup:
         return fixup["final_ptr"]
     return dest if split == 1 else split_output(dest, out_dtype, bias, defer_split_sum=defer_split_sum)

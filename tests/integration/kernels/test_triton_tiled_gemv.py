@@ -22,12 +22,15 @@ from minivllm.kernels.triton.tiled_gemv import tiled_gemv  # noqa: E402
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1 (no GPU here)")
 CONFIGS = [GemvConfig(block_nb=1, block_g=8, split=1), GemvConfig(block_nb=2, block_g=4, split=3),
-           GemvConfig(block_nb=4, block_g=2, split=2)]
+           GemvConfig(block_nb=4, block_g=2, split=2),
+           # the tile's T axis outermost (gemv_trip_t_outer): another thread layout, the same function
+           GemvConfig(block_nb=2, block_g=4, split=2, t_outer=True), GemvConfig(block_nb=1, block_g=8, t_outer=True)]
 
 
 @cpu_only
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"nb{c.block_nb}-g{c.block_g}-s{c.split}")
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: f"nb{c.block_nb}-g{c.block_g}-s{c.split}{'-t_outer' if c.t_outer else ''}")
 def test_matches_reference_interpreted(ggml_type, config):
     # N = 21: not a multiple of 4 rows nor of the row groups per program; K = 512: 16 groups
     # (two Q4_K/Q6_K super-blocks), so splits end inside a super-block.
@@ -76,9 +79,10 @@ def _check_invariance(rw, w, k, config, device):
 
 @cpu_only
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_rows_bitwise_independent_of_batch_interpreted(ggml_type):
+@pytest.mark.parametrize("t_outer", [False, True])
+def test_rows_bitwise_independent_of_batch_interpreted(ggml_type, t_outer):
     w = random_weight(ggml_type, 9, 512, seed=44)
-    _check_invariance(repack(w), w, 512, GemvConfig(block_nb=2, block_g=4, split=2), "cpu")
+    _check_invariance(repack(w), w, 512, GemvConfig(block_nb=2, block_g=4, split=2, t_outer=t_outer), "cpu")
 
 
 def test_default_config_splits_narrow_matrices_only():
@@ -100,7 +104,8 @@ def test_matches_reference_cuda(ggml_type):
     for n, k in SHAPES_7B:
         w = random_weight(ggml_type, n, k, device="cuda", seed=46)
         rw = repack(w)
-        for config in (default_config(n, k), GemvConfig(block_nb=2, block_g=32, split=4, num_warps=8)):
+        for config in (default_config(n, k), GemvConfig(block_nb=2, block_g=32, split=4, num_warps=8),
+                       GemvConfig(block_nb=8, block_g=32, split=2, num_warps=8, t_outer=True)):
             x = torch.randn(2, k, generator=gen).cuda()
             ref = reference(x, w)
             assert_close_to_reference(tiled_gemv(x, rw, config), ref, k)
