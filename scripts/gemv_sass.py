@@ -33,7 +33,8 @@ _ALIGNED = ("x_ptr", "q_ptr", "a_ptr", "b_ptr", "c_ptr", "e_ptr", "bias_ptr", "o
 _OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def compile_tiled(type_name: str, arch: int, block_nb: int, block_g: int, split: int, warps: int, stages: int):
+def compile_tiled(type_name: str, arch: int, block_nb: int, block_g: int, split: int, warps: int, stages: int,
+                  t_outer: bool = False):
     """The tiled kernel compiled as a launch on a 3584-wide Q-type weight would be."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -52,7 +53,7 @@ def compile_tiled(type_name: str, arch: int, block_nb: int, block_g: int, split:
     const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if type_name == "Q8_0" else 4, "RR": R, "BLOCK_NB": block_nb,
              "BLOCK_G": block_g, "IS_SPLIT": split > 1, "HAS_BIAS": False, "PAIRED": False, "ROUND": 0,
              "PDL": arch >= 90, "EVEN_N": True, "PF_LINES": 0, "FIXUP": False, "SPLIT": 1, "ticket_ptr": None,
-             "final_ptr": None}
+             "final_ptr": None, "T_OUTER": t_outer}
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
@@ -90,12 +91,14 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0")
     ap.add_argument("--config", default="8,32,2,8,2", help="row groups, groups, split, warps, stages")
+    ap.add_argument("--t-outer", action="store_true", help="the T-outer tile (GemvConfig.t_outer)")
     args = ap.parse_args()
     nb, g, split, warps, stages = (int(v) for v in args.config.split(","))
+    print(f"tile: {'[T, NB, G, R] (t_outer)' if args.t_outer else '[NB, G, T, R]'}")
     print("| type | sm | config | loop instructions | per weight | weight loads | FFMA | FADD | LOP3 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for t in args.types.split(","):
-        k, const = compile_tiled(t, args.arch, nb, g, split, warps, stages)
+        k, const = compile_tiled(t, args.arch, nb, g, split, warps, stages, args.t_outer)
         ops = loop_ops(k.asm["cubin"])
         weights = nb * g * 32 * const["RR"]  # one trip: the tile's rows x 32 weights a group
         per_thread = weights / (warps * 32)

@@ -195,7 +195,8 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
 
 
 @pytest.mark.parametrize("arch", ["75", "90"])
-def test_tiled_gemv_loads_its_weights_16_bytes_at_a_time(arch):
+@pytest.mark.parametrize("t_outer", [False, True])
+def test_tiled_gemv_loads_its_weights_16_bytes_at_a_time(arch, t_outer):
     """scripts/gemv_sass.py compiles the kernel as a real launch specializes it (aligned
     pointers) and counts its K loop's SASS: each thread's tile words must arrive in
     128-bit loads (Q4_K: 4 a trip of 16 words; Q8_0: 8 a trip of 32), the layout's whole
@@ -210,8 +211,8 @@ def test_tiled_gemv_loads_its_weights_16_bytes_at_a_time(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gemv_sass.py"), "--arch", arch, "--types",
-                           "Q4_K,Q8_0", "--config", "4,32,1,4,2"], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=REPO_ROOT)
+                           "Q4_K,Q8_0", "--config", "4,32,1,4,2"] + (["--t-outer"] if t_outer else []),
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[1:-1]]
             for r in proc.stdout.splitlines() if r.startswith("| Q")}
