@@ -148,7 +148,8 @@ for kind, (a, b, c, e) in planes.items():
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
                      "PDL": hopper, "EVEN_N": split,  # both the masked and the unmasked trips
                      "PF_LINES": 64 if hopper and paired else 0,  # weights asked of L2 before the wait
-                     "FIXUP": False, "SPLIT": 1, "ticket_ptr": None, "final_ptr": None}  # test_split_fixup.py's
+                     "FIXUP": False, "SPLIT": 1, "ticket_ptr": None, "final_ptr": None,  # test_split_fixup.py's
+                     "T_OUTER": False}
             sig.update({k: "constexpr" for k in const})
             k = triton.compile(ASTSource(_tiled_gemv_kernel, sig, const), target=target,
                                options={"num_warps": 4, "num_stages": 2})
