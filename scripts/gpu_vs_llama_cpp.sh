@@ -10,7 +10,7 @@
 #   minivllm alone: ... lean (the rows still unmeasured: GEMV sweep with the read ceiling and
 #                   the in-launch split sum on the 7B shapes, the newest CUDA tests, 7B decode
 #                   at 512 and 4096 tokens, and at 512 with the split sum in-launch) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
-#                   | verify (native CUDA tests, GPU -> CPU bench at backlogs 0 and 24)
+#                   | verify (native CUDA tests; SM75_PYTEST=1 the T4-profile ones too; GPU -> CPU bench)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -201,6 +201,11 @@ elif [ "$MODE" = verify ]; then
       python3 -m pytest -m cuda -v -n 8 --timeout 90 -p no:cacheprovider -rfE
     stamp "pytest native: $(tail -n 1 "$R/pytest-cuda-native.log")"
   fi
+  if [ "${SM75_PYTEST:-0}" != 0 ]; then  # issue 41's T4-profile row, when no run 1 fits the session
+    BUDGET=$(( $(date +%s) - T0 + ${PYTEST_BUDGET:-190} )) step "pytest sm75" "$R/pytest-cuda-sm75.log" \
+      env MINIVLLM_GPU_PROFILE=sm75 python3 -m pytest -m cuda -v -n 8 --timeout 90 -p no:cacheprovider -rfE
+    stamp "pytest sm75: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
+  fi
   S05=$(sed -n 1p "$W/synthetic.log")
   step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts ${DISAGG_PROMPTS:-4096,1024} \
@@ -212,7 +217,7 @@ elif [ "$MODE" = verify ]; then
     > "$R/transparent-hugepages.txt" 2>&1
   [ "${PROBE:-1}" != 0 ] && step "imported rows probe" "$R/cpu-imported-rows.log" timeout "${PROBE_BUDGET:-150}" \
     python3 scripts/cpu_imported_rows.py "$S05" --context ${DISAGG_PROMPTS%%,*} --threads 8
-  grep -E "FAILED|ERROR" "$R/pytest-cuda-native.log" 2>/dev/null | head -20 | tee -a "$R/timeline.txt"
+  grep -E "FAILED|ERROR" "$R"/pytest-cuda-*.log 2>/dev/null | head -20 | tee -a "$R/timeline.txt"
   if [ "${GEMV_STEP:-0}" != 0 ]; then  # the GEMVs' share of copy bandwidth inside a 7B decode step
     # (the file is written only now: writing it beside the bench slowed A's K/V writes 15-25x)
     start_7b_file
