@@ -13,12 +13,20 @@ its first token). Two cases repeat the imported ones in a shareable pool (a memf
 no transparent huge pages where anonymous memory does. The last two also run the worker's
 warm-up and calibration first, as a cluster worker has before any split arrives, so the
 imported requests get pages in the order those requests left them, not a fresh pool's.
+With `--neighbours 4,8` the imported 1- and 2-row cases run again beside that many
+processes that each keep one core busy, as the GPU worker's loop, the router and the
+clients do in the cluster: a parallel region waits for its slowest thread, so a CPU
+worker sharing cores (or hyperthread siblings) with busy neighbours can slow far more
+than its share of the cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -35,6 +43,19 @@ def step_ms(engine, rids) -> list[float]:
     return times
 
 
+@contextlib.contextmanager
+def busy_neighbours(n: int):
+    """n processes spinning in pure Python, one core each, until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # let them get scheduled
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -42,6 +63,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--tokens", type=int, default=24, help="decode tokens per request")
     ap.add_argument("--stagger", type=int, default=3, help="decode steps between the two imports in the staggered case")
+    ap.add_argument("--neighbours", default="", help="comma-separated counts of busy processes beside the 1- and 2-row "
+                    "imported cases, e.g. 4,8")
     args = ap.parse_args()
     from minivllm import LLM, SamplingParams
     from minivllm.engine.engine import LLMEngine
@@ -65,7 +88,9 @@ def main() -> int:
     cases = ((1, True, 0, False, False), (2, True, 0, False, False), (2, True, args.stagger, False, False),
              (2, False, 0, False, False), (1, True, 0, True, False), (2, True, 0, True, False),
              (1, True, 0, True, True), (2, True, 0, True, True))
-    for rows, imported, stagger, shareable, history in cases:
+    cases = [(*c, 0) for c in cases]
+    cases += [(rows, True, 0, True, False, int(n)) for n in args.neighbours.split(",") if n for rows in (1, 2)]
+    for rows, imported, stagger, shareable, history, neighbours in cases:
         b = engine(shareable)
         if history:  # as a cluster worker is when a split arrives: warmed up and calibrated first,
             # so its free pages are in whatever order those requests left them
@@ -81,11 +106,13 @@ def main() -> int:
         else:
             rids = ([b.import_request(h) for h in handoffs[:rows]] if imported
                     else [b.add_request(p, params) for p in prompts[:rows]])
-        ms = step_ms(b, rids)
+        with busy_neighbours(neighbours):
+            ms = step_ms(b, rids)
         how = "imported" if imported else "prefilled here"
         how += f", the second {stagger} steps after the first" if stagger else ""
         how += ", shared pool" if shareable else ""
         how += ", after warm-up and calibration" if history else ""
+        how += f", beside {neighbours} busy processes" if neighbours else ""
         print(f"context {ctx}, threads {args.threads}, {rows} row(s), {how}: "
               f"{statistics.median(ms):.1f} ms per decode step (median of {len(ms)})", flush=True)
     return 0

@@ -213,10 +213,10 @@ elif [ "$MODE" = verify ]; then
     --burst ${DISAGG_BURST:-4}
   # The CPU engine alone with the split's rows, in anonymous and in shared (memfd) pools, and
   # the machine's huge-page settings: is the two-split slowdown the pool's memory?
-  cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
-    > "$R/transparent-hugepages.txt" 2>&1
+  { cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled; lscpu; } \
+    > "$R/transparent-hugepages.txt" 2>&1  # and the cores: are 16 CPUs 8 cores' hyperthreads?
   [ "${PROBE:-1}" != 0 ] && step "imported rows probe" "$R/cpu-imported-rows.log" timeout "${PROBE_BUDGET:-150}" \
-    python3 scripts/cpu_imported_rows.py "$S05" --context ${DISAGG_PROMPTS%%,*} --threads 8
+    python3 scripts/cpu_imported_rows.py "$S05" --context ${DISAGG_PROMPTS%%,*} --threads 8 --neighbours 4,8
   grep -E "FAILED|ERROR" "$R"/pytest-cuda-*.log 2>/dev/null | head -20 | tee -a "$R/timeline.txt"
   if [ "${GEMV_STEP:-0}" != 0 ]; then  # the GEMVs' share of copy bandwidth inside a 7B decode step
     # (the file is written only now: writing it beside the bench slowed A's K/V writes 15-25x)

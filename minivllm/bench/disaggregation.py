@@ -334,7 +334,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
         snap = cluster.snapshot()
         workers = [{"name": w["name"], "device": w["device"], "threads": w["threads"],
                     "device_info": w["info"].get("device"), "kv_pages": w["info"].get("kv_pages"),
-                    "cpu_kernels": w["info"].get("cpu_kernels")}
+                    "cpu_kernels": w["info"].get("cpu_kernels"), "cpu_threads": w["info"].get("cpu_threads")}
                    for w in snap["workers"]]
         link_at_start = snap["splits"]["link"]
         texts = Prompts(cluster.tokenizer)

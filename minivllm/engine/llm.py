@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -181,6 +182,7 @@ class LLM:
             "config": self.config.describe(),
             "torch": torch.__version__,
             "cpu_kernels": cpu_kernels(self.device),
+            "cpu_threads": cpu_threads(),
         }
 
 
@@ -192,6 +194,17 @@ def cpu_kernels(device: torch.device) -> str | None:
     from minivllm.kernels import cpu_gemv
 
     return cpu_gemv.isa() or f"not built: {cpu_gemv.unavailable_reason()}"
+
+
+def cpu_threads() -> dict:
+    """The threads torch's CPU kernels use and the cores this process may run on: a CPU
+    worker whose threads outnumber its cores, or share them with a busy neighbour, waits
+    at every parallel region's barrier for its slowest thread."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count()
+    return {"torch": torch.get_num_threads(), "cores_allowed": cores}
 
 
 def init_docstring() -> str:

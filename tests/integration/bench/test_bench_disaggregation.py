@@ -10,6 +10,7 @@ No speed is asserted: that is what the result file is for.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def test_quick_disaggregation_bench(results_dir, smollm2_path):
 
     want = cpu_gemv.isa() or f"not built: {cpu_gemv.unavailable_reason()}"
     assert [w["cpu_kernels"] for w in meta["workers"]["list"]] == [want, want]
+    # each worker's torch runs the threads its device string asked for (cpu:1), on cores it may use
+    assert [w["cpu_threads"]["torch"] for w in meta["workers"]["list"]] == [1, 1]
+    assert all(1 <= w["cpu_threads"]["cores_allowed"] <= os.cpu_count() for w in meta["workers"]["list"])
     assert [(r["prompt_tokens"], r["backlog"]) for r in data["rows"]] == [
         (p, b) for b in QUICK["backlogs"] for p in QUICK["prompts"]]
     assert len(rows) == len(data["rows"])
