@@ -52,15 +52,19 @@ TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"]
 # block_nb * block_g * 64 bytes (4-bit types), 2 - 8 KB.
 CANDIDATES = [(1, 64, 4, 2), (2, 32, 4, 2), (4, 32, 4, 2), (4, 16, 4, 3), (8, 16, 4, 2), (2, 64, 8, 2),
               (8, 32, 8, 2), (4, 64, 8, 3)]
-QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2)]
+QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2), (8, 16, 4, 2)]
 
 
 def _splits(n: int, k: int, block_nb: int, block_g: int, sms: int) -> list[int]:
     row_groups = -(-n // 4)  # ceil(n / 4): the kernel's 4-row groups
     tiles = -(-row_groups // block_nb)
     groups = k // 32
+    trips = groups // block_g if groups % block_g == 0 else 0
+    # Powers of two, and the splits into whole trips (112 groups at block_g 16: 7 slices of
+    # one trip), where a power of two would leave each slice a masked partial trip.
+    whole = [s for s in range(3, 17) if trips and trips % s == 0]
     out = [1]
-    for s in (2, 4, 8, 16):
+    for s in sorted({2, 4, 8, 16, *whole}):
         if groups // s >= block_g and tiles * s <= 16 * sms and tiles < 4 * sms:
             out.append(s)
     return out
