@@ -17,13 +17,16 @@ With `--neighbours 4,8` the imported 1- and 2-row cases run again beside that ma
 processes that each keep one core busy, as the GPU worker's loop, the router and the
 clients do in the cluster: a parallel region waits for its slowest thread, so a CPU
 worker sharing cores (or hyperthread siblings) with busy neighbours can slow far more
-than its share of the cores.
+than its share of the cores. `--pin` then runs the process on `threads` cores of its own,
+one per physical core first (hyperthread siblings last), and the neighbours on the others:
+the layout a cluster could give its CPU worker; `--skip-base` runs the neighbour cases only.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -43,10 +46,27 @@ def step_ms(engine, rids) -> list[float]:
     return times
 
 
+def cores_physical_first() -> list[int]:
+    """This process's allowed CPUs, the first hyperthread of every physical core before any
+    core's second (Linux topology files; a CPU without one counts as its own core)."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                key = f.read().strip()
+        except OSError:
+            key = str(cpu)
+        cores.setdefault(key, []).append(cpu)
+    return sorted((cpu for cpus in cores.values() for cpu in cpus),
+                  key=lambda cpu: next(cpus.index(cpu) for cpus in cores.values() if cpu in cpus))
+
+
 @contextlib.contextmanager
-def busy_neighbours(n: int):
-    """n processes spinning in pure Python, one core each, until the block ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+def busy_neighbours(n: int, cores: set[int] | None = None):
+    """n processes spinning in pure Python, one core each, until the block ends (on
+    `cores` only, if given)."""
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin) for _ in range(n)]
     try:
         time.sleep(0.5 if n else 0)  # let them get scheduled
         yield
@@ -65,7 +85,16 @@ def main() -> int:
     ap.add_argument("--stagger", type=int, default=3, help="decode steps between the two imports in the staggered case")
     ap.add_argument("--neighbours", default="", help="comma-separated counts of busy processes beside the 1- and 2-row "
                     "imported cases, e.g. 4,8")
+    ap.add_argument("--pin", action="store_true", help="this process on `threads` cores, physical cores first; "
+                    "the neighbours on the rest")
+    ap.add_argument("--skip-base", action="store_true", help="only the neighbour cases")
     args = ap.parse_args()
+    others = None
+    if args.pin:  # before torch starts its threads: they inherit the mask they are created with
+        order = cores_physical_first()
+        mine, others = set(order[:args.threads]), set(order[args.threads:]) or None
+        os.sched_setaffinity(0, mine)
+        print(f"pinned to CPUs {sorted(mine)}; neighbours on {sorted(others or mine)}", flush=True)
     from minivllm import LLM, SamplingParams
     from minivllm.engine.engine import LLMEngine
     from minivllm.engine.engine_config import EngineConfig
@@ -88,7 +117,7 @@ def main() -> int:
     cases = ((1, True, 0, False, False), (2, True, 0, False, False), (2, True, args.stagger, False, False),
              (2, False, 0, False, False), (1, True, 0, True, False), (2, True, 0, True, False),
              (1, True, 0, True, True), (2, True, 0, True, True))
-    cases = [(*c, 0) for c in cases]
+    cases = [] if args.skip_base else [(*c, 0) for c in cases]
     cases += [(rows, True, 0, True, False, int(n)) for n in args.neighbours.split(",") if n for rows in (1, 2)]
     for rows, imported, stagger, shareable, history, neighbours in cases:
         b = engine(shareable)
@@ -106,13 +135,14 @@ def main() -> int:
         else:
             rids = ([b.import_request(h) for h in handoffs[:rows]] if imported
                     else [b.add_request(p, params) for p in prompts[:rows]])
-        with busy_neighbours(neighbours):
+        with busy_neighbours(neighbours, others):
             ms = step_ms(b, rids)
         how = "imported" if imported else "prefilled here"
         how += f", the second {stagger} steps after the first" if stagger else ""
         how += ", shared pool" if shareable else ""
         how += ", after warm-up and calibration" if history else ""
         how += f", beside {neighbours} busy processes" if neighbours else ""
+        how += ", pinned" if args.pin else ""
         print(f"context {ctx}, threads {args.threads}, {rows} row(s), {how}: "
               f"{statistics.median(ms):.1f} ms per decode step (median of {len(ms)})", flush=True)
     return 0

@@ -217,6 +217,9 @@ elif [ "$MODE" = verify ]; then
     > "$R/transparent-hugepages.txt" 2>&1  # and the cores: are 16 CPUs 8 cores' hyperthreads?
   [ "${PROBE:-1}" != 0 ] && step "imported rows probe" "$R/cpu-imported-rows.log" timeout "${PROBE_BUDGET:-150}" \
     python3 scripts/cpu_imported_rows.py "$S05" --context ${DISAGG_PROMPTS%%,*} --threads 8 --neighbours 4,8
+  [ "${PROBE:-1}" != 0 ] && step "imported rows probe, pinned" "$R/cpu-imported-rows-pinned.log" timeout \
+    "${PROBE_BUDGET:-150}" python3 scripts/cpu_imported_rows.py "$S05" --context ${DISAGG_PROMPTS%%,*} --threads 8 \
+    --neighbours 4,8 --pin --skip-base
   grep -E "FAILED|ERROR" "$R"/pytest-cuda-*.log 2>/dev/null | head -20 | tee -a "$R/timeline.txt"
   if [ "${GEMV_STEP:-0}" != 0 ]; then  # the GEMVs' share of copy bandwidth inside a 7B decode step
     # (the file is written only now: writing it beside the bench slowed A's K/V writes 15-25x)
