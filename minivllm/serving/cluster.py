@@ -36,6 +36,7 @@ from minivllm.engine.request_checks import check_prompt, is_token_ids
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.sampling.outputs import RequestOutput
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.serving.calibration_turns import start_in_turns
 from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
@@ -163,11 +164,13 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _new_handle(self, device, rates: dict | None = None) -> WorkerHandle:
+    def _new_handle(self, device, rates: dict | None = None, calibrate_on_cue: bool = False) -> WorkerHandle:
         """`rates`: a replaced worker's measured rates, which its successor (same device, same
-        model) takes instead of calibrating again, so it is back sooner."""
+        model) takes instead of calibrating again, so it is back sooner. `calibrate_on_cue`:
+        it calibrates when `start_in_turns` says (calibration_turns.py)."""
         factory = {} if self._ray is None else {"transport_factory": self._ray.transport_factory(device)}
-        config = self.worker_config if rates is None else {**self.worker_config, "rates": rates}
+        config = {**self.worker_config, **({"rates": rates} if rates is not None else {}),
+                  "calibrate_on_cue": calibrate_on_cue}
         handle = WorkerHandle(device, config, heartbeat_timeout_s=self.heartbeat_timeout_s,
                               stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress,
                               on_down=self._worker_down, **factory)
@@ -187,12 +190,8 @@ class Cluster:
             self._ray.ensure_connected()
         self._closing = False
         self.supervisor.resume()
-        self.workers = {d.name: self._new_handle(d) for d in self.devices}
-        for handle in self.workers.values():
-            handle.start()
-        deadline = time.monotonic() + self.ready_timeout_s
-        for handle in self.workers.values():
-            handle.wait_ready(max(0.0, deadline - time.monotonic()))
+        self.workers = {d.name: self._new_handle(d, calibrate_on_cue=True) for d in self.devices}
+        start_in_turns(list(self.workers.values()), self.ready_timeout_s)
         failed = [h for h in self.workers.values() if h.state != "ready"]
         if failed and (self.backend == "local" or len(failed) == len(self.workers)):
             message = "; ".join(

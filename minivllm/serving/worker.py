@@ -36,6 +36,7 @@ import traceback
 from minivllm.cache.shared_pool_memory import prefetch as prefetch_pool
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
+from minivllm.serving.calibration_turns import StoppedBeforeReady, wait_for_turn
 from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
 from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
@@ -67,6 +68,8 @@ def serve_worker(endpoint, config: dict) -> None:
     as one `failed` message (naming the node when the transport placed us on one)."""
     try:
         worker = Worker(config, endpoint)
+    except StoppedBeforeReady:
+        return
     except BaseException as exc:  # noqa: BLE001 - everything must reach the controller
         message = (
             str(exc) if isinstance(exc, MinivllmError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -109,18 +112,23 @@ class Worker:
         self.engine = self.llm.engine
         endpoint.send({"op": "loading", "stage": "warm-up"})
         warm_up(self.engine)
+        early: list[dict] = []  # messages that came while it waited for its calibration turn
         if config.get("rates_profile"):
             self.rates = load_profile(config["rates_profile"], self.name)
         elif config.get("rates"):  # a restart: the rates the worker it replaces measured here
             self.rates = WorkerRates.from_dict(config["rates"])
             self.rates.source = "predecessor"
         elif config.get("calibrate", True):
+            if config.get("calibrate_on_cue"):  # after every worker's warm-up, alone (calibration_turns.py)
+                early = wait_for_turn(endpoint)
             endpoint.send({"op": "loading", "stage": "calibration"})
             self.rates = calibrate(self.engine)
         else:
             self.rates = WorkerRates()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.matcher_builds = MatcherBuilds(self.engine.constraints)  # constrained submissions wait there
+        for msg in early:
+            self._route(msg)
         self.stopping = threading.Event()
         self.last_loop = time.monotonic()
         self._last_running: dict[str, int] = {}
@@ -165,14 +173,17 @@ class Worker:
                 self.stopping.set()
                 self.inbox.put({"op": "shutdown"})
                 return
-            if msg.get("op") == "prefix_query":
-                self._send(
-                    {"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}}
-                )
-            elif msg.get("op") == "submit":
-                self.inbox.put(self.matcher_builds.start(msg))
-            else:
-                self.inbox.put(msg)
+            self._route(msg)
+
+    def _route(self, msg: dict) -> None:
+        """A message from the controller: prefix queries answered here, on the receiving
+        thread; submissions through their matcher build; the rest to the step loop."""
+        if msg.get("op") == "prefix_query":
+            self._send({"op": "reply", "qid": msg["qid"], "result": {"tokens": self._cached_tokens(msg["prompt_ids"])}})
+        elif msg.get("op") == "submit":
+            self.inbox.put(self.matcher_builds.start(msg))
+        else:
+            self.inbox.put(msg)
 
     def _heartbeat(self) -> None:
         while not self.stopping.wait(self.heartbeat_s):

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.serving.calibration_turns import TURN_OP, TURN_STAGE
 from minivllm.serving.inference_devices import InferenceDevice
 from minivllm.serving.protocol import event_from_wire, params_to_wire
 from minivllm.serving.request_stream import RequestStream
@@ -89,6 +90,7 @@ class WorkerHandle:
         self.started_at = time.time()
         self.counters = {"routed": 0, "finished": 0, "errors": 0, "rejected": 0}
         self._ready = threading.Event()
+        self._settled = threading.Event()  # waiting for its calibration turn, ready or down
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._qids = itertools.count()
         self._stopping = False
@@ -108,6 +110,17 @@ class WorkerHandle:
 
     def wait_ready(self, timeout: float | None) -> bool:
         return self._ready.wait(timeout)
+
+    def wait_settled(self, timeout: float | None) -> bool:
+        """Until the worker waits for its calibration turn, is ready or is down
+        (calibration_turns.py)."""
+        return self._settled.wait(timeout)
+
+    def give_turn(self) -> None:
+        try:
+            self.transport.send({"op": TURN_OP})
+        except TransportClosed:
+            pass  # it died waiting: the reader marks it down
 
     @property
     def healthy(self) -> bool:
@@ -385,6 +398,8 @@ class WorkerHandle:
                 getattr(flight.stream, op)(msg)
         elif op == "loading":
             self.stage = msg["stage"]
+            if self.stage == TURN_STAGE:
+                self._settled.set()
             self._progress()
         elif op == "ready":
             self.info = msg["info"]
@@ -392,6 +407,7 @@ class WorkerHandle:
             self.rates = WorkerRates.from_dict(msg["rates"])
             self.state, self.stage = "ready", "ready"
             self._ready.set()
+            self._settled.set()
             self._progress()
         elif op == "failed":
             self.error = f"worker {self.name} failed to start: {msg['error']}"
@@ -434,6 +450,7 @@ class WorkerHandle:
         for done, _ in list(self._replies.values()):
             done.set()
         self._ready.set()
+        self._settled.set()
         for f in flights:
             f.stream.fail(reason)
         self._progress()

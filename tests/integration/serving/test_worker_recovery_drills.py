@@ -26,6 +26,7 @@ import pytest
 
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving import Cluster
+from minivllm.serving.calibration_turns import TURN_STAGE
 from minivllm.serving.router import NoWorkerAvailable
 
 DEADLINE_S = 120.0  # liveness only
@@ -131,10 +132,20 @@ def test_a_worker_that_cannot_start_is_not_restarted_forever(smollm2_path, tmp_p
     assert pids.left() == set()
 
 
-def test_a_restarted_worker_takes_its_predecessors_rates_instead_of_calibrating(smollm2_path):
-    stages: list[tuple[str, str]] = []
-    with Cluster(str(smollm2_path), ["cpu:1"], max_model_len=256,
-                 on_progress=lambda name, state, stage: stages.append((state, stage))) as cluster:
+def test_workers_calibrate_in_turns_and_a_restarted_one_takes_its_predecessors_rates(smollm2_path):
+    events: list[tuple[str, str, str]] = []
+    stages: list[tuple[str, str]] = []  # the first worker's
+
+    def on_progress(name, state, stage):
+        events.append((name, stage))
+        if name == "cpu":
+            stages.append((state, stage))
+
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], max_model_len=256, on_progress=on_progress) as cluster:
+        # both warmed up before either calibrated, then one calibration at a time, in order
+        first_calibration = min(events.index((n, "calibration")) for n in ("cpu", "cpu#2"))
+        assert all(events.index((n, TURN_STAGE)) < first_calibration for n in ("cpu", "cpu#2")), events
+        assert events.index(("cpu", "ready")) < events.index(("cpu#2", "calibration")), events
         assert ("starting", "calibration") in stages
         before = cluster.workers["cpu"]
         assert before.rates.known and before.rates_wire["source"] == "calibration"
@@ -145,5 +156,6 @@ def test_a_restarted_worker_takes_its_predecessors_rates_instead_of_calibrating(
                  "the worker to restart by itself")
         after = cluster.workers["cpu"]
         assert ("starting", "calibration") not in stages and ("ready", "ready") in stages, stages
+        assert ("starting", TURN_STAGE) not in stages  # a restart waits for no turn: the others serve
         assert after.rates_wire["source"] == "predecessor"
         assert [after.rates.prefill_rate()] + [after.rates.decode_rate(b) for b in (1, 4)] == pytest.approx(measured)
