@@ -45,8 +45,9 @@ def _tickets_zero() -> bool:
 
 
 @cpu_only
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("split", [2, 3])
+# The sum is the epilogue's, the same for every type: two types, each with one split count
+# (interpreted launches are slow, and CI's time is bounded).
+@pytest.mark.parametrize("ggml_type, split", [(T.Q4_K, 3), (T.Q6_K, 2)], ids=["Q4_K-3", "Q6_K-2"])
 def test_in_launch_sum_is_the_second_launchs_bits_interpreted(monkeypatch, ggml_type, split):
     n, k = 21, 768  # 21 rows: a partial row group and a partial tile; 24 groups in 2 or 3 slices
     w = random_weight(ggml_type, n, k, seed=51)
