@@ -207,7 +207,7 @@ elif [ "$MODE" = verify ]; then
     stamp "pytest sm75: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
   fi
   S05=$(sed -n 1p "$W/synthetic.log")
-  step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \
+  [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" timeout "${DISAGG_BUDGET:-200}" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts ${DISAGG_PROMPTS:-4096,1024} \
     --outputs 128 --backlogs ${DISAGG_BACKLOGS:-8,0} --option max_active_requests=8 --runs ${DISAGG_RUNS:-1} \
     --burst ${DISAGG_BURST:-4}
