@@ -46,21 +46,6 @@ def step_ms(engine, rids) -> list[float]:
     return times
 
 
-def cores_physical_first() -> list[int]:
-    """This process's allowed CPUs, the first hyperthread of every physical core before any
-    core's second (Linux topology files; a CPU without one counts as its own core)."""
-    cores: dict[str, list[int]] = {}
-    for cpu in sorted(os.sched_getaffinity(0)):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                key = f.read().strip()
-        except OSError:
-            key = str(cpu)
-        cores.setdefault(key, []).append(cpu)
-    return sorted((cpu for cpus in cores.values() for cpu in cpus),
-                  key=lambda cpu: next(cpus.index(cpu) for cpus in cores.values() if cpu in cpus))
-
-
 @contextlib.contextmanager
 def busy_neighbours(n: int, cores: set[int] | None = None):
     """n processes spinning in pure Python, one core each, until the block ends (on
@@ -89,9 +74,11 @@ def main() -> int:
                     "the neighbours on the rest")
     ap.add_argument("--skip-base", action="store_true", help="only the neighbour cases")
     args = ap.parse_args()
+    from minivllm.serving.cpu_placement import cpus_physical_first
+
     others = None
     if args.pin:  # before torch starts its threads: they inherit the mask they are created with
-        order = cores_physical_first()
+        order = cpus_physical_first()
         mine, others = set(order[:args.threads]), set(order[args.threads:]) or None
         os.sched_setaffinity(0, mine)
         print(f"pinned to CPUs {sorted(mine)}; neighbours on {sorted(others or mine)}", flush=True)

@@ -211,6 +211,11 @@ elif [ "$MODE" = verify ]; then
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts ${DISAGG_PROMPTS:-4096,1024} \
     --outputs 128 --backlogs ${DISAGG_BACKLOGS:-8,0} --option max_active_requests=8 --runs ${DISAGG_RUNS:-1} \
     --burst ${DISAGG_BURST:-4}
+  # DISAGG_PIN=1: the bench again with the CPU worker on cores of its own (cpu_placement.py)
+  [ "${DISAGG_PIN:-0}" != 0 ] && step "disaggregation pinned" "$R/disaggregation-pinned.log" timeout \
+    "${DISAGG_BUDGET:-200}" python3 -m minivllm bench disaggregation --model "$S05" --inference-device cuda:0 \
+    --inference-device cpu:8 --prompts ${DISAGG_PROMPTS:-4096,1024} --outputs 128 --backlogs ${DISAGG_BACKLOGS:-8,0} \
+    --option max_active_requests=8 --runs ${DISAGG_RUNS:-1} --burst ${DISAGG_BURST:-4} --pin-cpus
   # The CPU engine alone with the split's rows, in anonymous and in shared (memfd) pools, and
   # the machine's huge-page settings: is the two-split slowdown the pool's memory?
   { cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled; lscpu; } \

@@ -296,7 +296,7 @@ def measure_case(cluster, a: str, b: str, texts: Prompts, *, prompt_tokens: int,
 def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: str = "auto", *,
         prompts: list[int] | None = None, outputs: list[int] | None = None, backlogs: list[int] | None = None,
         cached_on_a: list[int] | None = None, runs: int | None = None, quick: bool = False,
-        engine_options: dict | None = None, burst: int = 0) -> list[dict]:
+        engine_options: dict | None = None, burst: int = 0, pin_cpus: bool = False) -> list[dict]:
     """Every (prompt, output, backlog) case, every mode `runs` times; writes
     benchmarks/results/disaggregation-<model>-<stamp>.{json,md}; returns the case rows."""
     from minivllm.models import resolve_model
@@ -329,7 +329,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     load_start = loadavg()
     t_all = time.perf_counter()
     rows: list[dict] = []
-    with Cluster(str(path), devices, router="cost+split", dtype=dtype, **options) as cluster:
+    with Cluster(str(path), devices, router="cost+split", dtype=dtype, pin_cpus=pin_cpus, **options) as cluster:
         a, b = list(cluster.workers)
         snap = cluster.snapshot()
         workers = [{"name": w["name"], "device": w["device"], "threads": w["threads"],
@@ -381,7 +381,7 @@ def run(model: str = "smollm2-135m", devices: list[str] | None = None, dtype: st
     settings = {"model": model, "inference_devices": devices, "activation_dtype": dtype, "prompts": prompts,
                 "cached_on_a": cached_on_a,
                 "prompts_clamped": clamped, "outputs": outputs, "backlogs": backlogs, "runs": runs, "quick": quick,
-                "burst": burst,
+                "burst": burst, "pin_cpus": pin_cpus,
                 "engine_options": options, "backlog_prompt_tokens": BACKLOG_PROMPT_TOKENS, "modes": list(MODES),
                 "sampling": "greedy, ignore_eos", "wall_s": round(time.perf_counter() - t_all, 1),
                 "method": "one cluster; one request at a time; modes interleaved run by run; unique prompts"}

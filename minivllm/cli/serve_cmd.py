@@ -34,6 +34,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="local (default): worker processes on this machine; ray: Ray actors on the nodes of a "
                         "Ray cluster (pip install 'minivllm[ray]')")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="local backend: each CPU worker on cores of its own, one per physical core first, the GPU "
+                        "workers on the rest (off by default until measured; serving/cpu_placement.py)")
     p.add_argument("--ray-address", default="auto",
                    help="with --backend ray: the cluster to join (default auto: the one this machine belongs to, or "
                         "RAY_ADDRESS; ray://HOST:10001 through Ray Client; 'local' starts a private one here)")
@@ -97,6 +100,7 @@ def add_serve_parser(subparsers) -> None:
 def cluster_kwargs(args: argparse.Namespace) -> dict:
     return {"devices": args.inference_device or ["cpu"], "dtype": args.activation_dtype,
             "backend": args.backend, "ray_address": None if args.ray_address == "local" else args.ray_address,
+            "pin_cpus": args.pin_cpus,
             "draft_model": args.draft_model, "rates_profile": args.rates_profile,
             "heartbeat_timeout_s": args.heartbeat_timeout, "stall_timeout_s": args.stall_timeout,
             "max_worker_restarts": args.max_worker_restarts,

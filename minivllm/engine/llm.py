@@ -201,10 +201,10 @@ def cpu_threads() -> dict:
     worker whose threads outnumber its cores, or share them with a busy neighbour, waits
     at every parallel region's barrier for its slowest thread."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count()
-    return {"torch": torch.get_num_threads(), "cores_allowed": cores}
+        cpus = list(range(os.cpu_count() or 1))
+    return {"torch": torch.get_num_threads(), "cores_allowed": len(cpus), "cpus": cpus}
 
 
 def init_docstring() -> str:

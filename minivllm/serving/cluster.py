@@ -37,6 +37,7 @@ from minivllm.errors import ConfigError, MinivllmError
 from minivllm.sampling.outputs import RequestOutput
 from minivllm.sampling.sampling_params import SamplingParams
 from minivllm.serving.calibration_turns import start_in_turns
+from minivllm.serving.cpu_placement import plan_cpus
 from minivllm.serving.inference_devices import parse_inference_devices
 from minivllm.serving.request_accounting import RequestAccounting
 from minivllm.serving.request_stream import RequestStream
@@ -74,7 +75,7 @@ class Cluster:
                  max_queued_prompt_tokens: int | None = DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
                  max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
                  backend: str = "local", ray_address: str | None = "auto", trace_directory: str | None = None,
-                 **engine_options):
+                 pin_cpus: bool = False, **engine_options):
         """`dtype` is the activation dtype of every worker, or "auto" (the default, as for
         `minivllm serve` and the launcher: f32 on CPU workers, f16 on GPU workers).
         `fault_injection=True` lets `inject_fault` make a worker's step loop hang (drills,
@@ -94,6 +95,7 @@ class Cluster:
         worker on the cluster at `ray_address`: "auto", "ray://host:10001", or None for a
         private local Ray instance; needs `pip install 'minivllm[ray]'`). `trace_directory`: each
         worker writes its Chrome trace there (obs/trace.py; a split's handoff is a scope).
+        `pin_cpus` (local backend): each CPU worker on cores of its own (cpu_placement.py).
         Local clusters of several workers keep handoff rows (`split_engine_options`)."""
         from minivllm.gguf.tokenizer import Tokenizer
         from minivllm.models import resolve_model
@@ -105,6 +107,7 @@ class Cluster:
             raise ConfigError("backend", backend, "one of: local, ray")
         self.backend = backend
         self.devices = parse_inference_devices(devices, backend=backend)
+        self.devices = plan_cpus(self.devices, backend=backend) if pin_cpus else self.devices
         self._ray = None
         if backend == "ray":
             from minivllm.serving.ray_transport import RayBackend
@@ -164,13 +167,12 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _new_handle(self, device, rates: dict | None = None, calibrate_on_cue: bool = False) -> WorkerHandle:
+    def _new_handle(self, device, rates: dict | None = None, on_cue: bool = False) -> WorkerHandle:
         """`rates`: a replaced worker's measured rates, which its successor (same device, same
-        model) takes instead of calibrating again, so it is back sooner. `calibrate_on_cue`:
+        model) takes instead of calibrating again, so it is back sooner. `on_cue`:
         it calibrates when `start_in_turns` says (calibration_turns.py)."""
         factory = {} if self._ray is None else {"transport_factory": self._ray.transport_factory(device)}
-        config = {**self.worker_config, **({"rates": rates} if rates is not None else {}),
-                  "calibrate_on_cue": calibrate_on_cue}
+        config = {**self.worker_config, "calibrate_on_cue": on_cue} | ({} if rates is None else {"rates": rates})
         handle = WorkerHandle(device, config, heartbeat_timeout_s=self.heartbeat_timeout_s,
                               stall_timeout_s=self.stall_timeout_s, on_progress=self.on_progress,
                               on_down=self._worker_down, **factory)
@@ -190,7 +192,7 @@ class Cluster:
             self._ray.ensure_connected()
         self._closing = False
         self.supervisor.resume()
-        self.workers = {d.name: self._new_handle(d, calibrate_on_cue=True) for d in self.devices}
+        self.workers = {d.name: self._new_handle(d, on_cue=True) for d in self.devices}
         start_in_turns(list(self.workers.values()), self.ready_timeout_s)
         failed = [h for h in self.workers.values() if h.state != "ready"]
         if failed and (self.backend == "local" or len(failed) == len(self.workers)):

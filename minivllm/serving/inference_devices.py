@@ -40,6 +40,7 @@ class InferenceDevice:
     threads: int | None = None  # torch threads (CPU workers; GPU workers use 1)
     name: str = ""  # the worker's unique name: "cpu", "cpu#2", "cuda:0"
     node: str | None = None  # Ray backend: the node asked for (IP or node-id prefix); None: Ray picks
+    cpus: tuple[int, ...] | None = None  # the CPUs it runs on, where pinned (cpu_placement.py); None: any
 
     @property
     def torch_device(self) -> str:
@@ -47,7 +48,8 @@ class InferenceDevice:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "index": self.index, "threads": self.threads, "name": self.name,
-                "torch_device": self.torch_device, "node": self.node}
+                "torch_device": self.torch_device, "node": self.node,
+                "cpus": None if self.cpus is None else list(self.cpus)}
 
 
 def _parse_one(text: str) -> tuple[str, int | None, int | None]:

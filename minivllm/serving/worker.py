@@ -37,6 +37,7 @@ from minivllm.cache.shared_pool_memory import prefetch as prefetch_pool
 from minivllm.errors import ConfigError, MinivllmError
 from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
 from minivllm.serving.calibration_turns import StoppedBeforeReady, wait_for_turn
+from minivllm.serving.cpu_placement import apply_cpus
 from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
 from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
@@ -97,6 +98,7 @@ class Worker:
         self.config = config
         device = config["device"]
         self.name = device["name"]
+        apply_cpus(device.get("cpus"))  # before torch.set_num_threads: its threads inherit the mask
         torch.set_num_threads(int(device.get("threads") or 1))
         if config.get("trace_directory"):  # one Perfetto file per worker process, opened together
             enable_tracing(config["trace_directory"], process_name=f"minivllm worker {self.name}")

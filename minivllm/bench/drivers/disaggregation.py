@@ -20,6 +20,7 @@ class Settings:
     runs: int | None
     quick: bool
     burst: int
+    pin_cpus: bool
     option: list[str]
 
 
@@ -43,6 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--burst", type=int, default=0,
                    help="then N requests at once (the first prompt and answer lengths, A holding the largest "
                         "backlog), routed cost+split and then cost, on a fresh backlog each (default 0: none)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="each CPU worker on cores of its own, physical cores first (Cluster(pin_cpus=True))")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for tests: prompts 64,160, 8-token answers, backlogs 0,2, 1 run")
     common.add_option(p, "engine option for both workers (repeatable), e.g. page_size=16, batch_invariant=true")
@@ -53,7 +56,7 @@ def run(s: Settings) -> int:
 
     run(s.model, s.inference_device, s.activation_dtype, prompts=s.prompts, outputs=s.outputs, backlogs=s.backlogs,
         cached_on_a=s.cached_on_a, runs=s.runs, quick=s.quick, engine_options=common.engine_options(s.option),
-        burst=s.burst)
+        burst=s.burst, pin_cpus=s.pin_cpus)
     return 0
 
 

@@ -387,3 +387,14 @@ def test_snapshot_schema_and_decisions(cluster):
     finished = {n: w["snapshot"]["counters"]["requests_finished"] for n, w in workers.items()}
     routed = {n: w["counters"]["routed"] for n, w in workers.items()}
     assert finished == routed  # every request routed to a worker ran there (calibration is not counted)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two pinned workers need two CPUs")
+def test_pinned_workers_run_on_cpus_of_their_own(smollm2_path):
+    from minivllm.serving.cpu_placement import cpus_physical_first
+
+    with Cluster(str(smollm2_path), ["cpu:1", "cpu:1"], max_model_len=128, calibrate=False, pin_cpus=True) as c:
+        # what each worker process's own affinity mask says, read inside it
+        seen = {name: h.info["cpu_threads"]["cpus"] for name, h in c.workers.items()}
+    order = cpus_physical_first()
+    assert seen == {"cpu": [order[0]], "cpu#2": [order[1]]}
