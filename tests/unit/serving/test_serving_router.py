@@ -53,6 +53,7 @@ def test_cpu_entries_threads_and_names():
         "name": "cpu#2",
         "torch_device": "cpu",
         "node": None,
+        "cpus": None,  # not pinned (Cluster(pin_cpus=True) fills it in)
     }
 
 
