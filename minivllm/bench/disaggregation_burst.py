@@ -176,8 +176,18 @@ def time_split(metrics: dict) -> dict:
         out.update({k: split.get(k) for k in ("tokens_on_prefill_worker", "reserved_after_ms", "handoff_ms",
                                                "write_ms", "transport")},
                    decode_queue_time_s=decode.get("queue_time_s"), decode_output_tokens=decode.get("output_tokens"),
-                   decode_e2e_s=decode.get("e2e_s"))
+                   decode_e2e_s=decode.get("e2e_s"), kv_tokens=split.get("kv_tokens"),
+                   # What B restored from the moved pages, and what it computed again: a split
+                   # whose pages B cannot use pays the transfer AND a CPU prefill.
+                   decode_restored_tokens=decode.get("cached_prompt_tokens"),
+                   decode_computed_tokens=(decode["prompt_tokens"] - decode["cached_prompt_tokens"]
+                                           if "prompt_tokens" in decode and "cached_prompt_tokens" in decode else None))
     return out
+
+
+def restored_computed(timing: dict) -> str:
+    restored, computed = timing.get("decode_restored_tokens"), timing.get("decode_computed_tokens")
+    return "—" if restored is None or computed is None else f"{restored} / {computed}"
 
 
 def render_burst(burst: dict, a: str, b: str) -> list[str]:
@@ -192,8 +202,9 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
     out += ["", f"cost+split ÷ cost: mean e2e {burst['mean_e2e_ratio']:.3f}, makespan {burst['makespan_ratio']:.3f}; "
             f"every request split by hand ÷ cost: mean e2e {burst['all_split_mean_e2e_ratio']:.3f}.",
             "", "Decisions under cost+split, one per request (scores in s):", "",
-            f"| # | pick | e2e s | first token s | whole on {a} | whole on {b} | {a} → {b} | {b} → {a} |",
-            "|---|---|---|---|---|---|---|---|"]
+            f"| # | pick | e2e s | first token s | whole on {a} | whole on {b} | {a} → {b} | {b} → {a} "
+            f"| split: tokens restored / computed on {b} |",
+            "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(v):
         return "—" if v is None else f"{v:.3f}"
@@ -201,7 +212,8 @@ def render_burst(burst: dict, a: str, b: str) -> list[str]:
     for i, d in enumerate(burst["policies"]["cost+split"]["decisions"]):
         out.append(f"| {i} | {d['pick']} | {d['e2e_s']:.3f} | {d['ttft_s']:.3f} | {cell(d['whole'].get(a))} "
                    f"| {cell(d['whole'].get(b))} "
-                   f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} |")
+                   f"| {cell(d['split'].get(f'{a}->{b}'))} | {cell(d['split'].get(f'{b}->{a}'))} "
+                   f"| {restored_computed(d.get('where_the_time_went') or {})} |")
     for policy in ("cost+split", "split"):
         steps = (burst["policies"][policy].get("engine_steps") or {}).get(b)
         if not steps or not steps["steps"]:

@@ -210,10 +210,21 @@ class KVManager:
         """The first `blocks` blocks of `reservation` hold their K/V now: index them (held
         by the index alone, cached-idle) and free the reserved pages past them. Returns the
         tokens newly cached."""
-        r, ps = reservation, self.pool.page_size
+        r, ps, index = reservation, self.pool.page_size, self._prefix
         table = r.held + r.pages
         blocks = max(len(r.held), min(blocks, len(table)))
-        added = self._prefix.publish(r.token_ids, r.keys, table, len(r.held), blocks) if blocks > len(r.held) else 0
+        # Blocks indexed since the reservation (another landing of a prompt with the same
+        # start, as in a burst of splits sharing a system prompt) hold the same K/V as our
+        # copies. Our copy of such a block would end the chain: publish keeps a duplicate's
+        # deeper blocks private, and here nobody would hold them, so every block past it
+        # would be freed and recomputed. Hold the indexed pages in their place instead.
+        indexed = index.match(r.token_ids[:blocks * ps], r.keys)  # r.held first: held, never evicted
+        start = max(len(indexed), len(r.held))
+        if len(indexed) > len(r.held):
+            ours = table[len(r.held):start]
+            table = r.held + index.hold(indexed[len(r.held):]) + table[start:]
+            self.pool.release(ours[::-1])
+        added = index.publish(r.token_ids, r.keys, table, start, blocks) if blocks > start else 0
         self.pool.release(table[::-1])  # the unwritten tail is freed, the rest stays indexed
         r.pages, r.held = [], []
         return added * ps

@@ -138,6 +138,10 @@ def test_a_burst_at_a_worker_at_its_slot_cap(results_dir, smollm2_path):
         for name in steps:  # a thread is busy at most one core, and the busiest come first
             busiest = cores["busiest_threads"][name]
             assert busiest == sorted(busiest, reverse=True) and 0 < busiest[0] <= 1.05
+        for d in r["decisions"]:  # B restored every block A moved (the burst's prompts share their start)
+            if d["pick"] == "split":
+                t = d["where_the_time_went"]
+                assert t["kv_tokens"] > 0 and t["decode_restored_tokens"] >= t["kv_tokens"], t  # B may hold more
         if policy == "split":  # every request placed (A, B) by hand
             assert r["picks"]["split"] == 3
             continue

@@ -107,6 +107,42 @@ def test_blocks_the_decode_engine_has_cached_are_not_written(llm):
     free_equals_total(b)
 
 
+def test_a_burst_of_landings_sharing_a_prefix_restores_every_block(llm):
+    # Two splits whose prompts share their first pages (a system prompt), both reserved on B
+    # before either lands, as in a burst: each reservation then holds a copy of the shared
+    # blocks. The second landing must hold the first's indexed copies in place of its own,
+    # or its chain ends at the first shared block and B recomputes all the rest.
+    ps = 16
+    shared = llm.tokenizer.encode(" ".join(PROMPTS[:3]))[:2 * ps]  # two full pages in common
+    prompts = [shared + llm.tokenizer.encode(" " + " ".join(PROMPTS[i:i + 4])) for i in (3, 7)]
+    assert all(len(p) >= 4 * ps for p in prompts)  # blocks of their own past the shared ones
+    a, b = engine(llm, page_size=ps), engine(llm, page_size=ps, kv_shareable=True)
+    landings, rids, firsts = [], [], []
+    for i, prompt_ids in enumerate(prompts):
+        rid = a.add_request(prompt_ids, GREEDY, request_id=f"burst-{i}")
+        landings.append({**b.reserve_import(rid, prompt_ids[:len(prompt_ids) // ps * ps]),
+                         "pool": b.pool.shared.describe()})
+        rids.append(rid)
+    assert [landing["have"] for landing in landings] == [0, 0]  # neither knew of the other's pages
+    while not all(a.request_state(rid).output_ids for rid in rids):
+        a.step()
+    for rid, prompt_ids, landing in zip(rids, prompts, landings):
+        firsts.append(list(a.request_state(rid).output_ids))
+        meta = handoff_to_landing(a.export_request(rid, copy=False), landing)
+        a.release(rid)
+        assert meta["landed"] == len(prompt_ids) // ps  # B had none cached when it reserved
+        b.import_request(handoff_from_landing(meta, GREEDY), request_id=rid)
+        check_invariants(b)
+    outs = [b.output(rid) for rid in rids]
+    while b.has_unfinished():
+        b.step()
+    for rid, prompt_ids, first, out in zip(rids, prompts, firsts, outs):
+        assert out.metrics.cached_prompt_tokens == len(prompt_ids) // ps * ps  # every block, none recomputed
+        ref = engine(llm)
+        assert first + b.pop_output(rid).token_ids == run(ref, ref.add_request(prompt_ids, GREEDY))
+    free_equals_total(b)
+
+
 def test_a_reservation_given_back_or_bypassed_leaves_no_page(llm):
     prompt_ids = llm.tokenizer.encode(PROMPTS[4] + " " + PROMPTS[6])
     b = engine(llm, kv_shareable=True)
