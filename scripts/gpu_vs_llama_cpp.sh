@@ -9,7 +9,7 @@
 #   short of device time: ... once   # the most important rows of runs 1 and 2 in one call
 #   minivllm alone: ... lean (the rows still unmeasured: GEMV sweep with the read ceiling and
 #                   the in-launch split sum on the 7B shapes, the newest CUDA tests, 7B decode
-#                   at 512 and 4096 tokens, and at 512 with the split sum in-launch) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
+#                   at 512 and 4096 tokens, PDL on (the default) and off) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #                   | verify (native CUDA tests; SM75_PYTEST=1 the T4-profile ones too; GPU -> CPU bench)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
@@ -263,8 +263,13 @@ elif [ "$MODE" = lean ]; then
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
   step "decode 7b" "$R/decode-qwen2.5-7b-q4_k_m.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  step "decode split fixup 7b" "$R/decode-fixup-qwen2.5-7b-q4_k_m.log" env MINIVLLM_SPLIT_FIXUP=1 \
+  # The 4096 / 512 ratio was 0.962 in h100-s49 (MMA attention opt-in, PDL off) and 0.945-0.947
+  # since (PDL on by default from then): the same two rows with PDL off say whether PDL's
+  # early-launched programs cost the long-context attention its slots.
+  step "decode 7b pdl off" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 \
     $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
+  step "decode 7b after 4096 pdl off" "$R/decode-nopdl-7b-4096.log" env MINIVLLM_PDL=0 \
+    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
   # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.
