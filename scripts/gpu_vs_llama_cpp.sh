@@ -121,6 +121,21 @@ decode_rows() {  # minivllm's batch-1 decode (defaults; GEMV prefetch on) at 512
     $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
 }
 
+decode_rows_pdl() {  # batch-1 decode, 7B at 512 and 4096 tokens with PDL on (the default) and off, then the 0.5B
+  # The 4096 / 512 ratio was 0.962 in h100-s49 (PDL off) and 0.945-0.947 since PDL went on.
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
+  local DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  local SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  step "decode 7b" "$R/decode-qwen2.5-7b-q4_k_m.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
+  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "decode 7b pdl off" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 \
+    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
+  step "decode 7b after 4096 pdl off" "$R/decode-nopdl-7b-4096.log" env MINIVLLM_PDL=0 \
+    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  step "decode 0.5b" "$R/decode-qwen2.5-0.5b-q4_k_m.log" $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+}
+
 if [ "$MODE" = profile ]; then
   # Where a decode step's time goes (scripts/profile_decode_step.py), with both pytest
   # profiles first (they share the GPU with the synthetic-file writer, not with the profile).
@@ -294,22 +309,26 @@ elif [ "$MODE" = once ]; then
     > "$W/llama-build.log" 2>&1 < /dev/null &
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
   start_7b_file
-  BUDGET=$(( $(date +%s) - T0 + 90 )) step "attention sweep" "$R/attention-sweep.log" \
-    python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --batches 1,8 --contexts 512,4096
-  BUDGET=$(( $(date +%s) - T0 + 120 )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
+  if [ "${ATTN_SWEEP:-0}" != 0 ]; then
+    BUDGET=$(( $(date +%s) - T0 + 90 )) step "attention sweep" "$R/attention-sweep.log" \
+      python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --batches 1,8 --contexts 512,4096
+  fi
+  BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-120} )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
     -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
     tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py \
     tests/integration/kernels/test_triton_tiled_gemv.py tests/integration/kernels/test_split_fixup.py
   stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
-  decode_rows  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
+  decode_rows_pdl  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
   while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 45 ]; do sleep 3; done
   stamp "llama.cpp: $(ls "$LLAMA_BIN" 2>/dev/null | grep -c llama-) binaries; $(tail -n 1 "$W/llama-build.log")"
   step "llama-bench 7b" "$R/llama-bench-7b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S7' -ngl 99 -p 512 -n 128 \
     -d 0,512,4096 -r 3 -o json > '$R/llama-bench-7b.json'"
   step "llama-bench 0.5b" "$R/llama-bench-0.5b.log" bash -c "'$LLAMA_BIN/llama-bench' -m '$S05' -ngl 99 -p 512 \
     -n 128 -d 0,512 -r 3 -o json > '$R/llama-bench-0.5b.json'"
-  step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench disaggregation --model "$S05" \
-    --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 --outputs 128,512 --backlogs 0,24 --runs 1
+  if [ "${DISAGG:-0}" != 0 ]; then
+    step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench disaggregation --model "$S05" \
+      --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 --outputs 128,512 --backlogs 0,24 --runs 1
+  fi
 elif [ "$MODE" = 1 ]; then
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
