@@ -11,6 +11,7 @@
 #                   the in-launch split sum on the 7B shapes, the newest CUDA tests, 7B decode
 #                   at 512 and 4096 tokens, PDL on (the default) and off) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #                   | verify (native CUDA tests; SM75_PYTEST=1 the T4-profile ones too; GPU -> CPU bench)
+#                   | kv-and-table (attention's K/V prefetch on/off at 512 and 4096; 0.5B GEMV sweep and table A/B)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -28,7 +29,7 @@
 # files) and OUT/runN-summary.txt; the device tool brings back at most 8 files.
 set -uo pipefail
 
-MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | lean | quick | attention | verify | profile}
+MODE=${1:?usage: gpu_vs_llama_cpp.sh stage DEST | 1 | 2 | 3 | once | lean | kv-and-table | quick | attention | verify | profile}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ "$MODE" = stage ]; then
@@ -329,6 +330,35 @@ elif [ "$MODE" = once ]; then
     step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench disaggregation --model "$S05" \
       --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 --outputs 128,512 --backlogs 0,24 --runs 1
   fi
+elif [ "$MODE" = kv-and-table ]; then
+  # minivllm alone: the attention's K/V asked of L2 before its PDL wait (on by default with
+  # PDL; MINIVLLM_KV_PREFETCH=0 is the previous launch) against none, 7B at 512 and 4096
+  # tokens, alternately; then a GEMV sweep of SWEEP_SHAPES (default the 0.5B's, which the
+  # committed table has from an older sweep) and the 0.5B with the committed and new tables.
+  { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+  stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
+  synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+  start_7b_file
+  BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-100} )) step "pytest pdl + attention" "$R/pytest-cuda-new.log" \
+    python3 -m pytest -q -m cuda -n 2 --timeout 120 -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py \
+    tests/integration/kernels/test_triton_paged_attention.py
+  stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
+  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+  S05=$(sed -n 1p "$W/synthetic.log")
+  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+  SYN="--synthetic-tokenizer $FIELDS --synthetic"
+  for c in 512 4096; do
+    step "decode 7b $c kv prefetch" "$R/decode-kvpf-7b-$c.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens $c
+    step "decode 7b $c no kv prefetch" "$R/decode-nokvpf-7b-$c.log" env MINIVLLM_KV_PREFETCH=0 $DEC $SYN \
+      qwen2.5-7b-q4_k_m --prompt-tokens $c
+  done
+  T=Q4_K,Q6_K,Q8_0,Q5_0
+  BUDGET=$(( $(date +%s) - T0 + ${SWEEP_BUDGET:-170} )) step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py \
+    "$W/sweep" --types $T --quick $T --shapes ${SWEEP_SHAPES:-0.5b}
+  cp "$W"/sweep/* "$R/" 2>/dev/null
+  step "decode 0.5b committed table" "$R/decode-committed-0.5b.log" $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+  [ -f "$W/sweep/gemv_configs.json" ] && step "decode 0.5b new table" "$R/decode-newtable-0.5b.log" \
+    env MINIVLLM_GEMV_CONFIGS="$W/sweep/gemv_configs.json" $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
 elif [ "$MODE" = 1 ]; then
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
@@ -463,5 +493,5 @@ fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
 cp "$R/timeline.txt" "$OUT/run$MODE-summary.txt"
-case "$MODE" in 1|lean) cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null ;; esac
+case "$MODE" in 1|lean|kv-and-table) cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null ;; esac
 exit 0

@@ -49,8 +49,8 @@ import triton.language as tl
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.triton.attend_split_mma import attend_split_mma, mma_block_m
-from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
-from minivllm.kernels.triton.split_tile import load_split_kv
+from minivllm.kernels.triton.pdl import kv_prefetch, pdl_args, wait_for_producers
+from minivllm.kernels.triton.split_tile import load_split_kv, prefetch_split_kv
 
 # Keys per split, one tile per split. A length in tokens, a multiple of the default
 # page size (16): a split reads whole pages. 64 keys × 128 dims is 16 KB of f16 K (and
@@ -128,6 +128,7 @@ def _paged_attention_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
     HPP: tl.constexpr = 0, ADAPTIVE: tl.constexpr = False, MMA: tl.constexpr = False,
+    KV_LINES: tl.constexpr = 0, KV_LINE: tl.constexpr = 64,
 ):
     """HPP: query heads per program (a divisor of GROUP; 0: all GROUP of the KV head).
     Each head's arithmetic is the same either way; fewer heads a program means more
@@ -138,17 +139,26 @@ def _paged_attention_split_kernel(
     an item instead of (split, all heads). The program count follows the batch, so the
     choice does too: fit for batch-invariant mode only where a GPU test shows both give a
     head the same bits."""
-    wait_for_producers(PDL)
     HEADS: tl.constexpr = GROUP if HPP == 0 else HPP
     row = tl.program_id(0)
     kv_head = tl.program_id(1) // (GROUP // HEADS)
     g0 = (tl.program_id(1) % (GROUP // HEADS)) * HEADS  # this program's first head of the group
     first = tl.program_id(2)
+    # Read before the wait: under PDL only the kernel just before this one can still be
+    # running (it passed its own wait, so every earlier one has finished), and that is
+    # RoPE with the KV store, which never writes positions or block tables. It does write
+    # the row's own key and value, so K/V are only asked of L2 here, never loaded.
     pos = tl.load(row_pos_ptr + row)
     seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
     used = pos // SPLIT + 1  # the row's own splits
     n_heads = tl.num_programs(1) * HEADS
     table = tables_ptr + seq.to(tl.int64) * stride_table
+    if KV_LINES > 0:  # only under PDL (pdl.kv_prefetch): the lines load while the producer runs
+        if first < used:
+            prefetch_split_kv(k_ptr, v_ptr, table, pos, kv_head, first, stride_kp, stride_ks, stride_kh, stride_kd,
+                              stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, SPLIT,
+                              KV_LINE, KV_LINES)
+    wait_for_producers(PDL)
     if ADAPTIVE and used * GROUP <= tl.num_programs(2):
         for item in range(first, used * GROUP, tl.num_programs(2)):
             _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, item % GROUP,
@@ -304,7 +314,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}), **pdl_args(q.device),
         **({} if heads == group else {"HPP": heads}),
         **({"ADAPTIVE": True} if launch.adaptive_heads and heads == group and group > 1 else {}),
-        **({"MMA": True} if mma else {}),
+        **({"MMA": True} if mma else {}), **_kv_prefetch_args(k_pages, block_d),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
@@ -312,6 +322,16 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         **pdl_args(q.device),
     )
     return out
+
+
+def _kv_prefetch_args(k_pages: torch.Tensor, block_d: int) -> dict:
+    """KV_LINE (cache elements a 128-byte line) and KV_LINES (lines a key's head_dim) where
+    the split kernel asks L2 for its first split before its PDL wait (`pdl.kv_prefetch`),
+    else nothing (the kernel's default: no prefetch)."""
+    if not kv_prefetch(k_pages.device):
+        return {}
+    line = max(1, 128 // k_pages.element_size())
+    return {"KV_LINE": line, "KV_LINES": max(1, block_d // line)}
 
 
 def split_programs(rows_x_kv_heads: int, n_splits: int, target_programs: int) -> int:

@@ -38,6 +38,7 @@ from minivllm.kernels.gpu_profile import gpu_profile, triton_interpreting
 
 PDL_ENV = "MINIVLLM_PDL"
 PREFETCH_ENV = "MINIVLLM_GEMV_PREFETCH"
+KV_PREFETCH_ENV = "MINIVLLM_KV_PREFETCH"
 
 
 @triton.jit
@@ -101,7 +102,25 @@ def prefetch_lines(device, slice_words: int) -> int:
     return triton.next_power_of_2(triton.cdiv(slice_words, 32)) if on and slice_words > 0 else 0
 
 
+_KV_PREFETCH: dict = {}  # torch.device -> whether attention asks L2 for its K/V before the wait
+
+
+def kv_prefetch(device) -> bool:
+    """Whether the paged-attention split kernel asks L2 for its first split's K/V lines
+    before its wait. Unlike a GEMV's weights, which compete with the GEMV before them for
+    HBM, the attention's producer is RoPE and the KV store (a few KB): the context's K/V
+    bytes, the part of a step that grows with the context, then stream in while that
+    kernel runs. L2 is the device's point of coherence, so a line the KV store is still
+    writing is safe to ask for (the load after the wait sees the write). On wherever PDL
+    is, unless MINIVLLM_KV_PREFETCH=0. Decided once per device and process."""
+    on = _KV_PREFETCH.get(device)
+    if on is None:
+        on = _KV_PREFETCH[device] = (os.environ.get(KV_PREFETCH_ENV, "1").strip() != "0" and bool(pdl_args(device)))
+    return on
+
+
 def reset() -> None:
     """Forget the per-device decisions (tests, and A/B runs within one process)."""
     _DECIDED.clear()
     _PREFETCH.clear()
+    _KV_PREFETCH.clear()
