@@ -331,8 +331,8 @@ elif [ "$MODE" = once ]; then
       --inference-device cuda:0 --inference-device cpu:8 --prompts 1024,4096 --outputs 128,512 --backlogs 0,24 --runs 1
   fi
 elif [ "$MODE" = kv-and-table ]; then
-  # minivllm alone: the attention's K/V asked of L2 before its PDL wait (on by default with
-  # PDL; MINIVLLM_KV_PREFETCH=0 is the previous launch) against none, 7B at 512 and 4096
+  # minivllm alone: the attention's K/V asked of L2 before its PDL wait (opt-in until this
+  # call: MINIVLLM_KV_PREFETCH=1) against none, 7B at 512 and 4096
   # tokens, alternately; issue 43's burst (the export on a stream of its own); then, with the
   # time left, a GEMV sweep of SWEEP_SHAPES (default the 0.5B's, which the committed table
   # has from an older sweep) and the 0.5B with the committed and new tables.
@@ -349,7 +349,8 @@ elif [ "$MODE" = kv-and-table ]; then
   DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
   for c in 512 4096; do
-    step "decode 7b $c kv prefetch" "$R/decode-kvpf-7b-$c.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens $c
+    step "decode 7b $c kv prefetch" "$R/decode-kvpf-7b-$c.log" env MINIVLLM_KV_PREFETCH=1 $DEC $SYN \
+      qwen2.5-7b-q4_k_m --prompt-tokens $c
     step "decode 7b $c no kv prefetch" "$R/decode-nokvpf-7b-$c.log" env MINIVLLM_KV_PREFETCH=0 $DEC $SYN \
       qwen2.5-7b-q4_k_m --prompt-tokens $c
   done

@@ -153,7 +153,7 @@ def _paged_attention_split_kernel(
     used = pos // SPLIT + 1  # the row's own splits
     n_heads = tl.num_programs(1) * HEADS
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    if KV_LINES > 0:  # only under PDL (pdl.kv_prefetch): the lines load while the producer runs
+    if KV_LINES > 0:  # only under PDL, where asked (pdl.kv_prefetch): the lines load while the producer runs
         if first < used:
             prefetch_split_kv(k_ptr, v_ptr, table, pos, kv_head, first, stride_kp, stride_ks, stride_kh, stride_kd,
                               stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, SPLIT,

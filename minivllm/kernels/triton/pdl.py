@@ -111,11 +111,13 @@ def kv_prefetch(device) -> bool:
     HBM, the attention's producer is RoPE and the KV store (a few KB): the context's K/V
     bytes, the part of a step that grows with the context, then stream in while that
     kernel runs. L2 is the device's point of coherence, so a line the KV store is still
-    writing is safe to ask for (the load after the wait sees the write). On wherever PDL
-    is, unless MINIVLLM_KV_PREFETCH=0. Decided once per device and process."""
+    writing is safe to ask for (the load after the wait sees the write). On only under
+    MINIVLLM_KV_PREFETCH=1 and where PDL is on: off until a GPU run times it against the
+    launch without it (the 7B at 512 and 4,096 tokens; `gpu_vs_llama_cpp.sh kv-and-table`).
+    Decided once per device and process."""
     on = _KV_PREFETCH.get(device)
     if on is None:
-        on = _KV_PREFETCH[device] = (os.environ.get(KV_PREFETCH_ENV, "1").strip() != "0" and bool(pdl_args(device)))
+        on = _KV_PREFETCH[device] = (os.environ.get(KV_PREFETCH_ENV, "0").strip() == "1" and bool(pdl_args(device)))
     return on
 
 

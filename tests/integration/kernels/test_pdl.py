@@ -6,8 +6,8 @@ synthetic Qwen2 file, CUDA graphs on, gives the same logits bit for bit and the 
 greedy tokens with PDL as without, solo, batched and batch-invariant: a kernel that read
 its producer's output before the producer finished would change them, and the compiled
 kernels are checked to have been launched with PDL at all. The same again with the GEMV's
-weights prefetched into L2 before its wait (MINIVLLM_GEMV_PREFETCH=1), and with PDL but
-without the attention's K/V prefetch (on by default with PDL; MINIVLLM_KV_PREFETCH=0).
+weights prefetched into L2 before its wait (MINIVLLM_GEMV_PREFETCH=1), and with the
+attention's K/V prefetched into L2 before its wait (MINIVLLM_KV_PREFETCH=1).
 """
 
 from __future__ import annotations
@@ -94,18 +94,18 @@ def test_gemv_prefetch_only_when_asked_and_with_pdl(fresh):
     assert pdl.prefetch_lines(gpu, 1792) == 0
 
 
-def test_kv_prefetch_wherever_pdl_is_unless_turned_off(fresh):
-    """The attention's K/V asked of L2 before its wait: on with PDL, off without it (nothing
-    runs before its producer ends), off under MINIVLLM_KV_PREFETCH=0, never on the CPU."""
+def test_kv_prefetch_only_when_asked_and_with_pdl(fresh):
+    """The attention's K/V asked of L2 before its wait: off by default (until a GPU run times
+    it), on under MINIVLLM_KV_PREFETCH=1 with PDL, off without PDL (nothing runs before its
+    producer ends), never on the CPU."""
     _as_gpu(fresh, (9, 0))
     gpu = torch.device("cuda", 0)
     fresh.setenv(pdl.PDL_ENV, "1")
     fresh.delenv(pdl.KV_PREFETCH_ENV, raising=False)
-    assert pdl.kv_prefetch(gpu) and not pdl.kv_prefetch(torch.device("cpu"))
-    fresh.setenv(pdl.KV_PREFETCH_ENV, "0")
-    pdl.reset()
     assert not pdl.kv_prefetch(gpu)
     fresh.setenv(pdl.KV_PREFETCH_ENV, "1")
+    pdl.reset()
+    assert pdl.kv_prefetch(gpu) and not pdl.kv_prefetch(torch.device("cpu"))
     fresh.setenv(pdl.PDL_ENV, "0")
     pdl.reset()
     assert not pdl.kv_prefetch(gpu)
@@ -141,11 +141,11 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     runs = {}
-    # "prefetch": PDL with the GEMV's weights asked of L2 before its wait; "nokv": PDL without the K/V one
-    for flag in ("0", "1", "prefetch", "nokv"):
+    # "prefetch": PDL with the GEMV's weights asked of L2 before its wait; "kv": with the attention's K/V
+    for flag in ("0", "1", "prefetch", "kv"):
         monkeypatch.setenv(pdl.PDL_ENV, "0" if flag == "0" else "1")
         monkeypatch.setenv(pdl.PREFETCH_ENV, "1" if flag == "prefetch" else "0")
-        monkeypatch.setenv(pdl.KV_PREFETCH_ENV, "0" if flag == "nokv" else "1")
+        monkeypatch.setenv(pdl.KV_PREFETCH_ENV, "1" if flag == "kv" else "0")
         pdl.reset()
         llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16")
         ids = llm.tokenizer.encode(TINY_QWEN_PROMPTS[2])
@@ -163,6 +163,6 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     assert toks0 == toks1 and inv0 == inv1 and solo0 == solo1
     logits2, toks2, inv2, solo2 = runs["prefetch"]
     assert torch.equal(logits0, logits2) and toks0 == toks2 and inv0 == inv2 and solo0 == solo2
-    logits3, toks3, inv3, solo3 = runs["nokv"]
+    logits3, toks3, inv3, solo3 = runs["kv"]
     assert torch.equal(logits0, logits3) and toks0 == toks3 and inv0 == inv3 and solo0 == solo3
     assert toks1[:3] == toks1[3:6] == toks1[6:]  # the same prompt thrice in one batch: the same tokens
