@@ -85,6 +85,37 @@ def test_rows_bitwise_independent_of_batch_interpreted(ggml_type, t_outer):
     _check_invariance(repack(w), w, 512, GemvConfig(block_nb=2, block_g=4, split=2, t_outer=t_outer), "cpu")
 
 
+def _committed_small_k_entries() -> list[tuple[str, int, dict]]:
+    """The committed table's float entries whose K is the 0.5B's (896, or 4864 for its down
+    projection): (type, K, config), one per distinct triple."""
+    import json
+
+    from minivllm.kernels.gemv_configs import TABLE_PATH
+
+    seen = {}
+    for profile in json.loads(TABLE_PATH.read_text()).values():
+        for key, entry in profile.get("configs", {}).items():
+            name, shape = key.split(":")
+            k = int(shape.split("x")[1])
+            if k in (896, 4864) and name in {t.name for t in TYPES}:
+                seen[(name, k, tuple(sorted(entry.items())))] = (name, k, entry)
+    return sorted(seen.values(), key=lambda e: (e[0], e[1], sorted(e[2].items())))
+
+
+@cpu_only
+@pytest.mark.parametrize("name,k,entry", _committed_small_k_entries(),
+                         ids=lambda v: v if isinstance(v, (str, int)) else "-".join(f"{a}{b}" for a, b in
+                                                                                  sorted(v.items())))
+def test_committed_entries_at_the_small_model_widths_compute_the_gemv_interpreted(name, k, entry):
+    """Each launch the committed table gives at K = 896 or 4864 (the 0.5B's rows, its down
+    projection's 4864 cut into the entry's slices) computes the reference: 19 rows, K as in
+    the model."""
+    ggml_type = T[name]
+    w = random_weight(ggml_type, 19, k, seed=57)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(58))
+    assert_close_to_reference(tiled_gemv(x, repack(w), GemvConfig(**entry)), reference(x, w), k)
+
+
 def test_default_config_splits_narrow_matrices_only():
     wide = default_config(18944, 3584, sm_count=132)
     narrow = default_config(512, 3584, sm_count=132)
