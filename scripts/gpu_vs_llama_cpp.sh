@@ -274,18 +274,7 @@ elif [ "$MODE" = lean ]; then
       tests/integration/engine/test_handoff_rows.py
     stamp "pytest sm75 handoff rows: $(tail -n 1 "$R/pytest-cuda-sm75.log")"
   fi
-  while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
-  DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
-  SYN="--synthetic-tokenizer $FIELDS --synthetic"
-  step "decode 7b" "$R/decode-qwen2.5-7b-q4_k_m.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
-  step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
-  # The 4096 / 512 ratio was 0.962 in h100-s49 (MMA attention opt-in, PDL off) and 0.945-0.947
-  # since (PDL on by default from then): the same two rows with PDL off say whether PDL's
-  # early-launched programs cost the long-context attention its slots.
-  step "decode 7b pdl off" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 \
-    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
-  step "decode 7b after 4096 pdl off" "$R/decode-nopdl-7b-4096.log" env MINIVLLM_PDL=0 \
-    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
+  decode_rows_pdl  # 7B at 512 and 4096 tokens, PDL on and off, then the 0.5B
 elif [ "$MODE" = quick ]; then
   # minivllm alone, for a session that timed llama.cpp in an earlier call: the GEMV/fold/PDL
   # CUDA tests, then batch-1 decode (PDL off and on) at 512 and 4096 tokens of context.
