@@ -321,7 +321,7 @@ elif [ "$MODE" = once ]; then
   fi
 elif [ "$MODE" = kv-and-table ]; then
   # minivllm alone: the attention's K/V asked of L2 before its PDL wait (opt-in until this
-  # call: MINIVLLM_KV_PREFETCH=1) against none, 7B at 512 and 4096
+  # call: MINIVLLM_KV_PREFETCH=1 its own layer's, =next the next layer's too) against none, 7B at 512 and 4096
   # tokens, alternately; issue 43's burst (the export on a stream of its own); then, with the
   # time left, a GEMV sweep of SWEEP_SHAPES (default the 0.5B's, which the committed table
   # has from an older sweep) and the 0.5B with the committed and new tables.
@@ -337,11 +337,11 @@ elif [ "$MODE" = kv-and-table ]; then
   S05=$(sed -n 1p "$W/synthetic.log")
   DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
-  for c in 512 4096; do
-    step "decode 7b $c kv prefetch" "$R/decode-kvpf-7b-$c.log" env MINIVLLM_KV_PREFETCH=1 $DEC $SYN \
-      qwen2.5-7b-q4_k_m --prompt-tokens $c
-    step "decode 7b $c no kv prefetch" "$R/decode-nokvpf-7b-$c.log" env MINIVLLM_KV_PREFETCH=0 $DEC $SYN \
-      qwen2.5-7b-q4_k_m --prompt-tokens $c
+  for c in 512 4096; do  # none, the own layer's, the own and the next layer's
+    for pf in 0 1 next; do
+      step "decode 7b $c kv prefetch $pf" "$R/decode-kvpf$pf-7b-$c.log" env MINIVLLM_KV_PREFETCH=$pf $DEC $SYN \
+        qwen2.5-7b-q4_k_m --prompt-tokens $c
+    done
   done
   # issue 43: the burst again, the export now copying on a stream of its own (kv_landing.py)
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \

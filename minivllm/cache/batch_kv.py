@@ -146,7 +146,7 @@ class PagedBatchKV:
         kf, vf = self._flat(layer)
         if self._all_rows_in_kernel:
             return self._paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.block_tables,
-                                         self.row_seq, self.row_pos)
+                                         self.row_seq, self.row_pos, next_layer=self._next_layer(layer))
         if self.invariant:  # CPU: one query row at a time over exactly its own keys
             return self._per_row(q, kf, vf)
         if len(self.segments) == 1:
@@ -159,8 +159,13 @@ class PagedBatchKV:
         if self._kernel_rows is not None:
             out[self._kernel_rows] = self._paged_attention(
                 q[self._kernel_rows], self.pool.k[layer], self.pool.v[layer], self.block_tables,
-                self._kernel_seq, self._kernel_pos)
+                self._kernel_seq, self._kernel_pos, next_layer=self._next_layer(layer))
         return out
+
+    def _next_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next layer's K and V pages, which the attention kernel may ask L2 for early
+        (`pdl.kv_prefetch`); None after the last layer."""
+        return (self.pool.k[layer + 1], self.pool.v[layer + 1]) if layer + 1 < self.pool.k.shape[0] else None
 
     def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V pages as flat (slots, KVH, D) views of the pool."""

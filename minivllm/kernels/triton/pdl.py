@@ -102,23 +102,28 @@ def prefetch_lines(device, slice_words: int) -> int:
     return triton.next_power_of_2(triton.cdiv(slice_words, 32)) if on and slice_words > 0 else 0
 
 
-_KV_PREFETCH: dict = {}  # torch.device -> whether attention asks L2 for its K/V before the wait
+_KV_PREFETCH: dict = {}  # torch.device -> how many layers' K/V attention asks of L2 before the wait
 
 
-def kv_prefetch(device) -> bool:
-    """Whether the paged-attention split kernel asks L2 for its first split's K/V lines
-    before its wait. Unlike a GEMV's weights, which compete with the GEMV before them for
-    HBM, the attention's producer is RoPE and the KV store (a few KB): the context's K/V
-    bytes, the part of a step that grows with the context, then stream in while that
-    kernel runs. L2 is the device's point of coherence, so a line the KV store is still
-    writing is safe to ask for (the load after the wait sees the write). On only under
-    MINIVLLM_KV_PREFETCH=1 and where PDL is on: off until a GPU run times it against the
-    launch without it (the 7B at 512 and 4,096 tokens; `gpu_vs_llama_cpp.sh kv-and-table`).
-    Decided once per device and process."""
-    on = _KV_PREFETCH.get(device)
-    if on is None:
-        on = _KV_PREFETCH[device] = (os.environ.get(KV_PREFETCH_ENV, "0").strip() == "1" and bool(pdl_args(device)))
-    return on
+def kv_prefetch(device) -> int:
+    """How many layers' K/V the paged-attention split kernel asks L2 for before its wait,
+    for its first split: 0 (none), 1 (its own layer's) or 2 (its own and the next layer's).
+    Unlike a GEMV's weights, which compete with the GEMV before them for HBM, the
+    attention's producer is RoPE and the KV store (a few KB): the context's K/V bytes, the
+    part of a step that grows with the context, then stream in while that kernel runs. The
+    next layer's lines have the whole rest of this layer to arrive (its GEMVs read their
+    weights evict-first, at about half the bandwidth). L2 is the device's point of
+    coherence, so a line a KV store is still to write is safe to ask for (the load after
+    the wait sees the write). MINIVLLM_KV_PREFETCH=1 asks for the own layer's, =next for
+    both; only where PDL is on, and off by default until a GPU run times it against the
+    launch without it (`gpu_vs_llama_cpp.sh kv-and-table`). Decided once per device and
+    process."""
+    layers = _KV_PREFETCH.get(device)
+    if layers is None:
+        value = os.environ.get(KV_PREFETCH_ENV, "0").strip().lower()
+        layers = {"1": 1, "next": 2}.get(value, 0) if pdl_args(device) else 0
+        _KV_PREFETCH[device] = layers
+    return layers
 
 
 def reset() -> None:

@@ -7,7 +7,8 @@ greedy tokens with PDL as without, solo, batched and batch-invariant: a kernel t
 its producer's output before the producer finished would change them, and the compiled
 kernels are checked to have been launched with PDL at all. The same again with the GEMV's
 weights prefetched into L2 before its wait (MINIVLLM_GEMV_PREFETCH=1), and with the
-attention's K/V prefetched into L2 before its wait (MINIVLLM_KV_PREFETCH=1).
+attention's K/V, its own layer's and the next one's, prefetched into L2 before its wait
+(MINIVLLM_KV_PREFETCH=next).
 """
 
 from __future__ import annotations
@@ -96,16 +97,19 @@ def test_gemv_prefetch_only_when_asked_and_with_pdl(fresh):
 
 def test_kv_prefetch_only_when_asked_and_with_pdl(fresh):
     """The attention's K/V asked of L2 before its wait: off by default (until a GPU run times
-    it), on under MINIVLLM_KV_PREFETCH=1 with PDL, off without PDL (nothing runs before its
-    producer ends), never on the CPU."""
+    it), its own layer's under MINIVLLM_KV_PREFETCH=1 and the next layer's too under =next,
+    with PDL only (nothing runs before its producer ends), never on the CPU."""
     _as_gpu(fresh, (9, 0))
     gpu = torch.device("cuda", 0)
     fresh.setenv(pdl.PDL_ENV, "1")
     fresh.delenv(pdl.KV_PREFETCH_ENV, raising=False)
-    assert not pdl.kv_prefetch(gpu)
+    assert pdl.kv_prefetch(gpu) == 0
     fresh.setenv(pdl.KV_PREFETCH_ENV, "1")
     pdl.reset()
-    assert pdl.kv_prefetch(gpu) and not pdl.kv_prefetch(torch.device("cpu"))
+    assert pdl.kv_prefetch(gpu) == 1 and pdl.kv_prefetch(torch.device("cpu")) == 0
+    fresh.setenv(pdl.KV_PREFETCH_ENV, "next")
+    pdl.reset()
+    assert pdl.kv_prefetch(gpu) == 2
     fresh.setenv(pdl.PDL_ENV, "0")
     pdl.reset()
     assert not pdl.kv_prefetch(gpu)
@@ -141,11 +145,12 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     runs = {}
-    # "prefetch": PDL with the GEMV's weights asked of L2 before its wait; "kv": with the attention's K/V
+    # "prefetch": PDL with the GEMV's weights asked of L2 before its wait; "kv": with the attention's K/V,
+    # its own layer's and the next one's
     for flag in ("0", "1", "prefetch", "kv"):
         monkeypatch.setenv(pdl.PDL_ENV, "0" if flag == "0" else "1")
         monkeypatch.setenv(pdl.PREFETCH_ENV, "1" if flag == "prefetch" else "0")
-        monkeypatch.setenv(pdl.KV_PREFETCH_ENV, "1" if flag == "kv" else "0")
+        monkeypatch.setenv(pdl.KV_PREFETCH_ENV, "next" if flag == "kv" else "0")
         pdl.reset()
         llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16")
         ids = llm.tokenizer.encode(TINY_QWEN_PROMPTS[2])
