@@ -236,6 +236,7 @@ def main() -> int:
             row["best_int8_max_rel_diff_vs_f32"] = float((y8 - ref8).abs().max() / ref8.abs().max())
             if not paired:  # the split configs again, summing their slices in the same launch (split_sum.py)
                 time_fixup(row, kernels["float"], nbytes, frac, graph_us)
+                time_deferred(row, x, ws, copies, best[0], frac, graph_us)
             if args.persistent and not paired and n * k >= PERSISTENT_MIN_WEIGHTS:  # persistent_gemv.py
                 time_persistent(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
@@ -390,6 +391,16 @@ def time_fixup(row: dict, make, nbytes: int, frac, graph_us) -> None:
         os.environ.pop(FIXUP_ENV)
 
 
+def time_deferred(row: dict, x, ws: list, copies: int, cfg, frac, graph_us) -> None:
+    """A split winner's first launch alone, slices unsummed: an o- or down-projection in the
+    engine, whose next add+RMSNorm sums them (`defer_split_sum`)."""
+    from minivllm.kernels.triton.tiled_gemv import tiled_gemv
+    if cfg.split > 1:
+        us = graph_us(lambda i: lambda: tiled_gemv(x, ws[i % copies], cfg, out_dtype=torch.float16,
+                                                   defer_split_sum=True), ws[0].nbytes)
+        row.update(deferred_us=us, deferred_frac_of_copy=frac(us))
+
+
 def time_same_bytes(row: dict, nbytes: int, copies: int, dev, frac, graph_us) -> None:
     """What moving this weight's bytes costs with no GEMV at all, timed the same way: a
     kernel that only reads them (bench/read_roofline.py: the ceiling a GEMV of this size
@@ -431,8 +442,9 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) "
         "| read-only kernel µs | of copy | copy of the bytes µs "
         "| persistent µs | of copy | (nb, stages, per SM, warps) "
-        "| split summed in-launch µs | of copy | same config, two launches µs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| split summed in-launch µs | of copy | same config, two launches µs "
+        "| its first launch alone (the sum folded into the next norm) µs | of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["best"]
@@ -447,7 +459,7 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
             f"{', T-outer' if b.get('t_outer') else ''} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
             f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} "
-            f"| {same_bytes_cells(r)} | {persistent_cells(r)} | {fixup_cells(r)} |"
+            f"| {same_bytes_cells(r)} | {persistent_cells(r)} | {fixup_cells(r)} | {deferred_cells(r)} |"
         )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
 
@@ -464,6 +476,10 @@ def fixup_cells(r: dict) -> str:
     if "fixup_us" not in r:
         return "— | — | —"
     return f"{r['fixup_us']:.1f} | {r['fixup_frac_of_copy']:.0%} | {r['fixup_without_us']:.1f}"
+
+
+def deferred_cells(r: dict) -> str:
+    return f"{r['deferred_us']:.1f} | {r['deferred_frac_of_copy']:.0%}" if "deferred_us" in r else "— | —"
 
 
 def same_bytes_cells(r: dict) -> str:
