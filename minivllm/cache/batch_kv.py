@@ -163,9 +163,14 @@ class PagedBatchKV:
         return out
 
     def _next_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The next layer's K and V pages, which the attention kernel may ask L2 for early
-        (`pdl.kv_prefetch`); None after the last layer."""
-        return (self.pool.k[layer + 1], self.pool.v[layer + 1]) if layer + 1 < self.pool.k.shape[0] else None
+        """The next layer's K and V pages where the attention kernel asks L2 for them early
+        (`pdl.kv_prefetch` says 2); None after the last layer or where it does not (no views
+        made on a step's hot path for nothing). Only called where the Triton kernel runs."""
+        from minivllm.kernels.triton.pdl import kv_prefetch
+
+        if layer + 1 >= self.pool.k.shape[0] or kv_prefetch(self.pool.k.device) < 2:
+            return None
+        return self.pool.k[layer + 1], self.pool.v[layer + 1]
 
     def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V pages as flat (slots, KVH, D) views of the pool."""

@@ -144,25 +144,28 @@ def _paged_attention_split_kernel(
     kv_head = tl.program_id(1) // (GROUP // HEADS)
     g0 = (tl.program_id(1) % (GROUP // HEADS)) * HEADS  # this program's first head of the group
     first = tl.program_id(2)
-    # Read before the wait: under PDL only the kernel just before this one can still be
-    # running (it passed its own wait, so every earlier one has finished), and that is
-    # RoPE with the KV store, which never writes positions or block tables. It does write
-    # the row's own key and value, so K/V are only asked of L2 here, never loaded.
+    if KV_LINES > 0:  # only under PDL, where asked (pdl.kv_prefetch): the lines load while the producer runs
+        # Read before the wait: under PDL only the kernel just before this one can still be
+        # running (it passed its own wait, so every earlier one has finished), and that is
+        # RoPE with the KV store, which never writes positions or block tables (the step's
+        # inputs, copied in before its first launch). It does write the row's own key and
+        # value, so K/V are only asked of L2 here, never loaded.
+        pos0 = tl.load(row_pos_ptr + row)
+        table0 = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * stride_table
+        if first < pos0 // SPLIT + 1:
+            prefetch_split_kv(k_ptr, v_ptr, table0, pos0, kv_head, first, stride_kp, stride_ks, stride_kh,
+                              stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, SPLIT,
+                              KV_LINE, KV_LINES)
+            if KV_NEXT:  # the next layer's lines too (the same pool: same pages, same strides)
+                prefetch_split_kv(k_next_ptr, v_next_ptr, table0, pos0, kv_head, first, stride_kp, stride_ks,
+                                  stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM,
+                                  PAGE_SIZE, SPLIT, KV_LINE, KV_LINES)
+    wait_for_producers(PDL)
     pos = tl.load(row_pos_ptr + row)
     seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
     used = pos // SPLIT + 1  # the row's own splits
     n_heads = tl.num_programs(1) * HEADS
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    if KV_LINES > 0:  # only under PDL, where asked (pdl.kv_prefetch): the lines load while the producer runs
-        if first < used:
-            prefetch_split_kv(k_ptr, v_ptr, table, pos, kv_head, first, stride_kp, stride_ks, stride_kh, stride_kd,
-                              stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, SPLIT,
-                              KV_LINE, KV_LINES)
-            if KV_NEXT:  # the next layer's lines too (the same pool: same pages, same strides)
-                prefetch_split_kv(k_next_ptr, v_next_ptr, table, pos, kv_head, first, stride_kp, stride_ks,
-                                  stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM,
-                                  PAGE_SIZE, SPLIT, KV_LINE, KV_LINES)
-    wait_for_producers(PDL)
     if ADAPTIVE and used * GROUP <= tl.num_programs(2):
         for item in range(first, used * GROUP, tl.num_programs(2)):
             _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos, kv_head, item % GROUP,
