@@ -52,7 +52,7 @@ def compile_tiled(type_name: str, arch: int, block_nb: int, block_g: int, split:
            "ONES": "i32"}
     const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if type_name == "Q8_0" else 4, "RR": R, "BLOCK_NB": block_nb,
              "BLOCK_G": block_g, "IS_SPLIT": split > 1, "HAS_BIAS": False, "PAIRED": False, "ROUND": 0,
-             "PDL": arch >= 90, "EVEN_N": True, "PF_LINES": 0, "FIXUP": False, "SPLIT": 1, "ticket_ptr": None,
+             "PDL": arch >= 90, "EVEN_N": True, "EARLY": 0, "FIXUP": False, "SPLIT": 1, "ticket_ptr": None,
              "final_ptr": None, "T_OUTER": t_outer}
     sig.update({k: "constexpr" for k in const})
     names = list(sig)

@@ -11,7 +11,7 @@
 #                   the in-launch split sum on the 7B shapes, the newest CUDA tests, 7B decode
 #                   at 512 and 4096 tokens, PDL on (the default) and off) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #                   | verify (native CUDA tests; SM75_PYTEST=1 the T4-profile ones too; GPU -> CPU bench)
-#                   | kv-and-table (attention's K/V prefetch on/off at 512 and 4096; 0.5B GEMV sweep and table A/B)
+#                   | kv-and-table (attention's K/V prefetch, the GEMV's early first trip, on/off at 512 and 4096; 0.5B GEMV sweep and table A/B)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -108,14 +108,14 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
 \"" >> "$W/synthetic.log" 2>&1 < /dev/null &
 }
 
-decode_rows() {  # minivllm's batch-1 decode (defaults; GEMV prefetch on) at 512 tokens (both files) and 4096 (7B)
+decode_rows() {  # minivllm's batch-1 decode (defaults; then the GEMV's first trip loaded early) at 512 tokens (both files) and 4096 (7B)
   while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
   S05=$(sed -n 1p "$W/synthetic.log"); S7=$(sed -n 2p "$W/synthetic.log")
   local DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   local SYN="--synthetic-tokenizer $FIELDS --synthetic" s
   for s in qwen2.5-7b-q4_k_m qwen2.5-0.5b-q4_k_m; do
     step "decode $s" "$R/decode-$s.log" $DEC $SYN $s --prompt-tokens 512
-    step "decode prefetch $s" "$R/decode-prefetch-$s.log" env MINIVLLM_GEMV_PREFETCH=1 $DEC $SYN $s --prompt-tokens 512
+    step "decode early $s" "$R/decode-early-$s.log" env MINIVLLM_GEMV_EARLY_LOAD=1 $DEC $SYN $s --prompt-tokens 512
   done
   step "decode 7b after 4096" "$R/decode-7b-4096.log" $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "decode plain attention 7b after 4096" "$R/decode-plainattn-7b-4096.log" env MINIVLLM_ATTENTION_MMA=0 $DEC \
@@ -249,7 +249,7 @@ elif [ "$MODE" = verify ]; then
     stamp "7B file: $(sed -n 2p "$W/synthetic.log")"
     P="python3 scripts/profile_decode_step.py $R/profile $FIELDS --synthetic qwen2.5-7b-q4_k_m --prompt-tokens 512"
     step "profile 7b" "$R/profile-7b.log" $P
-    step "profile 7b prefetch" "$R/profile-7b-prefetch.log" env MINIVLLM_GEMV_PREFETCH=1 $P
+    step "profile 7b early" "$R/profile-7b-early.log" env MINIVLLM_GEMV_EARLY_LOAD=1 $P
     step "profile 7b int8 gemv" "$R/profile-7b-int8.log" env MINIVLLM_Q8_GEMV=1 $P
     grep -h "GEMV kernels" "$R"/profile/*.md | tee -a "$R/timeline.txt"
     cat "$R"/profile/*.md > "$OUT/profile.md" 2>/dev/null
@@ -321,8 +321,8 @@ elif [ "$MODE" = once ]; then
   fi
 elif [ "$MODE" = kv-and-table ]; then
   # minivllm alone: the attention's K/V asked of L2 before its PDL wait (opt-in until this
-  # call: MINIVLLM_KV_PREFETCH=1 its own layer's, =next the next layer's too) against none, 7B at 512 and 4096
-  # tokens, alternately; issue 43's burst (the export on a stream of its own); then, with the
+  # call: MINIVLLM_KV_PREFETCH=1 its own layer's, =next the next layer's too) and the GEMV's first trip
+  # loaded before its wait (MINIVLLM_GEMV_EARLY_LOAD=1) against neither, 7B at 512 and 4096 tokens (0.5B at 512); issue 43's burst (the export on a stream of its own); then, with the
   # time left, a GEMV sweep of SWEEP_SHAPES (default the 0.5B's, which the committed table
   # has from an older sweep) and the 0.5B with the committed and new tables.
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
@@ -337,11 +337,15 @@ elif [ "$MODE" = kv-and-table ]; then
   S05=$(sed -n 1p "$W/synthetic.log")
   DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
-  for c in 512 4096; do  # none, the own layer's, the own and the next layer's
-    for pf in 0 1 next; do
-      step "decode 7b $c kv prefetch $pf" "$R/decode-kvpf$pf-7b-$c.log" env MINIVLLM_KV_PREFETCH=$pf $DEC $SYN \
-        qwen2.5-7b-q4_k_m --prompt-tokens $c
+  for c in 512 4096; do  # none, the own layer's, the own and the next layer's; the GEMV's first trip early
+    for pf in 0 1 next early; do
+      step "decode 7b $c variant $pf" "$R/decode-kvpf$pf-7b-$c.log" env MINIVLLM_KV_PREFETCH=${pf/early/0} \
+        MINIVLLM_GEMV_EARLY_LOAD=$([ $pf = early ] && echo 1 || echo 0) $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens $c
     done
+  done
+  for pf in 0 early; do
+    step "decode 0.5b variant $pf" "$R/decode-kvpf$pf-0.5b.log" \
+      env MINIVLLM_GEMV_EARLY_LOAD=$([ $pf = early ] && echo 1 || echo 0) $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
   done
   # issue 43: the burst again, the export now copying on a stream of its own (kv_landing.py)
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
@@ -421,20 +425,20 @@ else
       $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
   done
   # the defaults since s49 turned off one at a time (the plain attention body; PDL), then the GEMV's
-  # weights asked of L2 before its PDL wait (MINIVLLM_GEMV_PREFETCH=1; opt-in until measured) and the
+  # first trip loaded before its PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1; opt-in until measured) and the
   # persistent GEMV (MINIVLLM_GEMV_KERNEL=persistent; the tensor-core one lost, h100-s51: 52 against 328 tok/s)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode plain attention $s" "$R/decode-plainattn-$s.log" env MINIVLLM_ATTENTION_MMA=0 $DEC $SYN $s \
       --prompt-tokens 512
-    step "decode prefetch $s" "$R/decode-prefetch-$s.log" env MINIVLLM_GEMV_PREFETCH=1 $DEC $SYN $s \
+    step "decode early $s" "$R/decode-early-$s.log" env MINIVLLM_GEMV_EARLY_LOAD=1 $DEC $SYN $s \
       --prompt-tokens 512
     step "decode persistent gemv $s" "$R/decode-persistent-$s.log" env MINIVLLM_GEMV_KERNEL=persistent $DEC $SYN \
       $s --prompt-tokens 512
   done
   step "decode no pdl 7b" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 512
-  step "batched prefetch 7b" "$R/batched-prefetch-7b.log" env MINIVLLM_GEMV_PREFETCH=1 python3 \
-    scripts/gpu_batched_decode.py "$S7" "$R/batched-prefetch-7b.json" --npl 1,8,32
+  step "batched early 7b" "$R/batched-early-7b.log" env MINIVLLM_GEMV_EARLY_LOAD=1 python3 \
+    scripts/gpu_batched_decode.py "$S7" "$R/batched-early-7b.json" --npl 1,8,32
   step "batched 0.5b (bench offline --llama-batched-bench)" "$R/batched-0.5b.log" \
     python3 -m minivllm bench offline --model "$S05" --llama-batched-bench "$LLAMA_BIN/llama-batched-bench"
   step "batched 7b (bench offline --llama-batched-bench)" "$R/batched-7b.log" \
@@ -471,7 +475,7 @@ else
   P="python3 scripts/profile_decode_step.py $R/profile $FIELDS"
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
-  step "profile prefetch 512" "$R/profile-prefetch.log" env MINIVLLM_GEMV_PREFETCH=1 $P --prompt-tokens 512 \
+  step "profile early 512" "$R/profile-early.log" env MINIVLLM_GEMV_EARLY_LOAD=1 $P --prompt-tokens 512 \
     --synthetic qwen2.5-7b-q4_k_m
   step "profile persistent gemv 512" "$R/profile-persistent.log" env MINIVLLM_GEMV_KERNEL=persistent $P \
     --prompt-tokens 512 \

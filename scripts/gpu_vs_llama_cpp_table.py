@@ -119,7 +119,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("mmapdl", "MMA attention and PDL (MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1)"),
                             ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)"),
                             ("nopdl", "PDL off (MINIVLLM_PDL=0)"),
-                            ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)"),
+                            ("early", "GEMV first trip loaded before the PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1)"),
                             ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)"),
                             ("persistent", "persistent GEMV (MINIVLLM_GEMV_KERNEL=persistent)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
@@ -137,7 +137,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
     dflt = r2.get("batched-7b.json")
     for kind, label in (("pdl", "programmatic dependent launch (MINIVLLM_PDL=1)"),
                         ("mma", "tensor-core attention body (MINIVLLM_ATTENTION_MMA=1)"),
-                        ("prefetch", "GEMV weights prefetched before the PDL wait (MINIVLLM_GEMV_PREFETCH=1)")):
+                        ("early", "GEMV first trip loaded before the PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1)")):
         var = r2.get(f"batched-{kind}-7b.json")
         if not (var and dflt):
             continue
@@ -165,7 +165,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
             t.row(
                 f"step profile {p['model']}, context {p['context']}, {p.get('rows', 1)} row(s)"
                 f"{', PDL (MINIVLLM_PDL=1)' if p.get('pdl') else ''}"
-                f"{', MMA attention' if p.get('mma') else ''}{', GEMV prefetch' if p.get('prefetch') else ''}"
+                f"{', MMA attention' if p.get('mma') else ''}{', GEMV early first trip' if p.get('early') else ''}"
                 f"{', MMA GEMV' if p.get('gemv_kernel') == 'mma' else ''}",
                 f"µs per {p['context']}-token prefill (eager)" if p.get("prefill")
                 else "µs per decode step, " + ("eager" if p["eager"] else "CUDA graphs"),

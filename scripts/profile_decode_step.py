@@ -40,7 +40,7 @@ from minivllm.bench.synthetic_model import ensure_synthetic_model
 from minivllm.kernels.gemv_configs import GEMV_KERNEL_ENV
 from minivllm.kernels.gpu_profile import gpu_profile
 from minivllm.kernels.triton.paged_attention import default_launch
-from minivllm.kernels.triton.pdl import PREFETCH_ENV, pdl_requested
+from minivllm.kernels.triton.pdl import EARLY_ENV, pdl_requested
 
 
 def sync(device: str) -> None:
@@ -205,7 +205,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"### {r['model']}, context {r['context']}, {r['rows']} row(s), {'eager' if r['eager'] else 'CUDA graphs'}"
         f"{', PDL' if r.get('pdl') else ''}{', MMA attention' if r.get('mma') else ''}"
-        f"{', GEMV prefetch' if r.get('prefetch') else ''}{gemv_label(r)}"
+        f"{', GEMV early first trip' if r.get('early') else ''}{gemv_label(r)}"
         f"{', int8-activation GEMV (MINIVLLM_Q8_GEMV=1)' if r.get('int8_gemv') else ''}",
         "",
         f"- step: {r['untraced_step_us']:.0f} µs untraced ({r['tok_per_s']:.1f} tok/s); traced wall "
@@ -256,7 +256,7 @@ def main() -> None:
                 print(r, file=sys.stderr)
             r["pdl"] = pdl_requested()  # programmatic dependent launch (sm_90+; off: MINIVLLM_PDL=0)
             r["mma"] = default_launch().mma  # the tensor-core attention body (off: MINIVLLM_ATTENTION_MMA=0)
-            r["prefetch"] = os.environ.get(PREFETCH_ENV) == "1"  # GEMV weights asked of L2 before the PDL wait
+            r["early"] = os.environ.get(EARLY_ENV) == "1"  # the GEMV's first trip loaded before the PDL wait
             r["gemv_kernel"] = os.environ.get(GEMV_KERNEL_ENV, "tiled")  # mma: the tensor-core Q4_K GEMV
             r["int8_gemv"] = gpu_profile(torch.device(a.device)).int8_gemv if a.device.startswith("cuda") else False
             if "error" not in r and copy_gbs is None and a.device.startswith("cuda"):
@@ -265,7 +265,7 @@ def main() -> None:
             results.append(r)
             tag = (f"{name}-{ctx}-{a.rows}{'-eager' if a.eager else ''}{'-prefill' if a.prefill else ''}"
                    f"{'' if r['pdl'] else '-nopdl'}{'' if r['mma'] else '-plainattn'}"
-                   f"{'-prefetch' if r['prefetch'] else ''}"
+                   f"{'-early' if r['early'] else ''}"
                    f"{'' if r['gemv_kernel'] == 'tiled' else '-' + r['gemv_kernel'] + 'gemv'}"
                    f"{'-int8gemv' if r['int8_gemv'] else ''}")
             (a.out / f"profile-{tag}.json").write_text(json.dumps(r, indent=1))

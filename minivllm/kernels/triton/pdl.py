@@ -37,7 +37,7 @@ import triton.language as tl
 from minivllm.kernels.gpu_profile import gpu_profile, triton_interpreting
 
 PDL_ENV = "MINIVLLM_PDL"
-PREFETCH_ENV = "MINIVLLM_GEMV_PREFETCH"
+EARLY_ENV = "MINIVLLM_GEMV_EARLY_LOAD"
 KV_PREFETCH_ENV = "MINIVLLM_KV_PREFETCH"
 
 
@@ -52,8 +52,9 @@ def wait_for_producers(PDL: tl.constexpr):
 @triton.jit
 def prefetch_l2(ptrs, ok):
     """Ask L2 for the 128-byte lines at `ptrs` (where `ok`), without waiting for them: what
-    a PDL kernel may do before `wait_for_producers` with memory no earlier kernel writes
-    (a GEMV's weights), so their first loads overlap the previous kernel's tail."""
+    a PDL kernel may do before `wait_for_producers` even with lines its producer may still
+    write (L2 is the point of coherence: the load after the wait sees the write). Paged
+    attention's K/V (`kv_prefetch`)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
@@ -87,19 +88,23 @@ def pdl_args(device) -> dict:
     return args
 
 
-_PREFETCH: dict = {}  # torch.device -> whether GEMV weights are prefetched before the wait
+_EARLY: dict = {}  # torch.device -> whether a GEMV loads its first trip's weights before the wait
 
 
-def prefetch_lines(device, slice_words: int) -> int:
-    """The PF_LINES a GEMV launch passes: 128-byte lines covering `slice_words` int32 words
-    (a row group's slice of the weights), rounded up to a power of two, where its weights
-    are asked of L2 before its wait, else 0. On only under MINIVLLM_GEMV_PREFETCH=1 and
-    where PDL is on (without PDL no kernel starts before its predecessor ends): off until
-    a GPU run times it. Decided once per device and process, like `pdl_args`."""
-    on = _PREFETCH.get(device)
+def early_weights(device) -> int:
+    """The EARLY a GEMV launch passes: 1 where its first K trip's weight words are loaded
+    into registers before its wait, else 0. The weights depend on no earlier kernel, so
+    under PDL their first DRAM round trip can overlap the producer's tail (a small GEMV's
+    time is mostly that latency: 3584 x 3584 Q4_K takes 6.7 us for 2.4 us of bytes). Unlike
+    the L2 prefetch of the whole slice tried until h100-s56 (slower: 313.9 against 344.4
+    tok/s, 7B), this moves loads the kernel makes anyway and adds no instructions. On only
+    under MINIVLLM_GEMV_EARLY_LOAD=1 and where PDL is on (without PDL no kernel starts
+    before its predecessor ends): off until a GPU run times it. Decided once per device
+    and process, like `pdl_args`."""
+    on = _EARLY.get(device)
     if on is None:
-        on = _PREFETCH[device] = (os.environ.get(PREFETCH_ENV, "0").strip() == "1" and bool(pdl_args(device)))
-    return triton.next_power_of_2(triton.cdiv(slice_words, 32)) if on and slice_words > 0 else 0
+        on = _EARLY[device] = int(os.environ.get(EARLY_ENV, "0").strip() == "1" and bool(pdl_args(device)))
+    return on
 
 
 _KV_PREFETCH: dict = {}  # torch.device -> how many layers' K/V attention asks of L2 before the wait
@@ -129,5 +134,5 @@ def kv_prefetch(device) -> int:
 def reset() -> None:
     """Forget the per-device decisions (tests, and A/B runs within one process)."""
     _DECIDED.clear()
-    _PREFETCH.clear()
+    _EARLY.clear()
     _KV_PREFETCH.clear()

@@ -147,15 +147,26 @@ def scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND: tl.constexpr):
 
 @triton.jit
 def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
-              MASKED: tl.constexpr = True):
+              MASKED: tl.constexpr = True, w_early=None, EARLY: tl.constexpr = 0):
     """(words, mask, per-(group, row) offsets) of a [NB, G, T, R] tile: row groups `nb`,
     groups `gg` below g_hi (MASKED off: the caller knows the tile is inside the matrix).
     16-byte loads (ld.global.v4 in the sm_90 PTX), evict-first: each weight byte is read
     once per call."""
     ok = nb_ok & (gg < g_hi)
     gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-    w = load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1)
+    if EARLY:  # the words were loaded by the caller (`trip_words`, before its PDL wait)
+        w = w_early
+    else:
+        w = trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS, T, RR, MASKED)
     return w, ok, gr
+
+
+@triton.jit
+def trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The weight words of row groups `nb`, groups `gg` (where `ok`), in the broadcast shape
+    of nb, gg, t4 and r4: the one address rule of the repacked layout's word plane."""
+    return load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton.language as tl
 from minivllm.kernels.gemv_configs import GemvConfig
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.fused import silu_mul
-from minivllm.kernels.triton.pdl import pdl_args, prefetch_l2, prefetch_lines, wait_for_producers
+from minivllm.kernels.triton.pdl import early_weights, pdl_args, wait_for_producers
 from minivllm.kernels.triton.repacked_decode import (
     decode_field,
     group_scales,
@@ -43,6 +43,7 @@ from minivllm.kernels.triton.repacked_decode import (
     load,
     scaled_sum,
     store_rows,
+    trip_words,
     word_tile,
 )
 from minivllm.kernels.triton.split_sum import (
@@ -59,11 +60,12 @@ from minivllm.kernels.triton.split_sum import (
 @triton.jit
 def gemv_trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
           N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr, BLOCK_NB: tl.constexpr,
-          BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
+          BLOCK_G: tl.constexpr, MASKED: tl.constexpr, w_early=None, EARLY: tl.constexpr = 0):
     """One trip of the K loop: groups g0 .. g0 + BLOCK_G of the tile's rows added to acc
-    (MASKED: groups past g_hi or rows past the matrix read as zeros)."""
+    (MASKED: groups past g_hi or rows past the matrix read as zeros). EARLY: the trip's
+    weight words are `w_early`, loaded by the caller (before its PDL wait)."""
     gg = g0 + g4
-    w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR, MASKED)
+    w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR, MASKED, w_early, EARLY)
     w_hi = w >> 16
     h_lo = w  # unused by the types without a high-bit plane
     h_hi = w
@@ -103,7 +105,8 @@ def gemv_trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
 @triton.jit
 def gemv_trip_t_outer(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
                       e_ptr, N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
-                      BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
+                      BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr, w_early=None,
+                      EARLY: tl.constexpr = 0):
     """`gemv_trip` over a [T, NB, G, R] tile (T_OUTER): Triton spreads lanes over the
     fastest axes first, so with T outermost one thread holds a group's T words for its 4
     rows, and the group's scales apply once to their T-summed field sums (acc: [NB, G, R])
@@ -111,7 +114,10 @@ def gemv_trip_t_outer(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t
     scripts/gemv_sass.py). Same weights and activations, another order of the sums."""
     gg = g0 + g4  # [1, 1, G, 1]
     ok = nb_ok & (gg < g_hi)  # [1, NB, G, 1]
-    w = load(q_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1)  # [T, NB, G, R]
+    if EARLY:
+        w = w_early
+    else:
+        w = trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS, T, RR, MASKED)  # [T, NB, G, R]
     w_hi = w >> 16
     h_lo = w
     h_hi = w
@@ -153,7 +159,7 @@ def _tiled_gemv_kernel(
     N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False, EVEN_N: tl.constexpr = False,
-    PF_LINES: tl.constexpr = 0, FIXUP: tl.constexpr = False, SPLIT: tl.constexpr = 1, ticket_ptr=None,
+    EARLY: tl.constexpr = 0, FIXUP: tl.constexpr = False, SPLIT: tl.constexpr = 1, ticket_ptr=None,
     final_ptr=None, T_OUTER: tl.constexpr = False,
 ):  # fmt: skip
     """PAIRED (a gate+up weight, the up rows PAIR_RB row groups after the gate rows; N,
@@ -163,8 +169,9 @@ def _tiled_gemv_kernel(
     ONES: 15, passed at run time (quant_fields.py: keeps the field masks in registers).
     EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
     program's row groups), so whole trips load without masks.
-    PF_LINES (PDL only): the 128-byte lines of each of its row groups' weight slice that a
-    program asks of L2 before its wait (pdl.py: `prefetch_l2`, `prefetch_lines`); 0: none.
+    EARLY (1, PDL only): the first trip's weight words are loaded before the wait (they
+    depend on no earlier kernel; pdl.py `early_weights`), always masked; the same trips in
+    the same order as without, so the same sums.
     FIXUP (split into SPLIT slices, not paired): the last program of each output tile sums
     the slices into final_ptr [M, N] itself (`split_sum.last_slice_sums`, tickets at
     ticket_ptr).
@@ -195,33 +202,38 @@ def _tiled_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     g_lo = pid_s * G_PER_SPLIT
     g_hi = tl.minimum(g_lo + G_PER_SPLIT, N_GROUPS)
-    if PF_LINES > 0:  # the weights depend on no earlier kernel: ask for them before the wait
-        words = (g_hi - g_lo) * T * RR  # a row group's slice is contiguous in the layout
-        line = tl.arange(0, PF_LINES)[None, :] * 32  # 32 words: a 128-byte line
-        nb2 = tl.reshape(nb, [BLOCK_NB, 1])
-        prefetch_l2(q_ptr + (nb2 * N_GROUPS + g_lo).to(tl.int64) * (T * RR) + line,
-                    tl.reshape(nb_ok, [BLOCK_NB, 1]) & (line < words))
+    if EARLY:  # the first trip's words, before the wait: their DRAM latency overlaps the producer
+        w_first = trip_words(q_ptr, nb, nb_ok & (g_lo + g4 < g_hi), g_lo + g4, t4, r4, N_GROUPS, T, RR, True)
     wait_for_producers(PDL)
     # Whole trips first, loaded without masks where the tile's rows are all inside the
     # matrix (EVEN_N), then the slice's last partial trip, if any, masked. Same trips in
     # the same order as one masked loop: the same sums, fewer instructions a weight.
+    # EARLY: the first trip is the one loaded before the wait, masked.
     n_full = (g_hi - g_lo) // BLOCK_G * BLOCK_G
+    done = tl.maximum(n_full, EARLY * BLOCK_G)  # groups the loop and the early trip cover
     if T_OUTER:
         acc3 = tl.zeros([BLOCK_NB, BLOCK_G, RR], dtype=tl.float32)
-        for i in range(0, n_full, BLOCK_G):
+        if EARLY:
+            acc3 = gemv_trip_t_outer(acc3, ONES, g_lo, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
+                                     a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True,
+                                     w_first, EARLY)
+        for i in range(EARLY * BLOCK_G, n_full, BLOCK_G):
             acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
                                      a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
-        if n_full < g_hi - g_lo:
-            acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
+        if done < g_hi - g_lo:
+            acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + done, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
                                      q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
         y = tl.sum(acc3, axis=1)  # [NB, R]
     else:
         acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
-        for i in range(0, n_full, BLOCK_G):
+        if EARLY:
+            acc = gemv_trip(acc, ONES, g_lo, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
+                            c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, w_first, EARLY)
+        for i in range(EARLY * BLOCK_G, n_full, BLOCK_G):
             acc = gemv_trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
                             b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
-        if n_full < g_hi - g_lo:
-            acc = gemv_trip(acc, ONES, g_lo + n_full, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
+        if done < g_hi - g_lo:
+            acc = gemv_trip(acc, ONES, g_lo + done, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
                             b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [NB, R]
     if PAIRED:
@@ -356,7 +368,7 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
         triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R), **fixup,
+        **pdl_args(x.device), EARLY=early_weights(x.device), **fixup,
         T_OUTER=config.t_outer)
     if fixup:
         return fixup["final_ptr"]
@@ -390,7 +402,7 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
         half // R, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
         EVEN_N=(half // R) % (block_nb // 2) == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device), PF_LINES=prefetch_lines(x.device, g_per * w.words_per_group * R))
+        **pdl_args(x.device), EARLY=early_weights(x.device))
     if split > 1:
         sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)
     return out

@@ -6,7 +6,7 @@ synthetic Qwen2 file, CUDA graphs on, gives the same logits bit for bit and the 
 greedy tokens with PDL as without, solo, batched and batch-invariant: a kernel that read
 its producer's output before the producer finished would change them, and the compiled
 kernels are checked to have been launched with PDL at all. The same again with the GEMV's
-weights prefetched into L2 before its wait (MINIVLLM_GEMV_PREFETCH=1), and with the
+first trip's weights loaded before its wait (MINIVLLM_GEMV_EARLY_LOAD=1), and with the
 attention's K/V, its own layer's and the next one's, prefetched into L2 before its wait
 (MINIVLLM_KV_PREFETCH=next).
 """
@@ -74,25 +74,24 @@ def test_never_on_the_t4_profile_or_the_cpu_path(fresh):
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}
 
 
-def test_gemv_prefetch_only_when_asked_and_with_pdl(fresh):
-    """The GEMV's L2 prefetch before its wait: lines covering a row group's slice (a 3584-wide
-    Q4_K row group: 112 groups x 4 words x 4 rows = 1792 words, 56 lines, launched as 64)."""
+def test_gemv_early_load_only_when_asked_and_with_pdl(fresh):
+    """The GEMV's first trip loaded before its wait: off by default (until a GPU run times
+    it), on under MINIVLLM_GEMV_EARLY_LOAD=1 with PDL only, never on the CPU or a T4."""
     _as_gpu(fresh, (9, 0))
     gpu = torch.device("cuda", 0)
     fresh.setenv(pdl.PDL_ENV, "1")
-    fresh.delenv(pdl.PREFETCH_ENV, raising=False)
-    assert pdl.prefetch_lines(gpu, 1792) == 0  # off by default
-    fresh.setenv(pdl.PREFETCH_ENV, "1")
+    fresh.delenv(pdl.EARLY_ENV, raising=False)
+    assert pdl.early_weights(gpu) == 0
+    fresh.setenv(pdl.EARLY_ENV, "1")
     pdl.reset()
-    assert pdl.prefetch_lines(gpu, 1792) == 64 and pdl.prefetch_lines(gpu, 32) == 1
-    assert pdl.prefetch_lines(torch.device("cpu"), 1792) == 0
+    assert pdl.early_weights(gpu) == 1 and pdl.early_weights(torch.device("cpu")) == 0
     fresh.setenv(pdl.PDL_ENV, "0")  # no PDL: nothing starts before its producer ends
     pdl.reset()
-    assert pdl.prefetch_lines(gpu, 1792) == 0
+    assert pdl.early_weights(gpu) == 0
     _as_gpu(fresh, (7, 5))
     fresh.setenv(pdl.PDL_ENV, "1")
     pdl.reset()
-    assert pdl.prefetch_lines(gpu, 1792) == 0
+    assert pdl.early_weights(gpu) == 0
 
 
 def test_kv_prefetch_only_when_asked_and_with_pdl(fresh):
@@ -145,11 +144,11 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     runs = {}
-    # "prefetch": PDL with the GEMV's weights asked of L2 before its wait; "kv": with the attention's K/V,
+    # "early": PDL with the GEMV's first trip's weights loaded before its wait; "kv": with the attention's K/V,
     # its own layer's and the next one's
-    for flag in ("0", "1", "prefetch", "kv"):
+    for flag in ("0", "1", "early", "kv"):
         monkeypatch.setenv(pdl.PDL_ENV, "0" if flag == "0" else "1")
-        monkeypatch.setenv(pdl.PREFETCH_ENV, "1" if flag == "prefetch" else "0")
+        monkeypatch.setenv(pdl.EARLY_ENV, "1" if flag == "early" else "0")
         monkeypatch.setenv(pdl.KV_PREFETCH_ENV, "next" if flag == "kv" else "0")
         pdl.reset()
         llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16")
@@ -166,7 +165,7 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     (logits0, toks0, inv0, solo0), (logits1, toks1, inv1, solo1) = runs["0"], runs["1"]
     assert torch.equal(logits0, logits1)
     assert toks0 == toks1 and inv0 == inv1 and solo0 == solo1
-    logits2, toks2, inv2, solo2 = runs["prefetch"]
+    logits2, toks2, inv2, solo2 = runs["early"]
     assert torch.equal(logits0, logits2) and toks0 == toks2 and inv0 == inv2 and solo0 == solo2
     logits3, toks3, inv3, solo3 = runs["kv"]
     assert torch.equal(logits0, logits3) and toks0 == toks3 and inv0 == inv3 and solo0 == solo3

@@ -110,7 +110,7 @@ sig = {"x_ptr": "*fp16", "q_ptr": "*i32", "a_ptr": "*fp16", "b_ptr": "*fp16", "c
        "bias_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_om": "i32",
        "stride_os": "i32", "G_PER_SPLIT": "i32", "N_RB": "i32", "PAIR_RB": "i32", "ONES": "i32"}
 const = {"N_GROUPS": 112, "KIND": 4, "T": 4, "RR": 4, "BLOCK_NB": 4, "BLOCK_G": 32, "IS_SPLIT": True,
-         "HAS_BIAS": True, "PAIRED": False, "ROUND": 0, "PDL": arch >= 90, "EVEN_N": False, "PF_LINES": 0,
+         "HAS_BIAS": True, "PAIRED": False, "ROUND": 0, "PDL": arch >= 90, "EVEN_N": False, "EARLY": 0,
          "FIXUP": True, "SPLIT": 2, "T_OUTER": False}
 sig.update({k: "constexpr" for k in const})
 sig.update({"ticket_ptr": "*i32", "final_ptr": "*fp16"})

@@ -63,6 +63,33 @@ def test_whole_trips_unmasked_then_a_partial_one_interpreted(ggml_type, split):
     _check_invariance(repack(w), w, k, config, "cpu")
 
 
+@cpu_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_first_trip_loaded_early_gives_the_same_bits_interpreted(ggml_type, monkeypatch):
+    """EARLY (pdl.early_weights: the first trip's weight words loaded before the PDL wait)
+    peels the first trip off the loop: whole slices, slices shorter than a trip, partial
+    last trips, both tile orders and the paired SwiGLU launch give the same bits as
+    without, and the reference."""
+    from minivllm.kernels.triton import tiled_gemv as tg
+
+    n, k = 24, 768  # 24 groups: trips of 16 leave a partial one; split 4 leaves slices of 6 (< a trip)
+    w = random_weight(ggml_type, n, k, seed=50)
+    rw = repack(w)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(51))
+    configs = [GemvConfig(2, 16, 1), GemvConfig(2, 16, 2), GemvConfig(1, 4, 4), GemvConfig(2, 8, 2, t_outer=True)]
+    for early in (0, 1):
+        monkeypatch.setattr(tg, "early_weights", lambda device, early=early: early)
+        ys = [tg.tiled_gemv(x, rw, c) for c in configs]
+        ys.append(tg.tiled_gemv_swiglu(x.half(), rw, GemvConfig(2, 16, 1), mid_dtype=torch.float16,
+                                       out_dtype=torch.float16))
+        if early == 0:
+            plain = ys
+    for c, y, y0 in zip(configs + ["paired"], ys, plain):
+        assert torch.equal(y, y0), c
+    for y in ys[:-1]:
+        assert_close_to_reference(y, reference(x, w), k)
+
+
 def _check_invariance(rw, w, k, config, device):
     gen = torch.Generator().manual_seed(43)
     batch = torch.randn(5, k, generator=gen).to(device)
@@ -178,7 +205,7 @@ for kind, (a, b, c, e) in planes.items():
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
                      "PDL": hopper, "EVEN_N": split,  # both the masked and the unmasked trips
-                     "PF_LINES": 64 if hopper and paired else 0,  # weights asked of L2 before the wait
+                     "EARLY": int(hopper and paired),  # the first trip's words loaded before the wait
                      "FIXUP": False, "SPLIT": 1, "ticket_ptr": None, "final_ptr": None,  # test_split_fixup.py's
                      "T_OUTER": False}
             sig.update({k: "constexpr" for k in const})
@@ -193,12 +220,12 @@ for paired in (False, True):
                                                           "PAIRED": paired, "ROUND": 16,
                                                           "PDL": int(sys.argv[1]) >= 90}), target=target)
     out[f"sum_splits/{paired}"] = k.asm["ptx"]
-def before_wait(p):  # the L2 prefetches all come before the kernel's wait
+def loads_before_wait(p):  # global loads the kernel makes before its PDL wait (None: no wait)
     i = p.find("griddepcontrol.wait")
-    return "prefetch.global.L2" in p and i > 0 and "prefetch.global.L2" not in p[i:]
+    return p[:i].count("ld.global") if i > 0 else None
 print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf16" in p, "mma": "mma." in p,
                          "gdc": "griddepcontrol.wait" in p and "griddepcontrol.launch_dependents" in p,
-                         "prefetch": before_wait(p) if "prefetch" in p else None}
+                         "early": loads_before_wait(p)}
                   for key, p in out.items()}))
 """
 
@@ -207,8 +234,9 @@ print(json.dumps({key: {"target": f".target sm_{sys.argv[1]}" in p, "bf16": "bf1
 def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     """Every kind, split or not, plain or paired with the SwiGLU epilogue (the gate+up
     launch), and both split sums, compile for a T4 and an H100 without a device; for
-    the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in, and
-    its paired launches with the weights' L2 prefetch, every prefetch before the wait."""
+    the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in:
+    nothing is loaded before the wait, except in the paired launches compiled with EARLY,
+    whose first trip's weight words are (pdl.early_weights)."""
     import json
     import os
     import subprocess
@@ -221,9 +249,14 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result) == 24 + 2
     for key, r in result.items():
-        # sm_90's paired launches compile with the weights' L2 prefetch (MINIVLLM_GEMV_PREFETCH=1)
-        prefetch = True if arch == "90" and key.startswith("tiled/") and key.endswith("/True") else None
-        assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90", "prefetch": prefetch}, key
+        early = r.pop("early")
+        assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90"}, key
+        if arch == "75":
+            assert early is None, key  # no PDL on a T4: no wait to load before
+        elif key.startswith("tiled/") and key.endswith("/True"):  # paired, compiled with EARLY
+            assert early >= 1, key
+        else:
+            assert early == 0, key
 
 
 @pytest.mark.parametrize("arch", ["75", "90"])
