@@ -119,8 +119,6 @@ def main() -> int:
     ap.add_argument(
         "--compile-workers", type=int, default=8, help="processes that compile the variants first (0: none)"
     )
-    ap.add_argument("--persistent", action="store_true",
-                    help="also time the persistent kernel (it lost everywhere on the H100, h100-s52)")
     ap.add_argument("--shapes", default="all", help="comma-separated shape sets (7b, fused, 0.5b) or NxK entries")
     args = ap.parse_args()
     global SHAPES
@@ -237,8 +235,6 @@ def main() -> int:
             if not paired:  # the split configs again, summing their slices in the same launch (split_sum.py)
                 time_fixup(row, kernels["float"], nbytes, frac, graph_us)
                 time_deferred(row, x, ws, copies, best[0], frac, graph_us)
-            if args.persistent and not paired and n * k >= PERSISTENT_MIN_WEIGHTS:  # persistent_gemv.py
-                time_persistent(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             if tname == "Q4_K" and not paired:  # the tensor-core kernel (opt-in: MINIVLLM_GEMV_KERNEL=mma)
                 time_mma(row, x, ws, copies, nbytes, frac, prof.sm_count, graph_us, y_legacy)
             dense = [
@@ -286,37 +282,6 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             found = [(n, k)]
         out += [shape for shape in found if shape not in out]
     return out
-
-
-# (row groups a tile, pipeline stages, programs per SM, warps) tried for the persistent kernel,
-# at the 7B's matrices only (each launch and K is a compile of its own, a second or two).
-PERSISTENT_CANDIDATES = [(2, 4, 2, 4), (4, 3, 2, 4), (4, 4, 1, 4), (8, 3, 1, 4), (4, 6, 1, 4), (2, 6, 4, 4)]
-PERSISTENT_MIN_WEIGHTS = 3584 * 3584
-
-
-def time_persistent(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: int, graph_us,
-                    y_legacy) -> None:
-    """The persistent kernel at each of PERSISTENT_CANDIDATES: the best into `row`, every
-    one in row["candidates"], and the best one's distance from the legacy kernel's result."""
-    from minivllm.kernels.triton.persistent_gemv import persistent_gemv
-
-    best = None
-    for nb, stages, per_sm, warps in PERSISTENT_CANDIDATES:
-        launch = dict(block_nb=nb, num_stages=stages, programs_per_sm=per_sm, num_warps=warps)
-        try:
-            us = graph_us(lambda i, launch=launch: lambda: persistent_gemv(
-                x, ws[i % copies], out_dtype=torch.float16, **launch), nbytes)
-        except Exception as exc:  # a launch that does not compile here (registers, shared memory)
-            row["candidates"].append({"kernel": "persistent", **launch, "error": f"{type(exc).__name__}: "
-                                                                                f"{str(exc)[:120]}"})
-            continue
-        row["candidates"].append({"kernel": "persistent", **launch, "us": us})
-        if best is None or us < best[1]:
-            best = (launch, us)
-    if best is not None:
-        y = persistent_gemv(x, ws[0], **best[0])
-        row.update(persistent_us=best[1], persistent_frac_of_copy=frac(best[1]), persistent_launch=best[0],
-                   persistent_max_rel_diff_vs_legacy=float((y - y_legacy).abs().max() / y_legacy.abs().max()))
 
 
 def time_mma(row: dict, x, ws: list, copies: int, nbytes: int, frac, sm_count: int, graph_us, y_legacy) -> None:
@@ -441,10 +406,9 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
         "| type | N x K | MB | tiled µs | of copy | config (nb, g, split, warps, stages) | legacy µs | of copy "
         "| int8 µs | of copy | int8 config | f16 cuBLAS µs | of copy | mma µs | of copy | mma (nb, split) "
         "| read-only kernel µs | of copy | copy of the bytes µs "
-        "| persistent µs | of copy | (nb, stages, per SM, warps) "
         "| split summed in-launch µs | of copy | same config, two launches µs "
         "| its first launch alone (the sum folded into the next norm) µs | of copy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["best"]
@@ -459,17 +423,9 @@ def write(out: Path, rows: list, winners: dict, winners_int8: dict, name: str, p
             f"{', T-outer' if b.get('t_outer') else ''} "
             f"| {r['legacy_us']:.1f} | {r['legacy_frac_of_copy']:.0%} | {q8s} "
             f"| {r['f16_cublas_us']:.1f} | {r['f16_cublas_frac_of_copy']:.0%} | {mma_cells(r)} "
-            f"| {same_bytes_cells(r)} | {persistent_cells(r)} | {fixup_cells(r)} | {deferred_cells(r)} |"
+            f"| {same_bytes_cells(r)} | {fixup_cells(r)} | {deferred_cells(r)} |"
         )
     (out / f"gemv-sweep-{prof.table_key}.md").write_text("\n".join(md) + "\n")
-
-
-def persistent_cells(r: dict) -> str:
-    if "persistent_us" not in r:
-        return "— | — | —"
-    lc = r["persistent_launch"]
-    return (f"{r['persistent_us']:.1f} | {r['persistent_frac_of_copy']:.0%} | {lc['block_nb']}, {lc['num_stages']}, "
-            f"{lc['programs_per_sm']}, {lc['num_warps']}")
 
 
 def fixup_cells(r: dict) -> str:

@@ -384,7 +384,7 @@ print(e('qwen2.5-7b-q4_k_m', tokenizer_source='$FIELDS', progress=False), flush=
   # the newest GPU tests natively
   BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-90} )) step "pytest new native" "$R/pytest-cuda-new.log" \
     python3 -m pytest -m cuda -v -n 4 --timeout 120 -p no:cacheprovider -rfE \
-    tests/integration/kernels/test_triton_persistent_gemv.py tests/integration/kernels/test_pdl.py \
+    tests/integration/kernels/test_pdl.py \
     tests/integration/kernels/test_triton_tiled_gemv.py tests/integration/engine/test_handoff_rows.py
   stamp "pytest new native: $(tail -n 1 "$R/pytest-cuda-new.log")"
   # pytest -m cuda in the T4 profile (each test named; the native profile runs in `verify`)
@@ -425,15 +425,12 @@ else
       $DEC $SYN $s --prompt-tokens 512 --llama-bench "$LLAMA_BIN/llama-bench"
   done
   # the defaults since s49 turned off one at a time (the plain attention body; PDL), then the GEMV's
-  # first trip loaded before its PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1; opt-in until measured) and the
-  # persistent GEMV (MINIVLLM_GEMV_KERNEL=persistent; the tensor-core one lost, h100-s51: 52 against 328 tok/s)
+  # first trip loaded before its PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1; opt-in until measured)
   for s in qwen2.5-0.5b-q4_k_m qwen2.5-7b-q4_k_m; do
     step "decode plain attention $s" "$R/decode-plainattn-$s.log" env MINIVLLM_ATTENTION_MMA=0 $DEC $SYN $s \
       --prompt-tokens 512
     step "decode early $s" "$R/decode-early-$s.log" env MINIVLLM_GEMV_EARLY_LOAD=1 $DEC $SYN $s \
       --prompt-tokens 512
-    step "decode persistent gemv $s" "$R/decode-persistent-$s.log" env MINIVLLM_GEMV_KERNEL=persistent $DEC $SYN \
-      $s --prompt-tokens 512
   done
   step "decode no pdl 7b" "$R/decode-nopdl-qwen2.5-7b-q4_k_m.log" env MINIVLLM_PDL=0 $DEC $SYN qwen2.5-7b-q4_k_m \
     --prompt-tokens 512
@@ -476,9 +473,6 @@ else
   step "profile graphs 512" "$R/profile-graphs.log" $P --prompt-tokens 512
   step "profile graphs 8 rows" "$R/profile-8rows.log" $P --prompt-tokens 128 --rows 8
   step "profile early 512" "$R/profile-early.log" env MINIVLLM_GEMV_EARLY_LOAD=1 $P --prompt-tokens 512 \
-    --synthetic qwen2.5-7b-q4_k_m
-  step "profile persistent gemv 512" "$R/profile-persistent.log" env MINIVLLM_GEMV_KERNEL=persistent $P \
-    --prompt-tokens 512 \
     --synthetic qwen2.5-7b-q4_k_m
   step "profile prefill 512" "$R/profile-prefill.log" $P --prompt-tokens 512 --prefill --steps 4
   step "profile 7b 4096" "$R/profile-4096.log" $P --prompt-tokens 4096 --synthetic qwen2.5-7b-q4_k_m

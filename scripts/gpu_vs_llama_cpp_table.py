@@ -120,8 +120,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)"),
                             ("nopdl", "PDL off (MINIVLLM_PDL=0)"),
                             ("early", "GEMV first trip loaded before the PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1)"),
-                            ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)"),
-                            ("persistent", "persistent GEMV (MINIVLLM_GEMV_KERNEL=persistent)")):
+                            ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
             if f:
                 v = minivllm_row(f)["decode_tok_s_median"]

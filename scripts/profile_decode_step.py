@@ -180,7 +180,7 @@ def profile_prefills(llm, name: str, ids: list[int], steps: int, device: str, ou
 # The step's GEMV work: the decode GEMVs, their split-K sums and (MINIVLLM_Q8_GEMV=1) the
 # activations' quantization. (Deferred split sums run inside _add_rms_norm_kernel: not counted.)
 def gemv_label(r: dict) -> str:
-    """', MMA GEMV' / ', persistent GEMV' where the run took another decode GEMV than the tiled one."""
+    """', MMA GEMV' / ', legacy GEMV' where the run took another decode GEMV than the tiled one."""
     kernel = r.get("gemv_kernel", "tiled")
     return "" if kernel == "tiled" else f", {'MMA' if kernel == 'mma' else kernel} GEMV"
 

@@ -24,8 +24,9 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("gemv_configs.json")
 TABLE_ENV = "MINIVLLM_GEMV_CONFIGS"  # another table file (a sweep's output, before it is committed)
 # Which decode GEMV runs where several could: "tiled" (default), "legacy" (the
-# one-row-group kernel, repacked_gemv.py), "mma" (mma_gemv.py: Q4_K with f16 activations),
-# "persistent" (persistent_gemv.py: a fixed grid walking the tiles, at its default launch).
+# one-row-group kernel, repacked_gemv.py), "mma" (mma_gemv.py: Q4_K with f16 activations).
+# (A persistent kernel, a fixed grid walking the tiles, was a choice until h100-s56: it lost
+# at every 7B shape in the sweep and decoded 72.9 tok/s against the tiled 344.4; removed.)
 GEMV_KERNEL_ENV = "MINIVLLM_GEMV_KERNEL"
 
 

@@ -220,10 +220,6 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         block_nb, split = mma_launch(n, k, profile.sm_count)
         return mma_gemv(x, w, block_nb=block_nb, split=split, out_dtype=out_dtype, bias=bias,
                         defer_split_sum=defer_split_sum)
-    if config is not None and os.environ.get(GEMV_KERNEL_ENV) == "persistent":  # opt-in, a sweep candidate
-        from minivllm.kernels.triton.persistent_gemv import persistent_gemv
-
-        return persistent_gemv(x, w, out_dtype=out_dtype, bias=bias, sm_count=profile.sm_count)
     if config is not None:
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv
 
