@@ -11,7 +11,7 @@
 #                   the in-launch split sum on the 7B shapes, the newest CUDA tests, 7B decode
 #                   at 512 and 4096 tokens, PDL on (the default) and off) | quick (GEMV tests, decode rows) | attention (T4-profile tests, attention, 4096 profile)
 #                   | verify (native CUDA tests; SM75_PYTEST=1 the T4-profile ones too; GPU -> CPU bench)
-#                   | kv-and-table (attention's K/V prefetch, the GEMV's early first trip, on/off at 512 and 4096; 0.5B GEMV sweep and table A/B)
+#                   | kv-and-table (attention's K/V prefetch, the GEMV's early first trip, on/off at 512 and 4096; GEMV sweeps with and without it)
 #
 # Run 1 starts the llama.cpp build (build_on_gpu.sh, about 5 minutes on 16 cores) and the
 # synthetic Qwen2.5 0.5B / 7B Q4_K_M files in the background (both on the CPU), sweeps the
@@ -321,10 +321,10 @@ elif [ "$MODE" = once ]; then
   fi
 elif [ "$MODE" = kv-and-table ]; then
   # minivllm alone: the attention's K/V asked of L2 before its PDL wait (opt-in until this
-  # call: MINIVLLM_KV_PREFETCH=1 its own layer's, =next the next layer's too) and the GEMV's first trip
-  # loaded before its wait (MINIVLLM_GEMV_EARLY_LOAD=1) against neither, 7B at 512 and 4096 tokens (0.5B at 512); issue 43's burst (the export on a stream of its own); then, with the
-  # time left, a GEMV sweep of SWEEP_SHAPES (default the 0.5B's, which the committed table
-  # has from an older sweep) and the 0.5B with the committed and new tables.
+  # call: MINIVLLM_KV_PREFETCH=1 its own layer's, =next the next layer's too) and the GEMV's
+  # first trip loaded before its wait (MINIVLLM_GEMV_EARLY_LOAD=1) against neither, 7B at 512
+  # and 4096 tokens, 0.5B at 512; issue 43's burst (the export on a stream of its own); then,
+  # with the time left, GEMV sweeps of SWEEP_SHAPES without and with the early first trip.
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
@@ -351,14 +351,16 @@ elif [ "$MODE" = kv-and-table ]; then
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
     --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2 --burst 4
-  T=Q4_K,Q6_K,Q8_0,Q5_0 SB=$(( $(left) - 60 ))  # the sweep leaves a minute for the two 0.5B rows
-  [ "$SB" -gt "${SWEEP_BUDGET:-170}" ] && SB=${SWEEP_BUDGET:-170}
-  BUDGET=$(( $(date +%s) - T0 + SB )) step "sweep" "$R/sweep.log" python3 scripts/gemv_sweep.py \
-    "$W/sweep" --types $T --quick $T --shapes ${SWEEP_SHAPES:-0.5b}
-  cp "$W"/sweep/* "$R/" 2>/dev/null
-  step "decode 0.5b committed table" "$R/decode-committed-0.5b.log" $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
-  [ -f "$W/sweep/gemv_configs.json" ] && step "decode 0.5b new table" "$R/decode-newtable-0.5b.log" \
-    env MINIVLLM_GEMV_CONFIGS="$W/sweep/gemv_configs.json" $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+  # the GEMV at 7B shapes without and with its first trip loaded before the wait (the sweep's graphs
+  # chain their launches with PDL, as a decode step does), half the time left each
+  T=${SWEEP_TYPES:-Q4_K,Q6_K}
+  for e in 0 1; do
+    SB=$(( ($(left) - 10) / (2 - e) )); [ "$SB" -gt "${SWEEP_BUDGET:-120}" ] && SB=${SWEEP_BUDGET:-120}
+    BUDGET=$(( $(date +%s) - T0 + SB )) step "sweep early=$e" "$R/sweep-early$e.log" \
+      env MINIVLLM_GEMV_EARLY_LOAD=$e python3 scripts/gemv_sweep.py "$W/sweep-early$e" --types $T --quick $T \
+      --shapes ${SWEEP_SHAPES:-3584x3584,3584x18944}
+    for f in "$W/sweep-early$e"/gemv-sweep-*; do [ -f "$f" ] && cp "$f" "$R/early$e-$(basename "$f")"; done
+  done
 elif [ "$MODE" = 1 ]; then
   { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
@@ -487,5 +489,5 @@ fi
 stamp "done"
 tar czf "$OUT/run$MODE.tgz" -C "$W" "res$MODE"
 cp "$R/timeline.txt" "$OUT/run$MODE-summary.txt"
-case "$MODE" in 1|lean|kv-and-table) cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null ;; esac
+case "$MODE" in 1|lean) cp "$R"/gemv-sweep-*.md "$OUT/" 2>/dev/null ;; kv-and-table) cp "$R"/early*-gemv-sweep-*.md "$OUT/" 2>/dev/null ;; esac
 exit 0
