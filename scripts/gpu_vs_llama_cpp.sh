@@ -135,6 +135,8 @@ decode_rows_pdl() {  # batch-1 decode, 7B at 512 and 4096 tokens with PDL on (th
   step "decode 7b after 4096 pdl off" "$R/decode-nopdl-7b-4096.log" env MINIVLLM_PDL=0 \
     $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 4096
   step "decode 0.5b" "$R/decode-qwen2.5-0.5b-q4_k_m.log" $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+  step "decode 7b early off" "$R/decode-noearly-qwen2.5-7b-q4_k_m.log" env MINIVLLM_GEMV_EARLY_LOAD=0 \
+    $DEC $SYN qwen2.5-7b-q4_k_m --prompt-tokens 512
 }
 
 if [ "$MODE" = profile ]; then
@@ -304,9 +306,9 @@ elif [ "$MODE" = once ]; then
       python3 scripts/attention_bench.py "$R/attention-sweep.json" --sweep --batches 1,8 --contexts 512,4096
   fi
   BUDGET=$(( $(date +%s) - T0 + ${NEW_TESTS_BUDGET:-120} )) step "pytest new cuda" "$R/pytest-cuda-new.log" python3 -m pytest -q -m cuda \
-    -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
+    -p no:cacheprovider -rfE --durations 5 ${NEW_TESTS:-tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py \
     tests/integration/kernels/test_split_sum_fold.py tests/integration/kernels/test_triton_paged_attention.py \
-    tests/integration/kernels/test_triton_tiled_gemv.py tests/integration/kernels/test_split_fixup.py
+    tests/integration/kernels/test_triton_tiled_gemv.py tests/integration/kernels/test_split_fixup.py}
   stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
   decode_rows_pdl  # minivllm's rows while llama.cpp builds; llama-bench's on the same files once it is built
   while pgrep -f build_on_gpu.sh > /dev/null && [ "$(left)" -gt 45 ]; do sleep 3; done

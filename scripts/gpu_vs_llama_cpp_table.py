@@ -119,6 +119,7 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                             ("mmapdl", "MMA attention and PDL (MINIVLLM_ATTENTION_MMA=1 MINIVLLM_PDL=1)"),
                             ("plainattn", "plain attention body (MINIVLLM_ATTENTION_MMA=0)"),
                             ("nopdl", "PDL off (MINIVLLM_PDL=0)"),
+                            ("noearly", "GEMV first trip after the PDL wait (MINIVLLM_GEMV_EARLY_LOAD=0)"),
                             ("early", "GEMV first trip loaded before the PDL wait (MINIVLLM_GEMV_EARLY_LOAD=1)"),
                             ("mmagemv", "tensor-core Q4_K GEMV (MINIVLLM_GEMV_KERNEL=mma)")):
             f = r2.get(f"decode-{kind}-{name[s]}.json")
