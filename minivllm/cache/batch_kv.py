@@ -146,7 +146,7 @@ class PagedBatchKV:
         kf, vf = self._flat(layer)
         if self._all_rows_in_kernel:
             return self._paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.block_tables,
-                                         self.row_seq, self.row_pos, next_layer=self._next_layer(layer))
+                                         self.row_seq, self.row_pos)
         if self.invariant:  # CPU: one query row at a time over exactly its own keys
             return self._per_row(q, kf, vf)
         if len(self.segments) == 1:
@@ -159,18 +159,8 @@ class PagedBatchKV:
         if self._kernel_rows is not None:
             out[self._kernel_rows] = self._paged_attention(
                 q[self._kernel_rows], self.pool.k[layer], self.pool.v[layer], self.block_tables,
-                self._kernel_seq, self._kernel_pos, next_layer=self._next_layer(layer))
+                self._kernel_seq, self._kernel_pos)
         return out
-
-    def _next_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The next layer's K and V pages where the attention kernel asks L2 for them early
-        (`pdl.kv_prefetch` says 2); None after the last layer or where it does not (no views
-        made on a step's hot path for nothing). Only called where the Triton kernel runs."""
-        from minivllm.kernels.triton.pdl import kv_prefetch
-
-        if layer + 1 >= self.pool.k.shape[0] or kv_prefetch(self.pool.k.device) < 2:
-            return None
-        return self.pool.k[layer + 1], self.pool.v[layer + 1]
 
     def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V pages as flat (slots, KVH, D) views of the pool."""

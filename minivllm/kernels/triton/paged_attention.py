@@ -49,8 +49,8 @@ import triton.language as tl
 from minivllm.errors import ConfigError, DeviceError
 from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.triton.attend_split_mma import attend_split_mma, mma_block_m
-from minivllm.kernels.triton.pdl import kv_prefetch, pdl_args, wait_for_producers
-from minivllm.kernels.triton.split_tile import load_split_kv, prefetch_split_kv
+from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
+from minivllm.kernels.triton.split_tile import load_split_kv
 
 # Keys per split, one tile per split. A length in tokens, a multiple of the default
 # page size (16): a split reads whole pages. 64 keys × 128 dims is 16 KB of f16 K (and
@@ -124,11 +124,10 @@ def _paged_attention_split_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
-    stride_table, n_splits, k_next_ptr, v_next_ptr,
+    stride_table, n_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
     HPP: tl.constexpr = 0, ADAPTIVE: tl.constexpr = False, MMA: tl.constexpr = False,
-    KV_LINES: tl.constexpr = 0, KV_LINE: tl.constexpr = 64, KV_NEXT: tl.constexpr = False,
 ):
     """HPP: query heads per program (a divisor of GROUP; 0: all GROUP of the KV head).
     Each head's arithmetic is the same either way; fewer heads a program means more
@@ -139,28 +138,12 @@ def _paged_attention_split_kernel(
     an item instead of (split, all heads). The program count follows the batch, so the
     choice does too: fit for batch-invariant mode only where a GPU test shows both give a
     head the same bits."""
+    wait_for_producers(PDL)
     HEADS: tl.constexpr = GROUP if HPP == 0 else HPP
     row = tl.program_id(0)
     kv_head = tl.program_id(1) // (GROUP // HEADS)
     g0 = (tl.program_id(1) % (GROUP // HEADS)) * HEADS  # this program's first head of the group
     first = tl.program_id(2)
-    if KV_LINES > 0:  # only under PDL, where asked (pdl.kv_prefetch): the lines load while the producer runs
-        # Read before the wait: under PDL only the kernel just before this one can still be
-        # running (it passed its own wait, so every earlier one has finished), and that is
-        # RoPE with the KV store, which never writes positions or block tables (the step's
-        # inputs, copied in before its first launch). It does write the row's own key and
-        # value, so K/V are only asked of L2 here, never loaded.
-        pos0 = tl.load(row_pos_ptr + row)
-        table0 = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * stride_table
-        if first < pos0 // SPLIT + 1:
-            prefetch_split_kv(k_ptr, v_ptr, table0, pos0, kv_head, first, stride_kp, stride_ks, stride_kh,
-                              stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, SPLIT,
-                              KV_LINE, KV_LINES)
-            if KV_NEXT:  # the next layer's lines too (the same pool: same pages, same strides)
-                prefetch_split_kv(k_next_ptr, v_next_ptr, table0, pos0, kv_head, first, stride_kp, stride_ks,
-                                  stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, HEAD_DIM,
-                                  PAGE_SIZE, SPLIT, KV_LINE, KV_LINES)
-    wait_for_producers(PDL)
     pos = tl.load(row_pos_ptr + row)
     seq = tl.load(row_seq_ptr + row)  # issued beside pos: the table row waits on it
     used = pos // SPLIT + 1  # the row's own splits
@@ -270,8 +253,7 @@ def _paged_attention_merge_kernel(
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float | None = None,
-                    out: torch.Tensor | None = None, *, launch: SplitLaunch | None = None,
-                    next_layer: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *, launch: SplitLaunch | None = None) -> torch.Tensor:
     """Causal attention of each query row over its own sequence's paged keys.
 
     q: (T, H, D) float32 (or float16) queries after RoPE. k_pages, v_pages: one layer's
@@ -282,8 +264,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     already have written the row's own K/V into the pages. scale defaults to D ** -0.5.
     out: optional preallocated (T, H, D) output in q's dtype (for CUDA graphs).
     launch: the split kernel's launch (benchmarks only; default `default_launch()`).
-    next_layer: the next layer's (k_pages, v_pages) of the same pool, whose lines the split
-    kernel asks L2 for where `pdl.kv_prefetch` says 2 (read by nothing here otherwise).
     Returns (T, H, D) in q's dtype.
 
     Two launches whose shapes depend only on T, the model, block_tables' width (a CUDA
@@ -314,11 +294,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     programs = split_programs(t * head_programs, n_splits, _sm_count(q.device) * per_sm)
     part = torch.empty((t, h, n_splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((t, h, n_splits, 2), dtype=torch.float32, device=q.device)
-    prefetch = _kv_prefetch_args(k_pages, v_pages, block_d, next_layer)
-    k_next, v_next = next_layer if prefetch.get("KV_NEXT") else (k_pages, v_pages)
     _paged_attention_split_kernel[(t, head_programs, programs)](
         q, k_pages, v_pages, part, ml, block_tables, row_seq, row_pos, float(d ** -0.5 if scale is None else scale),
-        *q.stride(), *k_pages.stride(), *v_pages.stride(), block_tables.stride(0), n_splits, k_next, v_next,
+        *q.stride(), *k_pages.stride(), *v_pages.stride(), block_tables.stride(0), n_splits,
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_G=mma_block_m(heads) if mma else triton.next_power_of_2(heads),
         BLOCK_D=block_d, SPLIT=split, NUM_STAGES=launch.num_stages,
@@ -326,7 +304,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}), **pdl_args(q.device),
         **({} if heads == group else {"HPP": heads}),
         **({"ADAPTIVE": True} if launch.adaptive_heads and heads == group and group > 1 else {}),
-        **({"MMA": True} if mma else {}), **prefetch,
+        **({"MMA": True} if mma else {}),
     )
     _paged_attention_merge_kernel[(t, h)](
         part, ml, out, row_pos, *out.stride(), n_splits,
@@ -334,26 +312,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         **pdl_args(q.device),
     )
     return out
-
-
-def _kv_prefetch_args(k_pages: torch.Tensor, v_pages: torch.Tensor, block_d: int,
-                      next_layer: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
-    """KV_LINE (cache elements a 128-byte line) and KV_LINES (lines a key's head_dim) where
-    the split kernel asks L2 for its first split before its PDL wait (`pdl.kv_prefetch`),
-    and KV_NEXT where it asks for the next layer's too; else nothing (no prefetch)."""
-    layers = kv_prefetch(k_pages.device)
-    if not layers:
-        return {}
-    line = max(1, 128 // k_pages.element_size())
-    args = {"KV_LINE": line, "KV_LINES": max(1, block_d // line)}
-    if layers > 1 and next_layer is not None:
-        k_next, v_next = next_layer
-        for name, now, nxt in (("k", k_pages, k_next), ("v", v_pages, v_next)):
-            if nxt.shape != now.shape or nxt.stride() != now.stride() or nxt.dtype != now.dtype:
-                raise ConfigError(f"next_layer ({name})", f"{tuple(nxt.shape)} {nxt.dtype}",
-                                  f"must be the same pool's next layer: {tuple(now.shape)} {now.dtype}, same strides")
-        args["KV_NEXT"] = True
-    return args
 
 
 def split_programs(rows_x_kv_heads: int, n_splits: int, target_programs: int) -> int:

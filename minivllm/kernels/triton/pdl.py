@@ -16,8 +16,11 @@ The rule every kernel here follows (`wait_for_producers`, its first statement):
 Waiting before anything is read or written keeps a kernel ordered after every earlier
 one (each kernel starts after its predecessor has passed the same wait, so the ordering
 is transitive), and triggering only after the wait means at most two grids overlap, the
-newer one parked at its wait. A launch that is not PDL (torch ops, cuBLAS) is ordered as
-always. Numerics are untouched: the same programs compute the same values.
+newer one parked at its wait. The one exception: memory no kernel of the step writes may
+be read before the wait, and the tiled GEMV reads its first trip of weights there
+(`early_weights`), so their DRAM latency overlaps the producer's tail. A launch that is
+not PDL (torch ops, cuBLAS) is ordered as always. Numerics are untouched: the same
+programs compute the same values.
 
 `pdl_args(device)` is the one switch: the launch keywords that turn both halves on
 together (never one without the other: a PDL launch of a kernel without the wait would
@@ -38,7 +41,6 @@ from minivllm.kernels.gpu_profile import gpu_profile, triton_interpreting
 
 PDL_ENV = "MINIVLLM_PDL"
 EARLY_ENV = "MINIVLLM_GEMV_EARLY_LOAD"
-KV_PREFETCH_ENV = "MINIVLLM_KV_PREFETCH"
 
 
 @triton.jit
@@ -47,17 +49,6 @@ def wait_for_producers(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, ok):
-    """Ask L2 for the 128-byte lines at `ptrs` (where `ok`), without waiting for them: what
-    a PDL kernel may do before `wait_for_producers` even with lines its producer may still
-    write (L2 is the point of coherence: the load after the wait sees the write). Paged
-    attention's K/V (`kv_prefetch`)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pdl_requested() -> bool:
@@ -109,32 +100,7 @@ def early_weights(device) -> int:
     return on
 
 
-_KV_PREFETCH: dict = {}  # torch.device -> how many layers' K/V attention asks of L2 before the wait
-
-
-def kv_prefetch(device) -> int:
-    """How many layers' K/V the paged-attention split kernel asks L2 for before its wait,
-    for its first split: 0 (none), 1 (its own layer's) or 2 (its own and the next layer's).
-    Unlike a GEMV's weights, which compete with the GEMV before them for HBM, the
-    attention's producer is RoPE and the KV store (a few KB): the context's K/V bytes, the
-    part of a step that grows with the context, then stream in while that kernel runs. The
-    next layer's lines have the whole rest of this layer to arrive (its GEMVs read their
-    weights evict-first, at about half the bandwidth). L2 is the device's point of
-    coherence, so a line a KV store is still to write is safe to ask for (the load after
-    the wait sees the write). MINIVLLM_KV_PREFETCH=1 asks for the own layer's, =next for
-    both; only where PDL is on, and off by default until a GPU run times it against the
-    launch without it (`gpu_vs_llama_cpp.sh kv-and-table`). Decided once per device and
-    process."""
-    layers = _KV_PREFETCH.get(device)
-    if layers is None:
-        value = os.environ.get(KV_PREFETCH_ENV, "0").strip().lower()
-        layers = {"1": 1, "next": 2}.get(value, 0) if pdl_args(device) else 0
-        _KV_PREFETCH[device] = layers
-    return layers
-
-
 def reset() -> None:
     """Forget the per-device decisions (tests, and A/B runs within one process)."""
     _DECIDED.clear()
     _EARLY.clear()
-    _KV_PREFETCH.clear()

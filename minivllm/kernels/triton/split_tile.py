@@ -1,14 +1,11 @@
 """One split's K/V tile, read through a sequence's block table: the load both bodies of the
 paged-attention split kernel share (`paged_attention._attend_split`, and the tensor-core
-`attend_split_mma.attend_split_mma`), and the L2 prefetch of the same lines that the split
-kernel issues before its PDL wait (`prefetch_split_kv`)."""
+`attend_split_mma.attend_split_mma`)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from minivllm.kernels.triton.pdl import prefetch_l2
 
 
 @triton.jit
@@ -31,23 +28,3 @@ def load_split_kv(k_ptr, v_ptr, table, pos, kv_head, split, stride_kp, stride_ks
     k = tl.load(k_ptr + row_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + row_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
     return k, v, k_mask
-
-
-@triton.jit
-def prefetch_split_kv(k_ptr, v_ptr, table, pos, kv_head, split, stride_kp, stride_ks, stride_kh, stride_kd,
-                      stride_vp, stride_vs, stride_vh, stride_vd,
-                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                      LINE: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the 128-byte lines `load_split_kv` will read for this split (keys <= pos),
-    without waiting for them: one request a line (LINE elements of the cache's dtype a
-    line, LINES lines a key's head_dim), not one an element."""
-    keys = split * SPLIT + tl.arange(0, SPLIT)
-    k_mask = keys <= pos
-    page = tl.load(table + keys // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
-    kv_head64 = kv_head.to(tl.int64)
-    offs = tl.arange(0, LINES) * LINE
-    ok = k_mask[:, None] & (offs < HEAD_DIM)[None, :]
-    row_k = page * stride_kp + (keys % PAGE_SIZE) * stride_ks + kv_head64 * stride_kh
-    row_v = page * stride_vp + (keys % PAGE_SIZE) * stride_vs + kv_head64 * stride_vh
-    prefetch_l2(k_ptr + row_k[:, None] + offs[None, :] * stride_kd, ok)
-    prefetch_l2(v_ptr + row_v[:, None] + offs[None, :] * stride_vd, ok)

@@ -6,9 +6,7 @@ synthetic Qwen2 file, CUDA graphs on, gives the same logits bit for bit and the 
 greedy tokens with PDL as without, solo, batched and batch-invariant: a kernel that read
 its producer's output before the producer finished would change them, and the compiled
 kernels are checked to have been launched with PDL at all. The same again with the GEMV's
-first trip's weights loaded before its wait (MINIVLLM_GEMV_EARLY_LOAD=1), and with the
-attention's K/V, its own layer's and the next one's, prefetched into L2 before its wait
-(MINIVLLM_KV_PREFETCH=next).
+first trip's weights loaded before its wait (MINIVLLM_GEMV_EARLY_LOAD=1).
 """
 
 from __future__ import annotations
@@ -94,30 +92,6 @@ def test_gemv_early_load_only_when_asked_and_with_pdl(fresh):
     assert pdl.early_weights(gpu) == 0
 
 
-def test_kv_prefetch_only_when_asked_and_with_pdl(fresh):
-    """The attention's K/V asked of L2 before its wait: off by default (until a GPU run times
-    it), its own layer's under MINIVLLM_KV_PREFETCH=1 and the next layer's too under =next,
-    with PDL only (nothing runs before its producer ends), never on the CPU."""
-    _as_gpu(fresh, (9, 0))
-    gpu = torch.device("cuda", 0)
-    fresh.setenv(pdl.PDL_ENV, "1")
-    fresh.delenv(pdl.KV_PREFETCH_ENV, raising=False)
-    assert pdl.kv_prefetch(gpu) == 0
-    fresh.setenv(pdl.KV_PREFETCH_ENV, "1")
-    pdl.reset()
-    assert pdl.kv_prefetch(gpu) == 1 and pdl.kv_prefetch(torch.device("cpu")) == 0
-    fresh.setenv(pdl.KV_PREFETCH_ENV, "next")
-    pdl.reset()
-    assert pdl.kv_prefetch(gpu) == 2
-    fresh.setenv(pdl.PDL_ENV, "0")
-    pdl.reset()
-    assert not pdl.kv_prefetch(gpu)
-    _as_gpu(fresh, (7, 5))
-    fresh.setenv(pdl.PDL_ENV, "1")
-    pdl.reset()
-    assert not pdl.kv_prefetch(gpu)
-
-
 def _launched_with_pdl(kernel) -> bool:
     """Whether any compiled variant of a Triton kernel carries launch_pdl (Triton 3.6's
     JITFunction.device_caches: (kernel cache, ...) per device)."""
@@ -144,12 +118,10 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     runs = {}
-    # "early": PDL with the GEMV's first trip's weights loaded before its wait; "kv": with the attention's K/V,
-    # its own layer's and the next one's
-    for flag in ("0", "1", "early", "kv"):
+    # "1": PDL alone; "early": PDL with the GEMV's first trip loaded before its wait (the default)
+    for flag in ("0", "1", "early"):
         monkeypatch.setenv(pdl.PDL_ENV, "0" if flag == "0" else "1")
         monkeypatch.setenv(pdl.EARLY_ENV, "1" if flag == "early" else "0")
-        monkeypatch.setenv(pdl.KV_PREFETCH_ENV, "next" if flag == "kv" else "0")
         pdl.reset()
         llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16")
         ids = llm.tokenizer.encode(TINY_QWEN_PROMPTS[2])
@@ -167,6 +139,4 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     assert toks0 == toks1 and inv0 == inv1 and solo0 == solo1
     logits2, toks2, inv2, solo2 = runs["early"]
     assert torch.equal(logits0, logits2) and toks0 == toks2 and inv0 == inv2 and solo0 == solo2
-    logits3, toks3, inv3, solo3 = runs["kv"]
-    assert torch.equal(logits0, logits3) and toks0 == toks3 and inv0 == inv3 and solo0 == solo3
     assert toks1[:3] == toks1[3:6] == toks1[6:]  # the same prompt thrice in one batch: the same tokens
