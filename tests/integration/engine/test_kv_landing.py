@@ -223,3 +223,25 @@ def test_a_prefetch_maps_the_pool_once_in_the_background(llm, monkeypatch):
         t.join(5)
     assert not spm._prefetching and spm._key(dict(desc, inode=0)) not in spm._attached
     forget_all()
+
+
+def test_gather_layers_lands_each_page_in_its_reserved_page_converted():
+    """The GPU exporter's per-layer gather (kv_landing.gather_layers), run on CPU tensors:
+    source pages in any order, destination pages in runs with gaps, f16 into f32. Each
+    destination page must hold its source page, every other page stays untouched."""
+    import torch
+
+    from minivllm.serving.kv_landing import gather_layers
+
+    gen = torch.Generator().manual_seed(7)
+    layers, shape = 3, (4, 2, 8)  # (page size, heads, head dim)
+    src = [torch.randn(layers, 10, *shape, generator=gen).half() for _ in range(2)]
+    dst = [torch.full((layers, 12, *shape), -7.0) for _ in range(2)]
+    src_pages, dst_pages = [9, 2, 5, 0, 7], [3, 4, 5, 8, 11]  # runs 3-5, 8, 11
+    gather_layers(src_pages, dst_pages, src, dst)
+    for s_pool, d_pool in zip(src, dst):
+        for layer in range(layers):
+            for s, d in zip(src_pages, dst_pages):
+                assert torch.equal(d_pool[layer, d], s_pool[layer, s].float())
+            for untouched in set(range(12)) - set(dst_pages):
+                assert (d_pool[layer, untouched] == -7.0).all()
