@@ -36,7 +36,8 @@ Policies (`--router`):
     The decode rate is taken at the context the rows would hold (worker_rates.py, the
     context term): the worker's running requests' contexts plus the incoming request's
     mean one (its prompt and half its answer), so a long prompt's decode on a CPU is
-    priced at the K/V it reads, not at calibration's 128 tokens.
+    priced at the K/V it reads, not at calibration's 128 tokens. Split decode halves on
+    their way to a worker count as rows with their prompt's K/V.
     A worker without measured rates cannot be priced: then the decision falls back to
     least-loaded and says so.
 
@@ -83,7 +84,8 @@ class Candidate:
     cached_tokens: int = 0  # of the incoming prompt, held by this worker's prefix cache
     handoff_rows: int = 0  # rows beyond max_active for split requests' prefill halves (EngineConfig)
     handoffs: int = 0  # such prefill halves here now (their work is in existing_*, not in the slots)
-    context_tokens: int = 0  # the running requests' contexts (prompt + tokens so far), summed
+    context_tokens: int = 0  # the running requests' contexts (prompt + tokens so far) and the arriving ones', summed
+    arriving: int = 0  # split decode halves on their way here (in `queued`; their K/V in context_tokens)
     decode_context: int | None = None  # the rows' context decode_tps was taken at, filled in by the cost policy
     prefill_tps: float | None = None
     decode_tps: float | None = None  # at `concurrency`, filled in by the cost policy
@@ -214,9 +216,11 @@ class Router:
 
 def decode_context(c: Candidate, incoming: IncomingRequest) -> int:
     """The context the `c.concurrency` rows decoding beside the incoming request would hold:
-    its own mean (prompt + half its answer) and the others' share of the running contexts."""
+    its own mean (prompt + half its answer) and the others' share of the contexts of the
+    rows that hold K/V (running, or split decode halves arriving with their prompt's)."""
     others = c.concurrency - 1
-    running = c.context_tokens * min(1.0, others / c.active) if c.active else 0
+    rows = c.active + c.arriving
+    running = c.context_tokens * min(1.0, others / rows) if rows else 0
     return round(running) + incoming.prompt_tokens + incoming.max_tokens // 2
 
 

@@ -179,7 +179,8 @@ class SplitRequests:
         # may come back first, and its landing must reach that worker after the request.
         # B's ledger carries the decode half from now on, so routing the next request sees it.
         page = (decode.info or {}).get("page_size", 1)  # B recomputes the tail past A's last full page
-        decode.expect(stream.request_id, len(prompt_ids) + 1 - len(prompt_ids) // page * page, params.max_tokens - 1)
+        decode.expect(stream.request_id, len(prompt_ids) + 1 - len(prompt_ids) // page * page, params.max_tokens - 1,
+                      context_tokens=len(prompt_ids) + 1)
         pool = (decode.info or {}).get("kv_landing")
         ps = pool["shape"][2] if pool else 0
         with split._lock:

@@ -83,7 +83,8 @@ class WorkerHandle:
         self.reserving: dict[str, object] = {}  # split requests waiting for pages reserved here (`reserve`)
         # Split requests whose decode half will come here once their prefill worker exports
         # them: the router counts that work from the split's start (`expect`), not from its import.
-        self.expected: dict[str, list[int]] = {}  # request id -> [prefill tokens, decode tokens] it will bring
+        # request id -> [prefill tokens, decode tokens, context tokens] a split's decode half will bring
+        self.expected: dict[str, list[int]] = {}
         self.lock = threading.RLock()
         self.last_message = time.monotonic()
         self.loop_age_s = 0.0
@@ -161,11 +162,12 @@ class WorkerHandle:
                            {"op": "submit", "request_id": stream.request_id, "prompt_ids": prompt_ids,
                             "prompt": stream.prompt, "params": params_to_wire(params), **(export or {})})
 
-    def expect(self, request_id: str, prefill_tokens: int, decode_tokens: int) -> None:
+    def expect(self, request_id: str, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0) -> None:
         """A split request's decode half will come here: the router sees its work queued
-        here from now on, until `import_handoff` brings it or `forget` drops it."""
+        here from now on, until `import_handoff` brings it or `forget` drops it, and its
+        `context_tokens` (the prompt's K/V it lands with) among the rows a decode step reads."""
         with self.lock:
-            self.expected[request_id] = [prefill_tokens, decode_tokens]
+            self.expected[request_id] = [prefill_tokens, decode_tokens, context_tokens]
 
     def forget(self, request_id: str) -> None:
         with self.lock:
@@ -258,7 +260,7 @@ class WorkerHandle:
         with self.lock:
             flights = list(self.in_flight.items())
             running = dict(self.running)
-            expected = [list(work) for work in self.expected.values()]
+            expected = [list(work) for work in self.expected.values()]  # [prefill, decode, context]
         active, queued = [], []  # [remaining prefill, remaining decode] per request, FCFS (JSON-friendly lists)
         context = 0  # the running requests' contexts: the K/V each decode step reads
         handoffs = []  # split requests' prefill halves: in handoff rows (or slots), not in the FCFS slots replayed
@@ -274,7 +276,11 @@ class WorkerHandle:
                 context += f.prompt_tokens
             else:
                 queued.append([max(0, f.prompt_tokens - f.cached_estimate), f.max_tokens])
-        queued += expected  # decode halves of splits on their way here: queued behind what is here now
+        # Decode halves of splits on their way here: queued behind what is here now, and rows
+        # that decode with their whole prompt's K/V from the step they land in (a burst's
+        # second split priced B as if the first's 4,096-token row read nothing: h100-s57).
+        queued += [work[:2] for work in expected]
+        context += sum(work[2] for work in expected)
         work = active + queued + handoffs
         return Candidate(
             worker=self.name,
@@ -287,6 +293,7 @@ class WorkerHandle:
             handoff_rows=int(self.info.get("handoff_rows", 0)),
             handoffs=len(handoffs),
             context_tokens=context,
+            arriving=len(expected),
             cached_tokens=cached_tokens,
             active_work=active,
             queued_work=queued,

@@ -101,6 +101,22 @@ def test_decode_context_counts_the_running_rows_that_would_decode_beside_it():
     assert c["concurrency"] == 4 and c["decode_context"] == 3000 + 1000 + 100
 
 
+def test_a_split_decode_half_on_its_way_counts_as_a_row_with_its_prompts_context():
+    """A burst's second split was priced as if the first one's decode half, already routed
+    to B, would read no K/V (h100-s57: priced 4.36 s, took 7.98 s, B decoding both
+    4,096-token rows in 60 ms steps). The arriving half is a row with its prompt's context."""
+    rates = {"b": WorkerRates(prefill_tps=1e6, decode_points={1: 10.0, 2: 20.0}, context_s=1e-5,
+                              calibration_context=100)}
+    incoming = IncomingRequest("r", prompt_tokens=4096, max_tokens=128)
+    idle = Router("cost").choose(incoming, [_candidate("b")], rates)["candidates"][0]
+    assert idle["concurrency"] == 1 and idle["decode_context"] == 4096 + 64
+    arriving = _candidate("b", queued=1, arriving=1, context_tokens=4097, queued_work=[[1, 127]],
+                          existing_prefill_tokens=1, existing_decode_tokens=127)
+    c = Router("cost").choose(incoming, [arriving], rates)["candidates"][0]
+    assert c["concurrency"] == 2 and c["decode_context"] == 4097 + 4096 + 64
+    assert rel(c["decode_tps"], 2 / (2 / 20.0 + 1e-5 * (4097 + 4096 + 64 - 200)))
+
+
 def test_worker_handle_sums_the_running_requests_contexts():
     handle = WorkerHandle(parse_inference_devices(["cpu"])[0], {})
     handle.state, handle.info = "ready", {"max_active_requests": 4}

@@ -527,10 +527,11 @@ def test_a_splits_decode_half_is_in_its_decode_workers_ledger_from_the_split_on(
     B as idle once per request and sent two splits and two whole requests to one CPU."""
     handle = WorkerHandle(InferenceDevice("cpu", None, 1, "cpu#2"), {})
     handle.state, handle.info = "ready", {"max_active_requests": 4}
-    handle.expect("s1", 9, 127)
+    handle.expect("s1", 9, 127, context_tokens=4097)
     c = handle.candidate()
     assert (c.active, c.queued, c.queued_work) == (0, 1, [[9, 127]])
     assert (c.existing_prefill_tokens, c.existing_decode_tokens) == (9, 127)
+    assert (c.arriving, c.context_tokens) == (1, 4097)  # it lands with its prompt's K/V
     handle.forget("s1")
     assert handle.candidate().queued == 0
     handle.expect("s2", 9, 127)
