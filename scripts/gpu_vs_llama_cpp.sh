@@ -330,17 +330,11 @@ elif [ "$MODE" = early-ab ]; then
   stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
   synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
   start_7b_file
-  if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests run in `once`; here only when asked
-    BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest pdl + handoff" "$R/pytest-cuda-new.log" \
-      python3 -m pytest -q -m cuda -n 2 --timeout 300 -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py \
-      tests/integration/engine/test_handoff_cuda.py
-    stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
-  fi
   while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
   S05=$(sed -n 1p "$W/synthetic.log")
   DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
   SYN="--synthetic-tokenizer $FIELDS --synthetic"
-  for e in 0 1; do
+  for e in ${EARLY_VALUES:-0 1}; do  # EARLY_VALUES=1: the default alone (one call for everything)
     for c in 512 4096; do
       step "decode 7b $c early=$e" "$R/decode-early$e-7b-$c.log" env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN \
         qwen2.5-7b-q4_k_m --prompt-tokens $c
@@ -352,10 +346,16 @@ elif [ "$MODE" = early-ab ]; then
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
     --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2 --burst 4
+  if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests also run in `once`; here only when NEW_TESTS_BUDGET asks
+    BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest pdl + handoff" "$R/pytest-cuda-new.log" \
+      python3 -m pytest -q -m cuda -n 2 --timeout 300 -p no:cacheprovider -rfE tests/integration/kernels/test_pdl.py \
+      tests/integration/engine/test_handoff_cuda.py
+    stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
+  fi
   # the GEMV at 7B shapes without and with its first trip loaded before the wait (the sweep's graphs
   # chain their launches with PDL, as a decode step does), half the time left each
   T=${SWEEP_TYPES:-Q4_K,Q6_K}
-  for e in 0 1; do
+  for e in ${EARLY_VALUES:-0 1}; do
     SB=$(( ($(left) - 10) / (2 - e) )); [ "$SB" -gt "${SWEEP_BUDGET:-150}" ] && SB=${SWEEP_BUDGET:-150}
     BUDGET=$(( $(date +%s) - T0 + SB )) step "sweep early=$e" "$R/sweep-early$e.log" \
       env MINIVLLM_GEMV_EARLY_LOAD=$e python3 scripts/gemv_sweep.py "$W/sweep-early$e" --types $T --quick $T \
