@@ -342,6 +342,14 @@ elif [ "$MODE" = early-ab ]; then
     step "decode 0.5b early=$e" "$R/decode-early$e-0.5b.log" env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN \
       qwen2.5-0.5b-q4_k_m --prompt-tokens 512
   done
+  # the merge over the whole head, one program per (row, head), as until h100-s57 (the default
+  # splits a head's dims over programs of 32: paged_attention._MERGE_DIMS)
+  if [ "${MERGE_AB:-1}" != 0 ]; then
+    for c in 512 4096; do
+      step "decode 7b $c whole-head merge" "$R/decode-merge0-7b-$c.log" env MINIVLLM_MERGE_DIMS=0 $DEC $SYN \
+        qwen2.5-7b-q4_k_m --prompt-tokens $c
+    done
+  fi
   # issue 43: the burst again, the export now copying on a stream of its own (kv_landing.py)
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \

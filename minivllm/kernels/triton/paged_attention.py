@@ -69,8 +69,15 @@ _PROGRAMS_PER_SM_MMA = 4
 # loop is software-pipelined through shared memory (sm_80+; 2 stages of a 64 × 128 f16
 # K and V tile take ~40 KB on sm_90). A program with one split just loads it.
 _SPLIT_STAGES = 2
-# Upper bound on the (splits × head_dim) float32 tile one merge trip holds.
+# Upper bound on the (splits × dims) float32 tile one merge trip holds.
 _MERGE_TILE = 8192
+# Dims of a head each merge program sums: 32 floats are one 128-byte line of a split's
+# partial. With the whole head a program, a 7B batch-1 layer had 28 merge programs, each
+# streaming 64 splits × 512 bytes at 4096 tokens in two trips; a program per 32 dims gives
+# 112 of a quarter the bytes. The dims are independent (each program computes the same
+# max and sum, in the same order): for a given number of splits a trip, the number of parts
+# never changes an output's bits (the default trip, `merge_chunk`, follows the dims).
+_MERGE_DIMS = 32
 
 
 @dataclass(frozen=True)
@@ -93,13 +100,19 @@ class SplitLaunch:
     # with tensor_core_dot only, else ignored. Other bits than the plain body's; the
     # engine's default launch takes it (`default_launch`).
     mma: bool = False
-    # Splits the merge adds up per trip (None: `merge_chunk`, from head_dim alone). Another
+    # Splits the merge adds up per trip (None: `merge_chunk`, from the merge's dims alone). Another
     # value changes the bits (the running max and sum step per trip); a sweep may time it.
     merge_splits: int | None = None
+    # Dims of a head one merge program sums (None: _MERGE_DIMS; head_dim or more: the whole
+    # head, as until h100-s57). Never changes the bits for a given merge_splits.
+    merge_dims: int | None = None
 
 
 ADAPTIVE_HEADS_ENV = "MINIVLLM_ADAPTIVE_HEADS"
 MMA_ENV = "MINIVLLM_ATTENTION_MMA"
+# 0: one merge program per (row, head) over the whole head, as until h100-s57 (an A/B switch
+# for a GPU sitting; the default splits the head's dims, `_MERGE_DIMS`).
+MERGE_DIMS_ENV = "MINIVLLM_MERGE_DIMS"
 
 
 def default_launch() -> SplitLaunch:
@@ -115,7 +128,9 @@ def default_launch() -> SplitLaunch:
     def flag(name: str, default: str) -> bool:
         return os.environ.get(name, default).strip() != "0"
 
-    return SplitLaunch(adaptive_heads=flag(ADAPTIVE_HEADS_ENV, "0"), mma=flag(MMA_ENV, "1"))
+    whole_head = 1 << 16  # more dims than any head has
+    return SplitLaunch(adaptive_heads=flag(ADAPTIVE_HEADS_ENV, "0"), mma=flag(MMA_ENV, "1"),
+                       merge_dims=None if flag(MERGE_DIMS_ENV, "1") else whole_head)
 
 
 @triton.jit
@@ -217,20 +232,24 @@ def _attend_split(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, table, scale, row, pos,
 def _paged_attention_merge_kernel(
     part_ptr, ml_ptr, out_ptr, row_pos_ptr,
     stride_ot, stride_oh, stride_od, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, DIMS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
+    """out[row, head, dims] = the row's splits merged in split order, CHUNK a trip: dims
+    DIMS * program_id(2) .. + DIMS - 1 of the head (DIMS = BLOCK_D: the whole head). Every
+    program of a head computes the same running max and sum; a dim's sums involve that
+    dim only."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     pos = tl.load(row_pos_ptr + row)
     used = pos // SPLIT + 1  # the row's own splits: independent of the batch
     base = (row.to(tl.int64) * tl.num_programs(1) + head) * n_splits
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
     offs_c = tl.arange(0, CHUNK)
     m_run = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)  # fp32 scalars (loop-carried)
     l_run = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([DIMS], tl.float32)
     # Chunks of CHUNK splits in split order; every row runs the same code per chunk.
     c0 = 0
     while c0 < used:
@@ -306,10 +325,11 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         **({"ADAPTIVE": True} if launch.adaptive_heads and heads == group and group > 1 else {}),
         **({"MMA": True} if mma else {}),
     )
-    _paged_attention_merge_kernel[(t, h)](
+    dims = merge_dims(block_d, launch.merge_dims)
+    _paged_attention_merge_kernel[(t, h, block_d // dims)](
         part, ml, out, row_pos, *out.stride(), n_splits,
-        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=launch.merge_splits or merge_chunk(block_d),
-        **pdl_args(q.device),
+        HEAD_DIM=d, BLOCK_D=block_d, SPLIT=split, CHUNK=launch.merge_splits or merge_chunk(dims),
+        DIMS=dims, **pdl_args(q.device),
     )
     return out
 
@@ -336,10 +356,18 @@ def split_warps(split: int, block_d: int) -> int:
     return _MEASURED_WARPS.get((split, block_d), max(1, min(8, split * block_d // 1024)))
 
 
-def merge_chunk(block_d: int) -> int:
-    """Splits merged per trip of the merge kernel: a function of the model's head_dim
-    only (the merge's summation order follows it), at most _MERGE_TILE floats a trip."""
-    return max(16, min(128, _MERGE_TILE // block_d))
+def merge_dims(block_d: int, asked: int | None = None) -> int:
+    """Dims of a head one merge program sums: `asked` (a launch's merge_dims) or
+    _MERGE_DIMS, at most the head (a power of two, as block_d)."""
+    return min(block_d, triton.next_power_of_2(asked or _MERGE_DIMS))
+
+
+def merge_chunk(dims: int) -> int:
+    """Splits merged per trip of the merge kernel: a function of the dims a program sums
+    (`merge_dims`, from the model's head_dim) only, as the merge's summation order follows
+    it; at most _MERGE_TILE floats a trip. 128 for 32 dims: a row of up to 8192 tokens in
+    one trip (the whole 7B head took 64: two trips from 4096 tokens)."""
+    return max(16, min(128, _MERGE_TILE // dims))
 
 
 def _mma_allowed(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:

@@ -210,8 +210,8 @@ def test_long_rows_across_many_splits(device, split, monkeypatch):
 
     if split is not None:
         monkeypatch.setattr(pa, "SPLIT_TOKENS", split)
-        monkeypatch.setattr(pa, "_MERGE_TILE", 1024)  # 16 splits a merge trip: 300 keys take two
-        assert pa.merge_chunk(HEAD_DIM) == 16
+        monkeypatch.setattr(pa, "_MERGE_TILE", 512)  # 16 splits a merge trip: 300 keys take two
+        assert pa.merge_chunk(pa.merge_dims(HEAD_DIM)) == 16
     seq_lens = [300, 45, 129]
     k, v, tables, table_lists = scattered_pages(
         seq_lens=seq_lens, page_size=16, kvh=2, dtype=torch.float32, device=device,
@@ -284,6 +284,32 @@ def test_a_merge_of_two_splits_a_trip_matches_float64_attention(device):
     for i, (s, p) in enumerate(rows):
         ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
         torch.testing.assert_close(out[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("merge_splits", [2, None], ids=["two-a-trip", "default-trip"])
+def test_merge_programs_per_head_slice_give_the_whole_heads_bits(device, merge_splits):
+    """The merge split over a head's dims (`merge_dims` 32, the default, and 64: 4 and 2
+    programs a 7B head) gives every output the bits of one program over the whole head at
+    the same splits a trip; and float64 attention's values: rows of 1 to 3 splits."""
+    heads, kv_heads, head_dim = MODEL_SHAPES[0].values  # the 7B's
+    k, v, tables, table_lists = scattered_pages(seq_lens=[150, 70], page_size=16, kvh=kv_heads,
+                                                dtype=torch.float16, device=device, seed=8, head_dim=head_dim, width=12)
+    rows = [(0, 149), (0, 64), (1, 69), (1, 0)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(9)).to(device)
+    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+
+    def run(dims):
+        return paged_attention(q, k, v, tables, seq, pos,
+                               launch=pa.SplitLaunch(merge_dims=dims, merge_splits=merge_splits or 64))
+
+    whole = run(1 << 16)
+    for i, (s, p) in enumerate(rows):
+        ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
+        torch.testing.assert_close(whole[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
+    for dims in (32, 64, None):
+        assert torch.equal(run(dims), whole), f"merge_dims={dims}"
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -389,7 +415,8 @@ for cc in (75, 90):
             out[f"sm{cc}/split-mma/{cache}/{g}x{d}"] = k.asm["ptx"]
         sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*fp16", "row_pos_ptr": "*i32",
                "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", "n_splits": "i32"}
-        const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(d), "PDL": cc >= 90}
+        const = {"HEAD_DIM": d, "BLOCK_D": d, "SPLIT": pa.SPLIT_TOKENS, "CHUNK": pa.merge_chunk(pa.merge_dims(d)),
+                 "PDL": cc >= 90, "DIMS": pa.merge_dims(d)}
         sig.update({k: "constexpr" for k in const})
         merge_attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
         k = triton.compile(ASTSource(pa._paged_attention_merge_kernel, sig, const, attrs=merge_attrs), target=target,
