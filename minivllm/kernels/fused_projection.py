@@ -23,7 +23,8 @@ in a sum); the launch shape comes from the fused shape's row of the GPU table
 
 `MINIVLLM_FUSED_PROJECTIONS=0` (read at load) keeps the separate weights: the A/B switch.
 `MINIVLLM_FOLD_SPLIT_SUM=0` (read per forward) keeps the split-K sum of the o- and
-down-projections in its own launch instead of inside the next add_rms_norm.
+down-projections in its own launch instead of inside the next add_rms_norm, and the
+Q|K(|V) GEMV's in its own launch instead of inside rope_qk (`qk_v_outputs`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from minivllm.kernels.linear import QuantLinear
 from minivllm.obs.trace import trace_scope
 
 FUSED_PROJECTIONS_ENV = "MINIVLLM_FUSED_PROJECTIONS"
-# The o- and down-projections' split-K partials summed inside the next add_rms_norm
-# (`triton/split_sum.py`) instead of by their GEMV's second launch; read per forward.
+# The o- and down-projections' split-K partials summed inside the next add_rms_norm, the
+# fused Q|K(|V)'s inside rope_qk (`triton/split_sum.py`), instead of by their GEMV's second
+# launch; read per forward.
 FOLD_SPLIT_SUM_ENV = "MINIVLLM_FOLD_SPLIT_SUM"
 
 
@@ -48,6 +50,22 @@ def fusion_enabled() -> bool:
 
 def fold_split_sum_enabled() -> bool:
     return os.environ.get(FOLD_SPLIT_SUM_ENV, "1") != "0"
+
+
+def qk_v_outputs(q: QuantLinear, k: QuantLinear, v: QuantLinear, x: torch.Tensor):
+    """(the fused Q|K or Q|K|V GEMV's output, V's) for `triton.fused.rope_qk_partials`,
+    each a split GEMV's unsummed partials where its GEMV splits K (`QuantLinear.partials`);
+    V's is the first one itself where Q|K|V share the weight. None where q and k do not
+    share one, or with the fold off: the caller projects them as usual (`project_many`)."""
+    group = q.fused
+    if not fold_split_sum_enabled() or group is None or group.parts[:2] != (q, k):
+        return None
+    if group.parts == (q, k, v):
+        qk = group.linear.partials(x)
+        return qk, qk
+    if group.parts == (q, k) and v.fused is None:
+        return group.linear.partials(x), v.partials(x)
+    return None
 
 
 def _can_share(a: QuantLinear, b: QuantLinear) -> bool:

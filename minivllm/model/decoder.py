@@ -213,10 +213,11 @@ class DecoderModel:
         next norm), RoPE on q and k in one launch, SwiGLU in one launch (or in the fused
         gate+up GEMV's epilogue); Q/K/V and gate/up one GEMV each where fused
         (`fuse_projections`). The o- and down-projections feed add_rms_norm their split-K
-        partials where their GEMV splits K: it sums them itself (the same bits, one launch
-        fewer each; off under MINIVLLM_FOLD_SPLIT_SUM=0)."""
-        from minivllm.kernels.fused_projection import fold_split_sum_enabled, project_swiglu
-        from minivllm.kernels.triton.fused import add_rms_norm, rope_qk
+        partials where their GEMV splits K, and Q|K(|V) feed rope_qk theirs where it stores
+        K and V: each sums them itself (the same bits, one launch fewer each; off under
+        MINIVLLM_FOLD_SPLIT_SUM=0)."""
+        from minivllm.kernels.fused_projection import fold_split_sum_enabled, project_swiglu, qk_v_outputs
+        from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, rope_qk_partials
 
         cfg = self.config
         t = h.shape[0]
@@ -228,14 +229,20 @@ class DecoderModel:
             with trace_scope("layer", i):
                 with trace_scope("attn"):
                     h, x = add_rms_norm(h, pending, layer.attn_norm, eps, self.dtype)
-                    q, k, v = project_many((layer.q, layer.k, layer.v), x)  # one launch where fused
-                    q = q.view(t, cfg.n_heads, cfg.head_dim)
-                    k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
-                    v = v.view(t, cfg.n_kv_heads, cfg.head_dim)
-                    # q float32, k in its dtype; where the pool allows, RoPE stores K and V too
+                    # where the pool allows, RoPE stores K and V too
                     target = kv.store_target(i) if hasattr(kv, "store_target") else None
-                    q, k = rope_qk(q, k, cos, sin, self.rope.style, store=None if target is None else (*target, v))
-                    attn = kv.attend(i, q, k, v) if target is None else kv.attend_stored(i, q)
+                    outs = None if target is None else qk_v_outputs(layer.q, layer.k, layer.v, x)
+                    if outs is not None:  # RoPE reads the GEMVs' split-K partials, summing them
+                        q = rope_qk_partials(*outs, cfg.n_heads, cfg.n_kv_heads, cos, sin, self.rope.style, target)
+                        attn = kv.attend_stored(i, q)
+                    else:
+                        q, k, v = project_many((layer.q, layer.k, layer.v), x)  # one launch where fused
+                        q = q.view(t, cfg.n_heads, cfg.head_dim)
+                        k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
+                        v = v.view(t, cfg.n_kv_heads, cfg.head_dim)
+                        # q float32, k in its dtype
+                        q, k = rope_qk(q, k, cos, sin, self.rope.style, store=None if target is None else (*target, v))
+                        attn = kv.attend(i, q, k, v) if target is None else kv.attend_stored(i, q)
                     attn = attn.reshape(t, cfg.n_heads * cfg.head_dim)
                     h, x = add_rms_norm(h, into_norm(layer.o, attn), layer.ffn_norm, eps, self.dtype)
                 with trace_scope("mlp"):

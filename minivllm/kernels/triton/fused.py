@@ -10,6 +10,8 @@ microseconds even inside a CUDA graph; on Qwen2.5-0.5B that was most of the step
 * `rope_qk`: RoPE on a row's query and key heads (both GGUF layouts), queries out in
   float32, keys in their own dtype (the cache's); given the step's page slots, it also
   writes the keys and values into the KV cache (no separate store launch);
+  `rope_qk_partials` takes a fused QKV GEMV's unsummed split-K partials instead and sums
+  them by the GEMV's own rule as it reads them, one launch fewer a layer;
 * `swiglu`: silu(gate) * up in float32, rounded once to the matmul dtype.
 
 Same formulas and operation order as the torch references (`kernels/rmsnorm.py`,
@@ -87,7 +89,10 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | SplitPartials | None, we
 @triton.jit
 def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
                 N_HEADS: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr, BLOCK_H: tl.constexpr,
-                cache_ptr, slot, stride_cs, stride_ch, STORE: tl.constexpr):
+                cache_ptr, slot, stride_cs, stride_ch, STORE: tl.constexpr, stride_ws, bias_ptr,
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
+    """x: the heads' values (SPLIT = 1), or a split GEMV's partials (SPLIT slices
+    `stride_ws` apart, bias per head at bias_ptr), summed as its own split sum would."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     mask = heads < N_HEADS
@@ -97,9 +102,9 @@ def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, strid
     else:  # pairs (x[j], x[j + d/2])
         ia = j
         ib = j + HALF
-    xr = x_ptr + row * stride_xt + heads * stride_xh
-    a = tl.load(xr + ia, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(xr + ib, mask=mask, other=0.0).to(tl.float32)
+    xr = row * stride_xt + heads * stride_xh
+    a = round_to(slice_sum(x_ptr, xr + ia, mask, stride_ws, bias_ptr, heads * 2 * HALF + ia, SPLIT, HAS_BIAS), ROUND)
+    b = round_to(slice_sum(x_ptr, xr + ib, mask, stride_ws, bias_ptr, heads * 2 * HALF + ib, SPLIT, HAS_BIAS), ROUND)
     cos = tl.load(cos_ptr + row * stride_c + j)
     sin = tl.load(sin_ptr + row * stride_c + j)
     orow = o_ptr + row * stride_ot + heads * stride_oh
@@ -147,22 +152,38 @@ def _rope_qk_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     STORE: tl.constexpr,
+    stride_ws=0,
+    qb_ptr=None,
+    kb_ptr=None,
+    stride_wsv=0,
+    vb_ptr=None,
+    SPLIT: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr = False,
+    ROUND: tl.constexpr = 0,
+    SPLIT_V: tl.constexpr = 1,
+    HAS_BIAS_V: tl.constexpr = False,
+    ROUND_V: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
+    """SPLIT > 1: q and k point into slice 0 of a split GEMV's partials (slices
+    `stride_ws` apart, their biases at qb/kb_ptr, ROUND its out dtype); SPLIT_V > 1: v
+    into another's, or the same one's (stride_wsv, vb_ptr, ROUND_V)."""
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c,
-                    H, HALF, ADJACENT, BLOCK_H, qo_ptr, row, 0, 0, False)
+                    H, HALF, ADJACENT, BLOCK_H, qo_ptr, row, 0, 0, False, stride_ws, qb_ptr, SPLIT, HAS_BIAS, ROUND)
     else:
         slot = tl.load(slots_ptr + row).to(tl.int64) if STORE else row
         _rope_heads(k_ptr, ko_ptr, cos_ptr, sin_ptr, row, stride_kt, stride_kh, stride_kot, stride_koh, stride_c,
-                    KVH, HALF, ADJACENT, BLOCK_KVH, kc_ptr, slot, stride_kcs, stride_kch, STORE)
+                    KVH, HALF, ADJACENT, BLOCK_KVH, kc_ptr, slot, stride_kcs, stride_kch, STORE, stride_ws, kb_ptr,
+                    SPLIT, HAS_BIAS, ROUND)
         if STORE:  # and the values, unchanged but for the cache dtype
             heads = tl.arange(0, BLOCK_KVH)[:, None]
             dims = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < KVH
-            v = tl.load(v_ptr + row * stride_vt + heads * stride_vh + dims, mask=mask)
+            v = round_to(slice_sum(v_ptr, row * stride_vt + heads * stride_vh + dims, mask, stride_wsv, vb_ptr,
+                                   heads * 2 * HALF + dims, SPLIT_V, HAS_BIAS_V), ROUND_V)
             store_row_heads(vc_ptr, slot, stride_vcs, stride_vch, heads, dims, v, mask)
 
 
@@ -174,6 +195,54 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     store: (k_cache, v_cache, slots, v), from `PagedBatchKV.store_target` and this
     step's values v (T, KVH, D): the same launch also writes the rotated keys and v into
     their page slots, the values `attend` would write (then call `attend_stored`)."""
+    return _rope(q, k, cos, sin, style, q_dtype, store, k.dtype, {})
+
+
+def rope_qk_partials(qk: SplitPartials | torch.Tensor, v: SplitPartials | torch.Tensor, n_heads: int,
+                     n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor, style: str, store: tuple,
+                     q_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`rope_qk` with `store`, reading q and k from the output of a GEMV whose columns are
+    q | k (| v), and v from another GEMV's output (or from that one's columns after q | k,
+    when `v is qk`); either may be a split GEMV's unsummed partials (`QuantLinear.partials`),
+    each value then summed by the GEMV's own rule (slice order, bias, one rounding to its out
+    dtype) as it is read: the bits of rope_qk of the GEMVs' outputs, without the sums'
+    launches. Returns the rotated queries; keys and values go to the cache (`store`:
+    k_cache, v_cache, slots)."""
+    t = (qk.ws.shape[1] if isinstance(qk, SplitPartials) else qk.shape[0])
+    d = cos.shape[-1] * 2
+    q_cols, k_cols = (0, n_heads * d), (n_heads * d, (n_heads + n_kv_heads) * d)
+    v_cols = (k_cols[1], k_cols[1] + n_kv_heads * d) if v is qk else (0, n_kv_heads * d)
+    (q, k), qk_args = _columns(qk, (q_cols, k_cols), t, d)
+    (v,), v_args = _columns(v, (v_cols,), t, d)
+    split = {"stride_ws": qk_args["stride"], "SPLIT": qk_args["split"], "ROUND": qk_args["round"],
+             "stride_wsv": v_args["stride"], "SPLIT_V": v_args["split"], "ROUND_V": v_args["round"]}
+    if qk_args["bias"] is not None:
+        split.update(qb_ptr=qk_args["bias"][0], kb_ptr=qk_args["bias"][1], HAS_BIAS=True)
+    if v_args["bias"] is not None:
+        split.update(vb_ptr=v_args["bias"][0], HAS_BIAS_V=True)
+    return _rope(q, k, cos, sin, style, q_dtype, (*store, v), qk_args["dtype"], split)[0]
+
+
+def _columns(out: SplitPartials | torch.Tensor, cols, t: int, d: int):
+    """Views (t, heads, d) of `out`'s column ranges (of slice 0 where it is partials) and
+    its sum's kernel arguments: slice stride, split, rounding code, the ranges' biases (or
+    None) and the dtype the GEMV returns."""
+    if isinstance(out, SplitPartials):
+        ws = out.ws
+        if ws.shape[1] != t or ws.stride(-1) != 1 or ws.shape[2] < max(b for _, b in cols):
+            raise ValueError(f"rope_qk_partials: partials of shape {tuple(ws.shape)} for {t} rows, columns {cols}")
+        bias = None if out.bias is None else [out.bias[a:b] for a, b in cols]
+        return ([ws[0, :, a:b].view(t, -1, d) for a, b in cols],
+                {"stride": ws.stride(0), "split": out.split, "round": out.round_code, "bias": bias,
+                 "dtype": out.out_dtype})
+    if out.shape[0] != t or out.stride(-1) != 1 or out.shape[1] < max(b for _, b in cols):
+        raise ValueError(f"rope_qk_partials: output of shape {tuple(out.shape)} for {t} rows, columns {cols}")
+    return ([out[:, a:b].view(t, -1, d) for a, b in cols],
+            {"stride": 0, "split": 1, "round": 0, "bias": None, "dtype": out.dtype})
+
+
+def _rope(q, k, cos, sin, style, q_dtype, store, k_dtype, split: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_qk's launch; `split`: the partials' kernel arguments (none: q, k, v are values)."""
     t, h, d = q.shape
     kvh = k.shape[1]
     half = d // 2
@@ -182,7 +251,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     require_triton_device({"q": q, "k": k, "cos": cos}, "rope_qk")
     cos, sin = cos.contiguous(), sin.contiguous()
     qo = torch.empty((t, h, d), dtype=q_dtype, device=q.device)
-    ko = torch.empty_like(k)
+    ko = torch.empty((t, kvh, d), dtype=k_dtype, device=k.device)
     if store is not None:
         k_cache, v_cache, slots, v = store
         if v.shape != k.shape or v.stride(-1) != 1 or k_cache.shape[1:] != k.shape[1:] or slots.shape != (t,):
@@ -191,12 +260,14 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                       v_cache.stride(0), v_cache.stride(1))
     else:
         cache_args = (k, ko, ko, q, 0, 0, 0, 0, 0, 0)  # placeholders, never touched (STORE=False)
+    # values, not partials: the bias pointers are placeholders, never read (HAS_BIAS off)
+    no_split = {"stride_ws": 0, "qb_ptr": q, "kb_ptr": q, "stride_wsv": 0, "vb_ptr": q}
     if t:
         _rope_qk_kernel[(t, 2)](q, k, qo, ko, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                 qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), *cache_args,
                                 H=h, KVH=kvh, HALF=half, ADJACENT=style == "adjacent",
                                 BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
-                                STORE=store is not None, **pdl_args(q.device))
+                                STORE=store is not None, **{**no_split, **split}, **pdl_args(q.device))
     return qo, ko
 
 

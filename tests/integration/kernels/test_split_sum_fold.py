@@ -314,3 +314,129 @@ def test_fold_on_and_off_give_the_same_bits_on_cuda(tiny_qwen_gguf, tmp_path, mo
     assert torch.equal(logits0, logits1)
     assert toks0 == toks1 and inv0 == inv1 and solo0 == solo1
     assert inv1 == solo1  # batch-invariant mode: solo and batched alike, with the fold
+
+
+class _StoringCache:
+    """ContiguousKVCache with the paged pool's fused-store interface (`store_target`,
+    `attend_stored`), so the decoder's RoPE kernel writes K and V itself on CPU tensors as
+    it does on a GPU's pool; the positions are the slots."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def view(self, start: int, n: int):
+        outer = self
+
+        class View:
+            def store_target(self, layer):
+                slots = torch.arange(start, start + n, dtype=torch.int32)
+                return outer.cache.k[layer], outer.cache.v[layer], slots
+
+            def attend_stored(self, layer, q):
+                from minivllm.kernels.attention import causal_attention
+
+                end = start + n
+                return causal_attention(q, outer.cache.k[layer, :end], outer.cache.v[layer, :end], start)
+
+        return View()
+
+
+def _qkv_outputs(ws: torch.Tensor, bias):
+    """A fused GEMV's partials and, separately summed (`sum_splits`), its output."""
+    out = torch.empty(ws.shape[1:], dtype=torch.float16)
+    sum_splits(ws, out, bias)
+    return SplitPartials(ws, bias, torch.float16), out
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["qkv", "qk+v-split", "qk+v-plain", "qk-plain+v-split"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_rope_qk_partials_equals_the_split_sums_then_rope_qk(layout, m):
+    """rope_qk_partials of a fused Q|K|V GEMV's partials, or of Q|K's and V's (each split or
+    plain), gives rope_qk's bits on the separately summed outputs: the rotated queries and
+    every key and value written to the cache (float32 and f16 caches, with biases); the
+    data tells slice orders and roundings apart (checked)."""
+    from minivllm.kernels.rope import RotaryEmbedding
+    from minivllm.kernels.triton.fused import rope_qk, rope_qk_partials
+
+    h, kvh, d = 4, 2, 32
+    gen = torch.Generator().manual_seed(m)
+    rope = RotaryEmbedding(d, 10000.0, "halves", device="cpu")
+    cos, sin = rope.cos_sin(torch.arange(5, 5 + m))
+    qk_n, v_n = (h + kvh) * d, kvh * d
+    fused = layout == "qkv"
+    ws_qk = _workspace(3, m, qk_n + (v_n if fused else 0), "cpu", seed=m + 1)
+    b_qk = 0.3 * torch.randn(ws_qk.shape[2], generator=gen)
+    qk_p, qk_out = _qkv_outputs(ws_qk, b_qk)
+    if fused:
+        v_p, v_out = qk_p, qk_out[:, qk_n:]
+    else:
+        ws_v = _workspace(2, m, v_n, "cpu", seed=m + 2)
+        b_v = 0.3 * torch.randn(v_n, generator=gen)
+        v_p, v_out = _qkv_outputs(ws_v, b_v)
+        if layout == "qk+v-plain":
+            v_p = v_out
+        if layout == "qk-plain+v-split":
+            qk_p = qk_out
+    assert not torch.equal(_hand_sum(ws_qk, b_qk, torch.float16, order=[2, 1, 0]), qk_out)
+    for cache_dtype in (torch.float32, torch.float16):
+        caches = []
+        for use_partials in (False, True):
+            kc = torch.full((8, kvh, d), float("nan"), dtype=cache_dtype)
+            vc = torch.full((8, kvh, d), float("nan"), dtype=cache_dtype)
+            slots = torch.tensor([6, 1, 3][:m], dtype=torch.int32)
+            if use_partials:
+                q = rope_qk_partials(qk_p, v_p, h, kvh, cos, sin, "halves", (kc, vc, slots))
+            else:
+                q_, k_ = qk_out[:, : h * d].view(m, h, d), qk_out[:, h * d: qk_n].view(m, kvh, d)
+                q, _ = rope_qk(q_, k_, cos, sin, "halves", store=(kc, vc, slots, v_out.reshape(m, kvh, d)))
+            caches.append((q, kc, vc))
+        (q0, k0, v0), (q1, k1, v1) = caches
+        assert torch.equal(q0, q1)
+        assert torch.equal(k0.nan_to_num(), k1.nan_to_num()) and torch.equal(v0.nan_to_num(), v1.nan_to_num())
+        assert not v0[slots[0].item()].isnan().any()  # the rows' slots were written
+
+
+@cpu_only
+def test_decode_with_the_qkv_fold_in_rope_is_bit_identical_and_launches_no_qkv_sums(split_o_and_down, monkeypatch):
+    """The tiny model's GPU code path on CPU tensors with a cache that takes the fused K/V
+    store (as a GPU's page pool does): fold on and off give the same logits bit for bit
+    over a prefill and three decode steps; with the fold, a decode step launches none of
+    the Q|K|V (layer 0), Q|K and V (layer 1) split sums, nor o's and down's, only gate|up's."""
+    import warnings
+
+    from test_fused_projection import _count_launches, _nothing, _tiny_model
+
+    from minivllm.cache.contiguous import ContiguousKVCache
+    from minivllm.kernels.fused_projection import FOLD_SPLIT_SUM_ENV
+    from minivllm.kernels.kernel_options import KernelOptions
+
+    runs = {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for fold in ("0", "1"):
+            monkeypatch.setenv(FOLD_SPLIT_SUM_ENV, fold)
+            model = _tiny_model(torch.float16)
+            assert model.fuse_projections() == 4
+            cache = _StoringCache(ContiguousKVCache(2, 16, 1, 64, torch.float16, "cpu"))
+            ids, seen_logits = [3, 17, 5, 30], []
+            with model.using(KernelOptions(gemv_max_rows=1, dequant_cache=False, batch_invariant=True)):
+                logits = model.forward_batch(torch.tensor(ids), torch.arange(4), cache.view(0, 4), None)[-1]
+            counter = _count_launches()
+            for step in range(3):
+                seen_logits.append(logits)
+                ids.append(int(logits.argmax()))
+                with counter if step == 0 else _nothing():
+                    with model.using(KernelOptions(gemv_max_rows=1, dequant_cache=False)):
+                        pos = len(ids) - 1
+                        logits = model.forward_batch(torch.tensor(ids[-1:]), torch.tensor([pos]),
+                                                     cache.view(pos, 1), None)[0]
+            runs[fold] = (ids, seen_logits + [logits], counter.counts)
+    assert not [w for w in seen if "could not run" in str(w.message)]  # no fallback to the torch steps
+    (ids0, logits0, launches0), (ids1, logits1, launches1) = runs["0"], runs["1"]
+    assert ids0 == ids1
+    for a, b in zip(logits0, logits1):
+        assert torch.equal(a, b)
+    assert launches0["_sum_splits_kernel"] == 4 + 5
+    assert launches1["_sum_splits_kernel"] == 2  # gate|up's, one a layer
+    assert launches0["_rope_qk_kernel"] == launches1["_rope_qk_kernel"] == 2

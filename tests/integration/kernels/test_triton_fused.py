@@ -95,13 +95,23 @@ sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh
                                "stride_kot", "stride_koh", "stride_c")})
 sig.update({"v_ptr": "*fp16", "kc_ptr": "*fp16", "vc_ptr": "*fp16", "slots_ptr": "*i64"})
 sig.update({n: "i32" for n in ("stride_vt", "stride_vh", "stride_kcs", "stride_kch", "stride_vcs", "stride_vch")})
+sig.update({"stride_ws": "i32", "qb_ptr": "*fp16", "kb_ptr": "*fp16", "stride_wsv": "i32", "vb_ptr": "*fp16"})
 for store in (False, True):  # RoPE alone, and RoPE storing K and V into their page slots
     const = {"H": 28, "KVH": 4, "HALF": 64, "ADJACENT": False, "BLOCK_H": 32, "BLOCK_KVH": 4, "STORE": store,
-             "PDL": False}
+             "SPLIT": 1, "HAS_BIAS": False, "ROUND": 0, "SPLIT_V": 1, "HAS_BIAS_V": False, "ROUND_V": 0, "PDL": False}
     sig.update({n: "constexpr" for n in const})
     k = triton.compile(ASTSource(f._rope_qk_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
                        options={"num_warps": 4})
     out[f"rope_qk/store={store}"] = k.asm["ptx"]
+# RoPE reading a fused Q|K|V GEMV's split-K partials (rope_qk_partials): slices summed, bias, f16 rounding
+sig.update({"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "qb_ptr": "*fp32", "kb_ptr": "*fp32",
+            "vb_ptr": "*fp32"})
+const = {"H": 28, "KVH": 4, "HALF": 64, "ADJACENT": False, "BLOCK_H": 32, "BLOCK_KVH": 4, "STORE": True,
+         "SPLIT": 4, "HAS_BIAS": True, "ROUND": 16, "SPLIT_V": 4, "HAS_BIAS_V": True, "ROUND_V": 16, "PDL": False}
+sig.update({n: "constexpr" for n in const})
+k = triton.compile(ASTSource(f._rope_qk_kernel, sig, const, attrs=attrs), target=GPUTarget("cuda", 75, 32),
+                   options={"num_warps": 4})
+out["rope_qk/partials"] = k.asm["ptx"]
 sig = {"g_ptr": "*fp16", "u_ptr": "*fp16", "out_ptr": "*fp16", "n_cols": "i32", "stride_g": "i32", "stride_u": "i32",
        "stride_o": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}
 k = triton.compile(ASTSource(f._swiglu_kernel, sig, {"BLOCK": 1024, "PDL": False}, attrs=attrs),
@@ -122,7 +132,7 @@ def test_kernels_compile_for_t4_sm75_without_bf16_or_mma():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 5
+    assert len(result) == 6
     for key, r in result.items():
         assert r == {"target": True, "bf16": False, "mma": False}, key
 
