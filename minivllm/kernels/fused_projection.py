@@ -42,6 +42,9 @@ FUSED_PROJECTIONS_ENV = "MINIVLLM_FUSED_PROJECTIONS"
 # fused Q|K(|V)'s inside rope_qk (`triton/split_sum.py`), instead of by their GEMV's second
 # launch; read per forward.
 FOLD_SPLIT_SUM_ENV = "MINIVLLM_FOLD_SPLIT_SUM"
+# 0: the fused Q|K(|V)'s sum back in its own launch, the o/down fold kept (an A/B switch for
+# a GPU sitting: the RoPE fold is new at h100-s58); read per forward.
+FOLD_QKV_SUM_ENV = "MINIVLLM_FOLD_QKV_SUM"
 
 
 def fusion_enabled() -> bool:
@@ -58,7 +61,8 @@ def qk_v_outputs(q: QuantLinear, k: QuantLinear, v: QuantLinear, x: torch.Tensor
     V's is the first one itself where Q|K|V share the weight. None where q and k do not
     share one, or with the fold off: the caller projects them as usual (`project_many`)."""
     group = q.fused
-    if not fold_split_sum_enabled() or group is None or group.parts[:2] != (q, k):
+    if (not fold_split_sum_enabled() or os.environ.get(FOLD_QKV_SUM_ENV, "1") == "0" or group is None
+            or group.parts[:2] != (q, k)):
         return None
     if group.parts == (q, k, v):
         qk = group.linear.partials(x)

@@ -5,7 +5,7 @@ each slice's float32 partial sums go to a workspace (SPLIT, M, N) and are added 
 slice order, then the bias, then rounded once to the GEMV's output dtype. A fixed order,
 never atomics: batch-invariant mode stays bit-identical.
 
-Three places apply that rule, all through `slice_sum` and `round_to`:
+Four places apply that rule, all through `slice_sum` and `round_to`:
 
 * `tiled_gemv._sum_splits_kernel`: the GEMV's own second launch, which writes the output;
 * `last_slice_sums`, inside the GEMV itself (`MINIVLLM_SPLIT_FIXUP=1`, opt-in until a GPU
@@ -23,7 +23,11 @@ Three places apply that rule, all through `slice_sum` and `round_to`:
   down-projection (`QuantLinear.partials`), it sums them while it adds them to the
   residual stream, with the same bits as the separate launch followed by add_rms_norm.
   Why: a profile of one 7B Q4_K_M decode step on an H100 (3.95 ms, issue 41) had 56
-  separate split-sum launches, two per layer, at ~2.5 us each (~0.14 ms, ~3.5%).
+  separate split-sum launches, two per layer, at ~2.5 us each (~0.14 ms, ~3.5%);
+* `fused._rope_qk_kernel`: given the fused Q|K(|V) GEMV's partials (and V's, where V is
+  its own GEMV), it sums each value as it reads it for RoPE and the K/V store
+  (`fused.rope_qk_partials`, `fused_projection.qk_v_outputs`): the third split sum of a
+  layer gone where QKV splits (MINIVLLM_FOLD_QKV_SUM=0 keeps its launch).
 
 `MINIVLLM_FOLD_SPLIT_SUM=0` (`fused_projection.fold_split_sum_enabled`, read by each
 forward, so for CUDA graphs when they are captured) keeps the separate launch: the A/B

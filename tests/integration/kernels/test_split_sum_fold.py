@@ -402,20 +402,22 @@ def test_decode_with_the_qkv_fold_in_rope_is_bit_identical_and_launches_no_qkv_s
     """The tiny model's GPU code path on CPU tensors with a cache that takes the fused K/V
     store (as a GPU's page pool does): fold on and off give the same logits bit for bit
     over a prefill and three decode steps; with the fold, a decode step launches none of
-    the Q|K|V (layer 0), Q|K and V (layer 1) split sums, nor o's and down's, only gate|up's."""
+    the Q|K|V (layer 0), Q|K and V (layer 1) split sums, nor o's and down's, only gate|up's;
+    MINIVLLM_FOLD_QKV_SUM=0 launches the QKV ones again (same bits)."""
     import warnings
 
     from test_fused_projection import _count_launches, _nothing, _tiny_model
 
     from minivllm.cache.contiguous import ContiguousKVCache
-    from minivllm.kernels.fused_projection import FOLD_SPLIT_SUM_ENV
+    from minivllm.kernels.fused_projection import FOLD_QKV_SUM_ENV, FOLD_SPLIT_SUM_ENV
     from minivllm.kernels.kernel_options import KernelOptions
 
     runs = {}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        for fold in ("0", "1"):
+        for fold, qkv in (("0", "1"), ("1", "1"), ("1", "0")):
             monkeypatch.setenv(FOLD_SPLIT_SUM_ENV, fold)
+            monkeypatch.setenv(FOLD_QKV_SUM_ENV, qkv)
             model = _tiny_model(torch.float16)
             assert model.fuse_projections() == 4
             cache = _StoringCache(ContiguousKVCache(2, 16, 1, 64, torch.float16, "cpu"))
@@ -431,12 +433,14 @@ def test_decode_with_the_qkv_fold_in_rope_is_bit_identical_and_launches_no_qkv_s
                         pos = len(ids) - 1
                         logits = model.forward_batch(torch.tensor(ids[-1:]), torch.tensor([pos]),
                                                      cache.view(pos, 1), None)[0]
-            runs[fold] = (ids, seen_logits + [logits], counter.counts)
+            runs[fold + qkv] = (ids, seen_logits + [logits], counter.counts)
     assert not [w for w in seen if "could not run" in str(w.message)]  # no fallback to the torch steps
-    (ids0, logits0, launches0), (ids1, logits1, launches1) = runs["0"], runs["1"]
-    assert ids0 == ids1
-    for a, b in zip(logits0, logits1):
-        assert torch.equal(a, b)
+    (ids0, logits0, launches0), launches1 = runs["01"], runs["11"][2]
+    for ids, logits, _ in (runs["11"], runs["10"]):
+        assert ids == ids0
+        for a, b in zip(logits0, logits):
+            assert torch.equal(a, b)
     assert launches0["_sum_splits_kernel"] == 4 + 5
     assert launches1["_sum_splits_kernel"] == 2  # gate|up's, one a layer
+    assert runs["10"][2]["_sum_splits_kernel"] == 2 + 3  # and Q|K|V's, Q|K's, V's
     assert launches0["_rope_qk_kernel"] == launches1["_rope_qk_kernel"] == 2
