@@ -24,7 +24,8 @@ in a sum); the launch shape comes from the fused shape's row of the GPU table
 `MINIVLLM_FUSED_PROJECTIONS=0` (read at load) keeps the separate weights: the A/B switch.
 `MINIVLLM_FOLD_SPLIT_SUM=0` (read per forward) keeps the split-K sum of the o- and
 down-projections in its own launch instead of inside the next add_rms_norm, and the
-Q|K(|V) GEMV's in its own launch instead of inside rope_qk (`qk_v_outputs`).
+Q|K(|V) GEMV's in its own launch even where MINIVLLM_FOLD_QKV_SUM=1 would fold it into
+rope_qk (`qk_v_outputs`; opt-in, it lost on an H100).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ FUSED_PROJECTIONS_ENV = "MINIVLLM_FUSED_PROJECTIONS"
 # fused Q|K(|V)'s inside rope_qk (`triton/split_sum.py`), instead of by their GEMV's second
 # launch; read per forward.
 FOLD_SPLIT_SUM_ENV = "MINIVLLM_FOLD_SPLIT_SUM"
-# 0: the fused Q|K(|V)'s sum back in its own launch, the o/down fold kept (an A/B switch for
-# a GPU sitting: the RoPE fold is new at h100-s58); read per forward.
+# 1: the fused Q|K(|V)'s split sum folded into RoPE too (`qk_v_outputs`); read per forward.
+# Off by default: it lost at h100-s58 (7B batch-1 decode 340.1 tok/s with it against 348.7
+# without, the 0.5B level at 1,240.7 / 1,241.2): RoPE's two programs a row then read every
+# slice of the partials (74 KB of float32 for the 7B's Q|K|V split 4) where the sum kernel
+# spreads them over programs. A RoPE grid with more programs a row is the next thing to time.
 FOLD_QKV_SUM_ENV = "MINIVLLM_FOLD_QKV_SUM"
 
 
@@ -59,9 +63,10 @@ def qk_v_outputs(q: QuantLinear, k: QuantLinear, v: QuantLinear, x: torch.Tensor
     """(the fused Q|K or Q|K|V GEMV's output, V's) for `triton.fused.rope_qk_partials`,
     each a split GEMV's unsummed partials where its GEMV splits K (`QuantLinear.partials`);
     V's is the first one itself where Q|K|V share the weight. None where q and k do not
-    share one, or with the fold off: the caller projects them as usual (`project_many`)."""
+    share one, or unless MINIVLLM_FOLD_QKV_SUM=1 asks for the fold: the caller projects them
+    as usual (`project_many`)."""
     group = q.fused
-    if (not fold_split_sum_enabled() or os.environ.get(FOLD_QKV_SUM_ENV, "1") == "0" or group is None
+    if (not fold_split_sum_enabled() or os.environ.get(FOLD_QKV_SUM_ENV, "0") != "1" or group is None
             or group.parts[:2] != (q, k)):
         return None
     if group.parts == (q, k, v):

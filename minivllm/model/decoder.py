@@ -213,9 +213,9 @@ class DecoderModel:
         next norm), RoPE on q and k in one launch, SwiGLU in one launch (or in the fused
         gate+up GEMV's epilogue); Q/K/V and gate/up one GEMV each where fused
         (`fuse_projections`). The o- and down-projections feed add_rms_norm their split-K
-        partials where their GEMV splits K, and Q|K(|V) feed rope_qk theirs where it stores
-        K and V: each sums them itself (the same bits, one launch fewer each; off under
-        MINIVLLM_FOLD_SPLIT_SUM=0)."""
+        partials where their GEMV splits K (and, opt-in, Q|K(|V) feed rope_qk theirs where
+        it stores K and V): each sums them itself (the same bits, one launch fewer each;
+        off under MINIVLLM_FOLD_SPLIT_SUM=0)."""
         from minivllm.kernels.fused_projection import fold_split_sum_enabled, project_swiglu, qk_v_outputs
         from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, rope_qk_partials
 

@@ -103,22 +103,36 @@ def _write_pages(span: PageSpan, landing: dict, src_k, src_v, dst_k, dst_v) -> t
     return blocks, have
 
 
+# Bytes (in the destination's dtype) one gather of `gather_layers` may hold on the source
+# device: a few layers a launch. One layer a launch took 3.5-4.5 ms to export a 4,096-token
+# 0.5B prompt's 100 MB under a decode backlog (h100-s58: 96 small gather and convert
+# launches queued behind the decode graphs, at 1.8-2.3x a plain copy's time); every layer
+# at once held ~1 GB for a 7B prompt of that length.
+GATHER_BYTES = 64 << 20
+
+
 def gather_layers(src_pages: list[int], dst_pages: list[int], src_pools, dst_pools) -> None:
     """Pages `src_pages` of each source pool (layers x pages x ...) into pages `dst_pages`
-    of the matching destination pool, layer by layer: gathered where the source lives (one
-    launch, whatever the page order) in the destination's dtype, then one copy per run of
-    consecutive destination pages (on a GPU: DMAs into the host-registered pool, queued on
-    the current stream). Why per layer: the transient copy is one layer's pages (a 4,096-
-    token 7B prompt: 12 MB, where gathering every layer at once held ~1 GB of GPU memory
-    on a worker that may be near full), and the caching allocator reuses it layer after
-    layer on the same stream, which orders each reuse after the DMAs that read it."""
+    of the matching destination pool, a few layers at a time: gathered where the source
+    lives (one launch for the group's layers, whatever the page order) in the destination's
+    dtype, then one copy per layer and run of consecutive destination pages (on a GPU: DMAs
+    into the host-registered pool, queued on the current stream). The transient copy is a
+    group's pages (at most GATHER_BYTES, at least one layer); the caching allocator reuses
+    it group after group on the same stream, which orders each reuse after the DMAs that
+    read it."""
     idx = torch.tensor(src_pages, dtype=torch.long, device=src_pools[0].device)
     runs = _runs(list(enumerate(dst_pages)))
-    for layer in range(src_pools[0].shape[0]):
+    n_layers = src_pools[0].shape[0]
+    page = src_pools[0][0, 0]
+    layer_bytes = len(src_pages) * page.numel() * dst_pools[0].element_size()
+    group = max(1, min(n_layers, GATHER_BYTES // max(1, layer_bytes)))
+    for first in range(0, n_layers, group):
+        last = min(n_layers, first + group)
         for src, dst in zip(src_pools, dst_pools):
-            gathered = src[layer].index_select(0, idx).to(dst.dtype)  # (pages, ...), contiguous
-            for s, d, n in runs:
-                dst[layer, d:d + n].copy_(gathered[s:s + n], non_blocking=src.device.type == "cuda")
+            gathered = src[first:last].index_select(1, idx).to(dst.dtype)  # (layers, pages, ...), contiguous
+            for i, layer in enumerate(range(first, last)):
+                for s, d, n in runs:
+                    dst[layer, d:d + n].copy_(gathered[i, s:s + n], non_blocking=src.device.type == "cuda")
 
 
 def handoff_from_landing(meta: dict, params) -> Handoff:

@@ -27,7 +27,8 @@ Four places apply that rule, all through `slice_sum` and `round_to`:
 * `fused._rope_qk_kernel`: given the fused Q|K(|V) GEMV's partials (and V's, where V is
   its own GEMV), it sums each value as it reads it for RoPE and the K/V store
   (`fused.rope_qk_partials`, `fused_projection.qk_v_outputs`): the third split sum of a
-  layer gone where QKV splits (MINIVLLM_FOLD_QKV_SUM=0 keeps its launch).
+  layer gone where QKV splits; opt-in (MINIVLLM_FOLD_QKV_SUM=1), as it lost on an H100
+  (`fused_projection.FOLD_QKV_SUM_ENV` says by how much).
 
 `MINIVLLM_FOLD_SPLIT_SUM=0` (`fused_projection.fold_split_sum_enabled`, read by each
 forward, so for CUDA graphs when they are captured) keeps the separate launch: the A/B

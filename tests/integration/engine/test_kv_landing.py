@@ -225,12 +225,15 @@ def test_a_prefetch_maps_the_pool_once_in_the_background(llm, monkeypatch):
     forget_all()
 
 
-def test_gather_layers_lands_each_page_in_its_reserved_page_converted():
-    """The GPU exporter's per-layer gather (kv_landing.gather_layers), run on CPU tensors:
-    source pages in any order, destination pages in runs with gaps, f16 into f32. Each
-    destination page must hold its source page, every other page stays untouched."""
+@pytest.mark.parametrize("layers_a_gather", [1, 2, 3], ids=["one-layer", "two-then-one", "all"])
+def test_gather_layers_lands_each_page_in_its_reserved_page_converted(layers_a_gather, monkeypatch):
+    """The GPU exporter's gather (kv_landing.gather_layers), run on CPU tensors: source
+    pages in any order, destination pages in runs with gaps, f16 into f32, one, two (then
+    the last one) or all three layers a gather. Each destination page must hold its source
+    page, every other page stays untouched."""
     import torch
 
+    from minivllm.serving import kv_landing
     from minivllm.serving.kv_landing import gather_layers
 
     gen = torch.Generator().manual_seed(7)
@@ -238,6 +241,8 @@ def test_gather_layers_lands_each_page_in_its_reserved_page_converted():
     src = [torch.randn(layers, 10, *shape, generator=gen).half() for _ in range(2)]
     dst = [torch.full((layers, 12, *shape), -7.0) for _ in range(2)]
     src_pages, dst_pages = [9, 2, 5, 0, 7], [3, 4, 5, 8, 11]  # runs 3-5, 8, 11
+    layer_bytes = len(src_pages) * 4 * 2 * 8 * 4  # the pages of one layer, in float32
+    monkeypatch.setattr(kv_landing, "GATHER_BYTES", layers_a_gather * layer_bytes + layer_bytes // 2)
     gather_layers(src_pages, dst_pages, src, dst)
     for s_pool, d_pool in zip(src, dst):
         for layer in range(layers):

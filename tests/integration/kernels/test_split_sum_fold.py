@@ -403,7 +403,7 @@ def test_decode_with_the_qkv_fold_in_rope_is_bit_identical_and_launches_no_qkv_s
     store (as a GPU's page pool does): fold on and off give the same logits bit for bit
     over a prefill and three decode steps; with the fold, a decode step launches none of
     the Q|K|V (layer 0), Q|K and V (layer 1) split sums, nor o's and down's, only gate|up's;
-    MINIVLLM_FOLD_QKV_SUM=0 launches the QKV ones again (same bits)."""
+    without MINIVLLM_FOLD_QKV_SUM=1 (the default) the QKV ones launch again (same bits)."""
     import warnings
 
     from test_fused_projection import _count_launches, _nothing, _tiny_model
