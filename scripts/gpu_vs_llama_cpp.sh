@@ -339,8 +339,8 @@ elif [ "$MODE" = early-ab ]; then
       step "decode 7b $c early=$e" "$R/decode-early$e-7b-$c.log" env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN \
         qwen2.5-7b-q4_k_m --prompt-tokens $c
     done
-    step "decode 0.5b early=$e" "$R/decode-early$e-0.5b.log" env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN \
-      qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+    [ "${DECODE_05:-1}" != 0 ] && step "decode 0.5b early=$e" "$R/decode-early$e-0.5b.log" \
+      env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
   done
   # the merge over the whole head, one program per (row, head), as until h100-s57 (the default
   # splits a head's dims over programs of 32: paged_attention._MERGE_DIMS)
