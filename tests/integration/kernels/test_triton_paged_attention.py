@@ -269,17 +269,25 @@ def test_model_shapes_match_float64_attention(device, heads, kv_heads, head_dim,
         torch.testing.assert_close(out[i].double(), plain_attention(q[i], ks, vs), rtol=1e-5, atol=1e-5)
 
 
+def _rows_of_one_to_three_splits(device, dtype, seed):
+    """7B-shaped pages of two sequences (150 and 70 keys) and four decode rows over them,
+    ending in the first, second and third 64-key split: (k, v, tables, table_lists, rows,
+    q, seq, pos)."""
+    heads, kv_heads, head_dim = MODEL_SHAPES[0].values
+    k, v, tables, table_lists = scattered_pages(seq_lens=[150, 70], page_size=16, kvh=kv_heads, dtype=dtype,
+                                                device=device, seed=seed, head_dim=head_dim, width=12)
+    rows = [(0, 149), (0, 64), (1, 69), (1, 0)]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(seed + 2)).to(device)
+    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    return k, v, tables, table_lists, rows, q, seq, pos
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_a_merge_of_two_splits_a_trip_matches_float64_attention(device):
     """`SplitLaunch(merge_splits=2)` (a sweep's option): rows of up to three 64-key splits
     merged two a trip, the running max and sum carried across trips, against float64."""
-    heads, kv_heads, head_dim = MODEL_SHAPES[0].values  # the 7B's
-    k, v, tables, table_lists = scattered_pages(seq_lens=[150, 70], page_size=16, kvh=kv_heads,
-                                                dtype=torch.float32, device=device, seed=3, head_dim=head_dim, width=12)
-    rows = [(0, 149), (0, 64), (1, 69), (1, 0)]
-    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(5)).to(device)
-    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
-    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    k, v, tables, table_lists, rows, q, seq, pos = _rows_of_one_to_three_splits(device, torch.float32, 3)
     out = paged_attention(q, k, v, tables, seq, pos, launch=pa.SplitLaunch(merge_splits=2))
     for i, (s, p) in enumerate(rows):
         ks, vs = sequence_kv(k, table_lists[s], p + 1), sequence_kv(v, table_lists[s], p + 1)
@@ -295,13 +303,7 @@ def test_merge_programs_per_head_slice_match_float64_and_keep_a_rows_bits(device
     split gives the whole head's bits (each dim's sums are its own); a GPU lays the split
     axis out over threads by the tile's width, so its sums may round differently
     (h100-s58), which one engine never mixes: the dims come from head_dim alone."""
-    heads, kv_heads, head_dim = MODEL_SHAPES[0].values  # the 7B's
-    k, v, tables, table_lists = scattered_pages(seq_lens=[150, 70], page_size=16, kvh=kv_heads,
-                                                dtype=torch.float16, device=device, seed=8, head_dim=head_dim, width=12)
-    rows = [(0, 149), (0, 64), (1, 69), (1, 0)]
-    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(9)).to(device)
-    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
-    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    k, v, tables, table_lists, rows, q, seq, pos = _rows_of_one_to_three_splits(device, torch.float16, 8)
 
     def run(dims):
         return paged_attention(q, k, v, tables, seq, pos,
