@@ -47,7 +47,8 @@ FOLD_SPLIT_SUM_ENV = "MINIVLLM_FOLD_SPLIT_SUM"
 # Off by default: it lost at h100-s58 (7B batch-1 decode 340.1 tok/s with it against 348.7
 # without, the 0.5B level at 1,240.7 / 1,241.2): RoPE's two programs a row then read every
 # slice of the partials (74 KB of float32 for the 7B's Q|K|V split 4) where the sum kernel
-# spreads them over programs. A RoPE grid with more programs a row is the next thing to time.
+# spreads them over programs. RoPE now gives partials 4 query heads a program
+# (`fused._PARTIAL_Q_HEADS`): untimed, so the fold stays opt-in until a GPU A/B says.
 FOLD_QKV_SUM_ENV = "MINIVLLM_FOLD_QKV_SUM"
 
 

@@ -32,6 +32,10 @@ from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
 from minivllm.kernels.triton.split_sum import SplitPartials, round_to, slice_sum
 
 _MAX_BLOCK = 1 << 15
+# Query heads a RoPE program takes from split-K partials (`rope_qk_partials`): a 7B row's
+# 28 heads over 7 programs. With all of them in one program, that program read the 4 slices
+# of 3,584 float32 alone, and the fold lost to the separate sum launch (h100-s58).
+_PARTIAL_Q_HEADS = 4
 
 
 @triton.jit
@@ -90,10 +94,11 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | SplitPartials | None, we
 def _rope_heads(x_ptr, o_ptr, cos_ptr, sin_ptr, row, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
                 N_HEADS: tl.constexpr, HALF: tl.constexpr, ADJACENT: tl.constexpr, BLOCK_H: tl.constexpr,
                 cache_ptr, slot, stride_cs, stride_ch, STORE: tl.constexpr, stride_ws, bias_ptr,
-                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr):
-    """x: the heads' values (SPLIT = 1), or a split GEMV's partials (SPLIT slices
-    `stride_ws` apart, bias per head at bias_ptr), summed as its own split sum would."""
-    heads = tl.arange(0, BLOCK_H)[:, None]
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, h0=0):
+    """Heads h0 .. h0 + BLOCK_H - 1 (those below N_HEADS). x: the heads' values (SPLIT = 1),
+    or a split GEMV's partials (SPLIT slices `stride_ws` apart, bias per head at bias_ptr),
+    summed as its own split sum would."""
+    heads = h0 + tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     mask = heads < N_HEADS
     if ADJACENT:  # pairs (x[2j], x[2j+1])
@@ -165,14 +170,16 @@ def _rope_qk_kernel(
     ROUND_V: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
-    """SPLIT > 1: q and k point into slice 0 of a split GEMV's partials (slices
-    `stride_ws` apart, their biases at qb/kb_ptr, ROUND its out dtype); SPLIT_V > 1: v
-    into another's, or the same one's (stride_wsv, vb_ptr, ROUND_V)."""
+    """Programs (row, i): query heads i*BLOCK_H .. for i below the last, the keys (and
+    values) for the last. SPLIT > 1: q and k point into slice 0 of a split GEMV's partials
+    (slices `stride_ws` apart, their biases at qb/kb_ptr, ROUND its out dtype); SPLIT_V > 1:
+    v into another's, or the same one's (stride_wsv, vb_ptr, ROUND_V)."""
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
-    if tl.program_id(1) == 0:
+    if tl.program_id(1) < tl.num_programs(1) - 1:
         _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, row, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c,
-                    H, HALF, ADJACENT, BLOCK_H, qo_ptr, row, 0, 0, False, stride_ws, qb_ptr, SPLIT, HAS_BIAS, ROUND)
+                    H, HALF, ADJACENT, BLOCK_H, qo_ptr, row, 0, 0, False, stride_ws, qb_ptr, SPLIT, HAS_BIAS, ROUND,
+                    tl.program_id(1) * BLOCK_H)
     else:
         slot = tl.load(slots_ptr + row).to(tl.int64) if STORE else row
         _rope_heads(k_ptr, ko_ptr, cos_ptr, sin_ptr, row, stride_kt, stride_kh, stride_kot, stride_koh, stride_c,
@@ -262,11 +269,15 @@ def _rope(q, k, cos, sin, style, q_dtype, store, k_dtype, split: dict) -> tuple[
         cache_args = (k, ko, ko, q, 0, 0, 0, 0, 0, 0)  # placeholders, never touched (STORE=False)
     # values, not partials: the bias pointers are placeholders, never read (HAS_BIAS off)
     no_split = {"stride_ws": 0, "qb_ptr": q, "kb_ptr": q, "stride_wsv": 0, "vb_ptr": q}
+    # Query heads a program: all of a row's for values (two programs a row), _PARTIAL_Q_HEADS
+    # for partials, whose SPLIT slices a program would otherwise read alone.
+    block_h = triton.next_power_of_2(h) if not split else min(triton.next_power_of_2(h), _PARTIAL_Q_HEADS)
     if t:
-        _rope_qk_kernel[(t, 2)](q, k, qo, ko, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        _rope_qk_kernel[(t, triton.cdiv(h, block_h) + 1)](
+                                q, k, qo, ko, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                 qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), *cache_args,
                                 H=h, KVH=kvh, HALF=half, ADJACENT=style == "adjacent",
-                                BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
+                                BLOCK_H=block_h, BLOCK_KVH=triton.next_power_of_2(kvh),
                                 STORE=store is not None, **{**no_split, **split}, **pdl_args(q.device))
     return qo, ko
 

@@ -359,7 +359,7 @@ def test_rope_qk_partials_equals_the_split_sums_then_rope_qk(layout, m):
     from minivllm.kernels.rope import RotaryEmbedding
     from minivllm.kernels.triton.fused import rope_qk, rope_qk_partials
 
-    h, kvh, d = 4, 2, 32
+    h, kvh, d = 6, 2, 32  # the partials' queries over two programs, the second one's last two heads masked
     gen = torch.Generator().manual_seed(m)
     rope = RotaryEmbedding(d, 10000.0, "halves", device="cpu")
     cos, sin = rope.cos_sin(torch.arange(5, 5 + m))
