@@ -60,15 +60,19 @@ def fold_split_sum_enabled() -> bool:
     return os.environ.get(FOLD_SPLIT_SUM_ENV, "1") != "0"
 
 
+def fold_qkv_sum_enabled() -> bool:
+    """Whether a forward folds the fused Q|K(|V)'s split sum into RoPE (both switches on)."""
+    return fold_split_sum_enabled() and os.environ.get(FOLD_QKV_SUM_ENV, "0") == "1"
+
+
 def qk_v_outputs(q: QuantLinear, k: QuantLinear, v: QuantLinear, x: torch.Tensor):
     """(the fused Q|K or Q|K|V GEMV's output, V's) for `triton.fused.rope_qk_partials`,
     each a split GEMV's unsummed partials where its GEMV splits K (`QuantLinear.partials`);
     V's is the first one itself where Q|K|V share the weight. None where q and k do not
-    share one, or unless MINIVLLM_FOLD_QKV_SUM=1 asks for the fold: the caller projects them
-    as usual (`project_many`)."""
+    share one: the caller projects them as usual (`project_many`). The caller asks only
+    where `fold_qkv_sum_enabled()`, read once a forward."""
     group = q.fused
-    if (not fold_split_sum_enabled() or os.environ.get(FOLD_QKV_SUM_ENV, "0") != "1" or group is None
-            or group.parts[:2] != (q, k)):
+    if group is None or group.parts[:2] != (q, k):
         return None
     if group.parts == (q, k, v):
         qk = group.linear.partials(x)

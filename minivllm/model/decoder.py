@@ -216,7 +216,12 @@ class DecoderModel:
         partials where their GEMV splits K (and, opt-in, Q|K(|V) feed rope_qk theirs where
         it stores K and V): each sums them itself (the same bits, one launch fewer each;
         off under MINIVLLM_FOLD_SPLIT_SUM=0)."""
-        from minivllm.kernels.fused_projection import fold_split_sum_enabled, project_swiglu, qk_v_outputs
+        from minivllm.kernels.fused_projection import (
+            fold_qkv_sum_enabled,
+            fold_split_sum_enabled,
+            project_swiglu,
+            qk_v_outputs,
+        )
         from minivllm.kernels.triton.fused import add_rms_norm, rope_qk, rope_qk_partials
 
         cfg = self.config
@@ -224,6 +229,7 @@ class DecoderModel:
         eps = cfg.rms_eps
         # what the projections that feed add_rms_norm return: the plain output, or its partials
         into_norm = QuantLinear.partials if fold_split_sum_enabled() else QuantLinear.__call__
+        fold_qkv = fold_qkv_sum_enabled()  # opt-in: the fused Q|K(|V)'s partials to RoPE
         pending = None  # the last sublayer's output (or its split-K partials), added to h by the next norm
         for i, layer in enumerate(self.layers):
             with trace_scope("layer", i):
@@ -231,7 +237,7 @@ class DecoderModel:
                     h, x = add_rms_norm(h, pending, layer.attn_norm, eps, self.dtype)
                     # where the pool allows, RoPE stores K and V too
                     target = kv.store_target(i) if hasattr(kv, "store_target") else None
-                    outs = None if target is None else qk_v_outputs(layer.q, layer.k, layer.v, x)
+                    outs = qk_v_outputs(layer.q, layer.k, layer.v, x) if fold_qkv and target is not None else None
                     if outs is not None:  # RoPE reads the GEMVs' split-K partials, summing them
                         q = rope_qk_partials(*outs, cfg.n_heads, cfg.n_kv_heads, cos, sin, self.rope.style, target)
                         attn = kv.attend_stored(i, q)
