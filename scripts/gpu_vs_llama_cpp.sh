@@ -370,8 +370,9 @@ elif [ "$MODE" = early-ab ]; then
   # the GEMV at 7B shapes without and with its first trip loaded before the wait (the sweep's graphs
   # chain their launches with PDL, as a decode step does), half the time left each
   T=${SWEEP_TYPES:-Q4_K,Q6_K}
-  for e in ${EARLY_VALUES:-0 1}; do
-    SB=$(( ($(left) - 10) / (2 - e) )); [ "$SB" -gt "${SWEEP_BUDGET:-150}" ] && SB=${SWEEP_BUDGET:-150}
+  EV=(${EARLY_VALUES:-0 1}); n_left=${#EV[@]}
+  for e in "${EV[@]}"; do  # an equal share of the time left each (0, 1 or 2 trips before the wait)
+    SB=$(( ($(left) - 10) / n_left )); n_left=$(( n_left - 1 )); [ "$SB" -gt "${SWEEP_BUDGET:-150}" ] && SB=${SWEEP_BUDGET:-150}
     BUDGET=$(( $(date +%s) - T0 + SB )) step "sweep early=$e" "$R/sweep-early$e.log" \
       env MINIVLLM_GEMV_EARLY_LOAD=$e python3 scripts/gemv_sweep.py "$W/sweep-early$e" --types $T --quick $T \
       --shapes ${SWEEP_SHAPES:-3584x3584,3584x18944}

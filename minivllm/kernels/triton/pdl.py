@@ -79,13 +79,13 @@ def pdl_args(device) -> dict:
     return args
 
 
-_EARLY: dict = {}  # torch.device -> whether a GEMV loads its first trip's weights before the wait
+_EARLY: dict = {}  # torch.device -> how many of a GEMV's first trips are loaded before the wait
 
 
 def early_weights(device) -> int:
-    """The EARLY a GEMV launch passes: 1 where its first K trip's weight words are loaded
-    into registers before its wait, else 0. The weights depend on no earlier kernel, so
-    under PDL their first DRAM round trip can overlap the producer's tail (a small GEMV's
+    """How many of a GEMV's first K trips have their weight words loaded into registers
+    before its wait (1 by default, 2 opt-in), 0 where PDL is off; a launch passes
+    `early_trips` of it. The weights depend on no earlier kernel, so under PDL their first DRAM round trip can overlap the producer's tail (a small GEMV's
     time is mostly that latency: 3584 x 3584 Q4_K takes 6.7 us for 2.4 us of bytes). Unlike
     the L2 prefetch of the whole slice tried until h100-s56 (slower: 313.9 against 344.4
     tok/s, 7B), this moves loads the kernel makes anyway and adds no instructions. On by
@@ -96,8 +96,28 @@ def early_weights(device) -> int:
     `pdl_args`."""
     on = _EARLY.get(device)
     if on is None:
-        on = _EARLY[device] = int(os.environ.get(EARLY_ENV, "1").strip() != "0" and bool(pdl_args(device)))
+        on = _EARLY[device] = early_trips_requested() if pdl_args(device) else 0
     return on
+
+
+MAX_EARLY_TRIPS = 2  # registers: each trip held before the wait is a tile of weight words
+
+
+def early_trips_requested() -> int:
+    """MINIVLLM_GEMV_EARLY_LOAD as a trip count: 0 (off), 1 (the default) or 2 (the first two
+    trips before the wait: opt-in until a GPU sitting times it)."""
+    raw = os.environ.get(EARLY_ENV, "1").strip()
+    if raw not in {str(i) for i in range(MAX_EARLY_TRIPS + 1)}:
+        raise ValueError(f"{EARLY_ENV}={raw!r}: expected a trip count from 0 to {MAX_EARLY_TRIPS} "
+                         "(0 turns the early load off)")
+    return int(raw)
+
+
+def early_trips(device, slice_trips: int) -> int:
+    """The EARLY a GEMV launch passes: `early_weights`, but never more trips than a K slice
+    has (`slice_trips`, its partial last trip counted), so no trip is loaded only to be
+    masked away."""
+    return min(early_weights(device), slice_trips)
 
 
 def reset() -> None:

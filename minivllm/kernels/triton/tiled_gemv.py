@@ -35,7 +35,7 @@ import triton.language as tl
 from minivllm.kernels.gemv_configs import GemvConfig
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.fused import silu_mul
-from minivllm.kernels.triton.pdl import early_weights, pdl_args, wait_for_producers
+from minivllm.kernels.triton.pdl import early_trips, pdl_args, wait_for_producers
 from minivllm.kernels.triton.repacked_decode import (
     decode_field,
     group_scales,
@@ -169,9 +169,10 @@ def _tiled_gemv_kernel(
     ONES: 15, passed at run time (quant_fields.py: keeps the field masks in registers).
     EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
     program's row groups), so whole trips load without masks.
-    EARLY (1, PDL only): the first trip's weight words are loaded before the wait (they
-    depend on no earlier kernel; pdl.py `early_weights`), always masked; the same trips in
-    the same order as without, so the same sums.
+    EARLY (1 or 2, PDL only): the first EARLY trips' weight words are loaded before the
+    wait (they depend on no earlier kernel; pdl.py `early_weights`), always masked; the
+    same trips in the same order as without, so the same sums. The launch passes no more
+    than a slice's trips (`pdl.early_trips`).
     FIXUP (split into SPLIT slices, not paired): the last program of each output tile sums
     the slices into final_ptr [M, N] itself (`split_sum.last_slice_sums`, tickets at
     ticket_ptr).
@@ -202,13 +203,16 @@ def _tiled_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     g_lo = pid_s * G_PER_SPLIT
     g_hi = tl.minimum(g_lo + G_PER_SPLIT, N_GROUPS)
-    if EARLY:  # the first trip's words, before the wait: their DRAM latency overlaps the producer
+    if EARLY:  # the first trips' words, before the wait: their DRAM latency overlaps the producer
         w_first = trip_words(q_ptr, nb, nb_ok & (g_lo + g4 < g_hi), g_lo + g4, t4, r4, N_GROUPS, T, RR, True)
+    if EARLY >= 2:
+        g_2nd = g_lo + BLOCK_G + g4
+        w_second = trip_words(q_ptr, nb, nb_ok & (g_2nd < g_hi), g_2nd, t4, r4, N_GROUPS, T, RR, True)
     wait_for_producers(PDL)
     # Whole trips first, loaded without masks where the tile's rows are all inside the
     # matrix (EVEN_N), then the slice's last partial trip, if any, masked. Same trips in
     # the same order as one masked loop: the same sums, fewer instructions a weight.
-    # EARLY: the first trip is the one loaded before the wait, masked.
+    # EARLY: the first EARLY trips are the ones loaded before the wait, masked.
     n_full = (g_hi - g_lo) // BLOCK_G * BLOCK_G
     done = tl.maximum(n_full, EARLY * BLOCK_G)  # groups the loop and the early trip cover
     if T_OUTER:
@@ -217,6 +221,10 @@ def _tiled_gemv_kernel(
             acc3 = gemv_trip_t_outer(acc3, ONES, g_lo, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
                                      a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True,
                                      w_first, EARLY)
+        if EARLY >= 2:
+            acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + BLOCK_G, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
+                                     q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True,
+                                     w_second, EARLY)
         for i in range(EARLY * BLOCK_G, n_full, BLOCK_G):
             acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
                                      a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
@@ -229,6 +237,10 @@ def _tiled_gemv_kernel(
         if EARLY:
             acc = gemv_trip(acc, ONES, g_lo, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
                             c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, w_first, EARLY)
+        if EARLY >= 2:
+            acc = gemv_trip(acc, ONES, g_lo + BLOCK_G, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
+                            a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, w_second,
+                            EARLY)
         for i in range(EARLY * BLOCK_G, n_full, BLOCK_G):
             acc = gemv_trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,
                             b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
@@ -368,7 +380,7 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
         triton.cdiv(n, R), 0, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R,
         BLOCK_NB=config.block_nb, BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=False, ROUND=0,
         EVEN_N=triton.cdiv(n, R) % config.block_nb == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device), EARLY=early_weights(x.device), **fixup,
+        **pdl_args(x.device), EARLY=early_trips(x.device, triton.cdiv(g_per, config.block_g)), **fixup,
         T_OUTER=config.t_outer)
     if fixup:
         return fixup["final_ptr"]
@@ -402,7 +414,7 @@ def tiled_gemv_swiglu(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *,
         half // R, FIELD_ONES, N_GROUPS=k // 32, KIND=w.kind, T=w.words_per_group, RR=R, BLOCK_NB=block_nb,
         BLOCK_G=config.block_g, IS_SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=True, ROUND=ROUND_CODES[mid_dtype],
         EVEN_N=(half // R) % (block_nb // 2) == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_args(x.device), EARLY=early_weights(x.device))
+        **pdl_args(x.device), EARLY=early_trips(x.device, triton.cdiv(g_per, config.block_g)))
     if split > 1:
         sum_splits(dest, out, bias, paired=True, mid_dtype=mid_dtype)
     return out

@@ -92,6 +92,23 @@ def test_gemv_early_load_only_when_asked_and_with_pdl(fresh):
     assert pdl.early_weights(gpu) == 0
 
 
+def test_gemv_early_trips_are_a_bounded_count(fresh):
+    """MINIVLLM_GEMV_EARLY_LOAD=2 holds two trips before the wait; a launch never takes more
+    trips than its slice has; anything but 0, 1 or 2 is refused by name."""
+    _as_gpu(fresh, (9, 0))
+    gpu = torch.device("cuda", 0)
+    fresh.setenv(pdl.PDL_ENV, "1")
+    fresh.setenv(pdl.EARLY_ENV, "2")
+    pdl.reset()
+    assert pdl.early_weights(gpu) == 2
+    assert pdl.early_trips(gpu, 7) == 2 and pdl.early_trips(gpu, 1) == 1
+    for bad in ("3", "yes", "-1"):
+        fresh.setenv(pdl.EARLY_ENV, bad)
+        pdl.reset()
+        with pytest.raises(ValueError, match="MINIVLLM_GEMV_EARLY_LOAD"):
+            pdl.early_weights(gpu)
+
+
 def _launched_with_pdl(kernel) -> bool:
     """Whether any compiled variant of a Triton kernel carries launch_pdl (Triton 3.6's
     JITFunction.device_caches: (kernel cache, ...) per device)."""
@@ -118,10 +135,11 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     runs = {}
-    # "1": PDL alone; "early": PDL with the GEMV's first trip loaded before its wait (the default)
-    for flag in ("0", "1", "early"):
+    # "1": PDL alone; "early": PDL with the GEMV's first trip loaded before its wait (the
+    # default); "early2": its first two trips (opt-in)
+    for flag in ("0", "1", "early", "early2"):
         monkeypatch.setenv(pdl.PDL_ENV, "0" if flag == "0" else "1")
-        monkeypatch.setenv(pdl.EARLY_ENV, "1" if flag == "early" else "0")
+        monkeypatch.setenv(pdl.EARLY_ENV, {"early": "1", "early2": "2"}.get(flag, "0"))
         pdl.reset()
         llm = LLM(str(tiny_qwen_gguf), progress=False, max_model_len=256, device="cuda", dtype="f16")
         ids = llm.tokenizer.encode(TINY_QWEN_PROMPTS[2])
@@ -139,4 +157,6 @@ def test_decode_with_pdl_gives_the_same_bits(tiny_qwen_gguf, monkeypatch):
     assert toks0 == toks1 and inv0 == inv1 and solo0 == solo1
     logits2, toks2, inv2, solo2 = runs["early"]
     assert torch.equal(logits0, logits2) and toks0 == toks2 and inv0 == inv2 and solo0 == solo2
+    logits3, toks3, inv3, solo3 = runs["early2"]
+    assert torch.equal(logits0, logits3) and toks0 == toks3 and inv0 == inv3 and solo0 == solo3
     assert toks1[:3] == toks1[3:6] == toks1[6:]  # the same prompt thrice in one batch: the same tokens

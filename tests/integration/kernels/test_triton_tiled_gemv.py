@@ -66,8 +66,8 @@ def test_whole_trips_unmasked_then_a_partial_one_interpreted(ggml_type, split):
 @cpu_only
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_first_trip_loaded_early_gives_the_same_bits_interpreted(ggml_type, monkeypatch):
-    """EARLY (pdl.early_weights: the first trip's weight words loaded before the PDL wait)
-    peels the first trip off the loop: whole slices, slices shorter than a trip, partial
+    """EARLY (pdl.early_weights: the first one or two trips' weight words loaded before the
+    PDL wait) peels those trips off the loop: whole slices, slices shorter than a trip, partial
     last trips, both tile orders and the paired SwiGLU launch give the same bits as
     without, and the reference."""
     from minivllm.kernels.triton import tiled_gemv as tg
@@ -76,18 +76,20 @@ def test_first_trip_loaded_early_gives_the_same_bits_interpreted(ggml_type, monk
     w = random_weight(ggml_type, n, k, seed=50)
     rw = repack(w)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(51))
-    configs = [GemvConfig(2, 16, 1), GemvConfig(2, 16, 2), GemvConfig(1, 4, 4), GemvConfig(2, 8, 2, t_outer=True)]
-    for early in (0, 1):
-        monkeypatch.setattr(tg, "early_weights", lambda device, early=early: early)
+    # (1, 4, 1) and the second T-outer tile: six trips a slice, so the loop runs after two
+    configs = [GemvConfig(2, 16, 1), GemvConfig(2, 16, 2), GemvConfig(1, 4, 4), GemvConfig(2, 8, 2, t_outer=True),
+               GemvConfig(1, 4, 1), GemvConfig(2, 4, 1, t_outer=True)]
+    for early in (0, 1, 2):  # 2: slices of one trip or less take one (pdl.early_trips)
+        monkeypatch.setattr(tg, "early_trips", lambda device, trips, early=early: min(early, trips))
         ys = [tg.tiled_gemv(x, rw, c) for c in configs]
         ys.append(tg.tiled_gemv_swiglu(x.half(), rw, GemvConfig(2, 16, 1), mid_dtype=torch.float16,
                                        out_dtype=torch.float16))
         if early == 0:
             plain = ys
-    for c, y, y0 in zip(configs + ["paired"], ys, plain):
-        assert torch.equal(y, y0), c
-    for y in ys[:-1]:
-        assert_close_to_reference(y, reference(x, w), k)
+        for c, y, y0 in zip(configs + ["paired"], ys, plain):
+            assert torch.equal(y, y0), (early, c)
+        for y in ys[:-1]:
+            assert_close_to_reference(y, reference(x, w), k)
 
 
 def _check_invariance(rw, w, k, config, device):
@@ -205,7 +207,8 @@ for kind, (a, b, c, e) in planes.items():
             const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if kind == 3 else 4, "RR": 4, "BLOCK_NB": 4,
                      "BLOCK_G": 32, "IS_SPLIT": split, "HAS_BIAS": True, "PAIRED": paired, "ROUND": 16,
                      "PDL": hopper, "EVEN_N": split,  # both the masked and the unmasked trips
-                     "EARLY": int(hopper and paired),  # the first trip's words loaded before the wait
+                     # the first trip's (split: first two trips') words loaded before the wait
+                     "EARLY": (1 + split) * int(hopper and paired),
                      "FIXUP": False, "SPLIT": 1, "ticket_ptr": None, "final_ptr": None,  # test_split_fixup.py's
                      "T_OUTER": False}
             sig.update({k: "constexpr" for k in const})
@@ -236,7 +239,8 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     launch), and both split sums, compile for a T4 and an H100 without a device; for
     the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in:
     nothing is loaded before the wait, except in the paired launches compiled with EARLY,
-    whose first trip's weight words are (pdl.early_weights)."""
+    whose first trip's weight words are (pdl.early_weights), twice as many with EARLY=2
+    (the split ones here)."""
     import json
     import os
     import subprocess
@@ -248,8 +252,9 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result) == 24 + 2
+    earlies = {key: r.pop("early") for key, r in result.items()}
     for key, r in result.items():
-        early = r.pop("early")
+        early = earlies[key]
         assert r == {"target": True, "bf16": False, "mma": False, "gdc": arch == "90"}, key
         if arch == "75":
             assert early is None, key  # no PDL on a T4: no wait to load before
@@ -257,6 +262,10 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
             assert early >= 1, key
         else:
             assert early == 0, key
+    if arch == "90":
+        for kind in range(6):  # EARLY=2 (split) loads both trips' words before the wait
+            one, two = (earlies[f"tiled/{kind}/{split}/True"] for split in (False, True))
+            assert two == 2 * one, (kind, one, two)
 
 
 @pytest.mark.parametrize("arch", ["75", "90"])
