@@ -369,6 +369,13 @@ elif [ "$MODE" = early-ab ]; then
   fi
   # the GEMV at 7B shapes without and with its first trip loaded before the wait (the sweep's graphs
   # chain their launches with PDL, as a decode step does), half the time left each
+  # BUILD_LLAMA=1: llama.cpp builds from here on (niced, after the decode rows), so a `once` call
+  # on the same warm machine finds it built
+  if [ "${BUILD_LLAMA:-0}" != 0 ] && [ ! -x "$LLAMA_BIN/llama-bench" ]; then
+    setsid nohup nice -n 15 bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 \
+      > "$W/llama-build.log" 2>&1 < /dev/null &
+    stamp "llama.cpp build started (background)"
+  fi
   T=${SWEEP_TYPES:-Q4_K,Q6_K}
   EV=(${EARLY_VALUES:-0 1}); n_left=${#EV[@]}
   for e in "${EV[@]}"; do  # an equal share of the time left each (0, 1 or 2 trips before the wait)
