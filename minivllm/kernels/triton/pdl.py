@@ -83,10 +83,12 @@ _EARLY: dict = {}  # torch.device -> how many of a GEMV's first trips are loaded
 
 
 def early_weights(device) -> int:
-    """How many of a GEMV's first K trips have their weight words loaded into registers
-    before its wait (1 by default, 2 opt-in), 0 where PDL is off; a launch passes
-    `early_trips` of it. The weights depend on no earlier kernel, so under PDL their first DRAM round trip can overlap the producer's tail (a small GEMV's
-    time is mostly that latency: 3584 x 3584 Q4_K takes 6.7 us for 2.4 us of bytes). Unlike
+    """How many of a GEMV's first K trips have their quantized bits (words, and the
+    high-bit plane of Q6_K and Q5_0 since the session after h100-s58) loaded into
+    registers before its wait (1 by default, 2 opt-in), 0 where PDL is off; a launch
+    passes `early_trips` of it. The weights depend on no earlier kernel, so under PDL
+    their first DRAM round trip can overlap the producer's tail (a small GEMV's time is
+    mostly that latency: 3584 x 3584 Q4_K takes 6.7 us for 2.4 us of bytes). Unlike
     the L2 prefetch of the whole slice tried until h100-s56 (slower: 313.9 against 344.4
     tok/s, 7B), this moves loads the kernel makes anyway and adds no instructions. On by
     default where PDL is on (without PDL no kernel starts before its predecessor ends) since

@@ -147,18 +147,36 @@ def scaled_sum(ps, ps_hi, sx, d, m, s_lo, s_hi, KIND: tl.constexpr):
 
 @triton.jit
 def word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
-              MASKED: tl.constexpr = True, w_early=None, EARLY: tl.constexpr = 0):
+              MASKED: tl.constexpr = True):
     """(words, mask, per-(group, row) offsets) of a [NB, G, T, R] tile: row groups `nb`,
     groups `gg` below g_hi (MASKED off: the caller knows the tile is inside the matrix).
     16-byte loads (ld.global.v4 in the sm_90 PTX), evict-first: each weight byte is read
     once per call."""
     ok = nb_ok & (gg < g_hi)
     gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
-    if EARLY:  # the words were loaded by the caller (`trip_words`, before its PDL wait)
-        w = w_early
-    else:
-        w = trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS, T, RR, MASKED)
-    return w, ok, gr
+    return trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS, T, RR, MASKED), ok, gr
+
+
+@triton.jit
+def trip_bits(q_ptr, b_ptr, nb, ok, gg, t4, r4, N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr,
+              RR: tl.constexpr, MASKED: tl.constexpr, SPREAD_T: tl.constexpr):
+    """A trip's quantized bits as loaded, (words, high-bit plane), for row groups `nb`,
+    groups `gg` (where `ok`): Q6_K's 2-bit plane in the words' shape, Q5_0's fifth-bit word
+    of each (group, row) (SPREAD_T: in the words' shape, else along T by broadcast later);
+    the words again for the types without one (unused). Nothing here depends on an earlier
+    kernel, so an EARLY trip loads all of it before its PDL wait (`tiled_gemv`); the scales
+    stay after it (held from before the wait, the [NB, G, T, R] tile's four scale planes
+    would cost 4x the words' registers)."""
+    w = trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS, T, RR, MASKED)
+    h = w
+    if KIND == 5:
+        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1).to(tl.int32)
+    elif KIND == 2:
+        if SPREAD_T:
+            h = load(b_ptr + (nb * N_GROUPS + gg) * RR + r4 + t4 * 0, ok, 0, MASKED, 0)
+        else:
+            h = load(b_ptr + (nb * N_GROUPS + gg) * RR + r4, ok, 0, MASKED, 0)
+    return w, h
 
 
 @triton.jit

@@ -43,8 +43,7 @@ from minivllm.kernels.triton.repacked_decode import (
     load,
     scaled_sum,
     store_rows,
-    trip_words,
-    word_tile,
+    trip_bits,
 )
 from minivllm.kernels.triton.split_sum import (
     ROUND_CODES,
@@ -60,20 +59,24 @@ from minivllm.kernels.triton.split_sum import (
 @triton.jit
 def gemv_trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr, e_ptr,
           N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr, BLOCK_NB: tl.constexpr,
-          BLOCK_G: tl.constexpr, MASKED: tl.constexpr, w_early=None, EARLY: tl.constexpr = 0):
+          BLOCK_G: tl.constexpr, MASKED: tl.constexpr, bits=None, EARLY: tl.constexpr = 0):
     """One trip of the K loop: groups g0 .. g0 + BLOCK_G of the tile's rows added to acc
     (MASKED: groups past g_hi or rows past the matrix read as zeros). EARLY: the trip's
-    weight words are `w_early`, loaded by the caller (before its PDL wait)."""
+    quantized bits are `bits` (`trip_bits`), loaded by the caller before its PDL wait."""
     gg = g0 + g4
-    w, ok, gr = word_tile(q_ptr, nb, nb_ok, gg, g_hi, t4, r4, N_GROUPS, T, RR, MASKED, w_early, EARLY)
+    ok = nb_ok & (gg < g_hi)
+    gr = (nb * N_GROUPS + gg) * RR + r4 + t4 * 0  # per-(group, row) planes, in the tile's shape
+    if EARLY:
+        w, h = bits
+    else:
+        w, h = trip_bits(q_ptr, b_ptr, nb, ok, gg, t4, r4, N_GROUPS, KIND, T, RR, MASKED, True)
     w_hi = w >> 16
     h_lo = w  # unused by the types without a high-bit plane
     h_hi = w
     if KIND == 5:  # Q6_K: 2-bit plane, word-shaped
-        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1).to(tl.int32)
         h_lo, h_hi = high_fields(h, KIND)
     elif KIND == 2:  # Q5_0: the fifth bits of the group, element (p, t) at 16(p//4) + 4(p%4) + t
-        h_lo, h_hi = high_fields(load(b_ptr + gr, ok, 0, MASKED, 0) >> t4, KIND)
+        h_lo, h_hi = high_fields(h >> t4, KIND)
     # x[g*32 + p*T + t]: one value per (g, t), shared by every row of the tile. Built
     # from [G, T] offsets (the weight tile's slice layout: no layout conversion).
     g2 = g0 + offs_g[:, None]
@@ -105,7 +108,7 @@ def gemv_trip(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
 @triton.jit
 def gemv_trip_t_outer(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr, c_ptr,
                       e_ptr, N_GROUPS: tl.constexpr, KIND: tl.constexpr, T: tl.constexpr, RR: tl.constexpr,
-                      BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr, w_early=None,
+                      BLOCK_NB: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr, bits=None,
                       EARLY: tl.constexpr = 0):
     """`gemv_trip` over a [T, NB, G, R] tile (T_OUTER): Triton spreads lanes over the
     fastest axes first, so with T outermost one thread holds a group's T words for its 4
@@ -115,17 +118,16 @@ def gemv_trip_t_outer(acc, ONES, g0, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t
     gg = g0 + g4  # [1, 1, G, 1]
     ok = nb_ok & (gg < g_hi)  # [1, NB, G, 1]
     if EARLY:
-        w = w_early
-    else:
-        w = trip_words(q_ptr, nb, ok, gg, t4, r4, N_GROUPS, T, RR, MASKED)  # [T, NB, G, R]
+        w, h = bits
+    else:  # [T, NB, G, R] words
+        w, h = trip_bits(q_ptr, b_ptr, nb, ok, gg, t4, r4, N_GROUPS, KIND, T, RR, MASKED, False)
     w_hi = w >> 16
     h_lo = w
     h_hi = w
     if KIND == 5:
-        h = load(b_ptr + ((nb * N_GROUPS + gg) * T + t4) * RR + r4, ok, 0, MASKED, 1).to(tl.int32)
         h_lo, h_hi = high_fields(h, KIND)
     elif KIND == 2:
-        h_lo, h_hi = high_fields(load(b_ptr + (nb * N_GROUPS + gg) * RR + r4, ok, 0, MASKED, 0) >> t4, KIND)
+        h_lo, h_hi = high_fields(h >> t4, KIND)
     g2 = g0 + offs_g[None, :]  # [1, G]
     x_off = g2 * 32 + offs_t[:, None]  # [T, G]: x[g*32 + p*T + t]
     x_ok = g2 < g_hi
@@ -169,10 +171,10 @@ def _tiled_gemv_kernel(
     ONES: 15, passed at run time (quant_fields.py: keeps the field masks in registers).
     EVEN_N: every program's row groups are inside the matrix (N_RB a multiple of the
     program's row groups), so whole trips load without masks.
-    EARLY (1 or 2, PDL only): the first EARLY trips' weight words are loaded before the
-    wait (they depend on no earlier kernel; pdl.py `early_weights`), always masked; the
-    same trips in the same order as without, so the same sums. The launch passes no more
-    than a slice's trips (`pdl.early_trips`).
+    EARLY (1 or 2, PDL only): the first EARLY trips' quantized bits (`trip_bits`: words
+    and high-bit plane) are loaded before the wait (they depend on no earlier kernel;
+    pdl.py `early_weights`), always masked; the same trips in the same order as without,
+    so the same sums. The launch passes no more than a slice's trips (`pdl.early_trips`).
     FIXUP (split into SPLIT slices, not paired): the last program of each output tile sums
     the slices into final_ptr [M, N] itself (`split_sum.last_slice_sums`, tickets at
     ticket_ptr).
@@ -203,11 +205,14 @@ def _tiled_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     g_lo = pid_s * G_PER_SPLIT
     g_hi = tl.minimum(g_lo + G_PER_SPLIT, N_GROUPS)
-    if EARLY:  # the first trips' words, before the wait: their DRAM latency overlaps the producer
-        w_first = trip_words(q_ptr, nb, nb_ok & (g_lo + g4 < g_hi), g_lo + g4, t4, r4, N_GROUPS, T, RR, True)
+    if EARLY:  # the first trips' bits, before the wait: their DRAM latency overlaps the producer
+        g_1st = g_lo + g4
+        bits_1st = trip_bits(q_ptr, b_ptr, nb, nb_ok & (g_1st < g_hi), g_1st, t4, r4, N_GROUPS, KIND, T, RR, True,
+                             not T_OUTER)
     if EARLY >= 2:
         g_2nd = g_lo + BLOCK_G + g4
-        w_second = trip_words(q_ptr, nb, nb_ok & (g_2nd < g_hi), g_2nd, t4, r4, N_GROUPS, T, RR, True)
+        bits_2nd = trip_bits(q_ptr, b_ptr, nb, nb_ok & (g_2nd < g_hi), g_2nd, t4, r4, N_GROUPS, KIND, T, RR, True,
+                             not T_OUTER)
     wait_for_producers(PDL)
     # Whole trips first, loaded without masks where the tile's rows are all inside the
     # matrix (EVEN_N), then the slice's last partial trip, if any, masked. Same trips in
@@ -220,11 +225,11 @@ def _tiled_gemv_kernel(
         if EARLY:
             acc3 = gemv_trip_t_outer(acc3, ONES, g_lo, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
                                      a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True,
-                                     w_first, EARLY)
+                                     bits_1st, EARLY)
         if EARLY >= 2:
             acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + BLOCK_G, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row,
                                      q_ptr, a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True,
-                                     w_second, EARLY)
+                                     bits_2nd, EARLY)
         for i in range(EARLY * BLOCK_G, n_full, BLOCK_G):
             acc3 = gemv_trip_t_outer(acc3, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
                                      a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, not EVEN_N)
@@ -236,10 +241,10 @@ def _tiled_gemv_kernel(
         acc = tl.zeros([BLOCK_NB, BLOCK_G, T, RR], dtype=tl.float32)
         if EARLY:
             acc = gemv_trip(acc, ONES, g_lo, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr, b_ptr,
-                            c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, w_first, EARLY)
+                            c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, bits_1st, EARLY)
         if EARLY >= 2:
             acc = gemv_trip(acc, ONES, g_lo + BLOCK_G, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr,
-                            a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, w_second,
+                            a_ptr, b_ptr, c_ptr, e_ptr, N_GROUPS, KIND, T, RR, BLOCK_NB, BLOCK_G, True, bits_2nd,
                             EARLY)
         for i in range(EARLY * BLOCK_G, n_full, BLOCK_G):
             acc = gemv_trip(acc, ONES, g_lo + i, g_hi, nb, nb_ok, g4, t4, r4, offs_g, offs_t, x_row, q_ptr, a_ptr,

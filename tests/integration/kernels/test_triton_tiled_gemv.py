@@ -239,8 +239,8 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
     launch), and both split sums, compile for a T4 and an H100 without a device; for
     the H100 with programmatic dependent launch (kernels/triton/pdl.py) compiled in:
     nothing is loaded before the wait, except in the paired launches compiled with EARLY,
-    whose first trip's weight words are (pdl.early_weights), twice as many with EARLY=2
-    (the split ones here)."""
+    whose first trip's quantized bits are (pdl.early_weights: words and high-bit plane),
+    twice as many with EARLY=2 (the split ones here)."""
     import json
     import os
     import subprocess
@@ -266,6 +266,10 @@ def test_tiled_kernels_compile_for_t4_sm75_and_sm90_without_bf16_or_mma(arch):
         for kind in range(6):  # EARLY=2 (split) loads both trips' words before the wait
             one, two = (earlies[f"tiled/{kind}/{split}/True"] for split in (False, True))
             assert two == 2 * one, (kind, one, two)
+        # the high-bit planes come early too (pdl.early_weights): Q5_0 loads more there than
+        # Q4_0, Q6_K more than Q4_K (same tile, same words a trip)
+        assert earlies["tiled/2/False/True"] > earlies["tiled/0/False/True"]
+        assert earlies["tiled/5/False/True"] > earlies["tiled/4/False/True"]
 
 
 @pytest.mark.parametrize("arch", ["75", "90"])
