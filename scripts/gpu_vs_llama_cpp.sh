@@ -361,6 +361,11 @@ elif [ "$MODE" = early-ab ]; then
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
     --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2 $([ "${BURST:-4}" != 0 ] && echo --burst "${BURST:-4}")
+  # ZERO_COPY_AB=1: the same bench with the GPU storing the pages into B's pool itself
+  # (kernels/triton/kv_export.py, opt-in MINIVLLM_EXPORT_ZERO_COPY=1) against the DMA path above
+  [ "${ZERO_COPY_AB:-0}" != 0 ] && step "disaggregation zero-copy" "$R/disaggregation-zero-copy.log" \
+    env MINIVLLM_EXPORT_ZERO_COPY=1 python3 -m minivllm bench disaggregation --model "$S05" --inference-device cuda:0 \
+    --inference-device cpu:8 --prompts 4096 --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2
   if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests also run in `once`; here only when NEW_TESTS_BUDGET asks
     BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest pdl + handoff" "$R/pytest-cuda-new.log" \
       python3 -m pytest -q -m cuda -n 2 --timeout 300 -p no:cacheprovider -rfE ${NEW_TESTS:-tests/integration/kernels/test_pdl.py \

@@ -11,8 +11,9 @@ so a machine short of memory refuses the pool at start-up instead of killing the
 with SIGBUS at the first page it touches.
 
 `attach` maps a pool described by `describe` in the exporting process, once per pool,
-and on a CUDA exporter registers it with the driver (`cudaHostRegister`), so the device's
-copies into it are DMA, as fast as into pinned memory. A mapping whose owner is gone (or
+and on a CUDA exporter registers it with the driver (`cudaHostRegister`, mapped), so the
+device's copies into it are DMA, as fast as into pinned memory, and its kernels may store
+into it directly. A mapping whose owner is gone (or
 whose pid now names another process) is dropped at the next `attach`.
 """
 
@@ -68,6 +69,9 @@ class SharedPoolMemory:
             pass
 
 
+HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
+
+
 class _Attached:
     def __init__(self, desc: dict, device: torch.device):
         shape, dtype = tuple(desc["shape"]), dtype_named(desc["dtype"], "shared KV pool dtype")
@@ -78,7 +82,8 @@ class _Attached:
         self.k, self.v = self.flat[:numel].view(shape), self.flat[numel:].view(shape)
         self.registered = False
         if device.type == "cuda":
-            err = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.nbytes, 0)
+            # Mapped: the device may also store into it itself (kernels/triton/kv_export.py)
+            err = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.nbytes, HOST_REGISTER_MAPPED)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of a {self.flat.nbytes / 2**20:.0f} MiB shared KV pool failed "
                                    f"(error {int(err)})")

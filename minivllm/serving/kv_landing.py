@@ -30,6 +30,7 @@ import torch
 from minivllm.cache.kv_transfer import LandedBlocks, PageSpan
 from minivllm.cache.shared_pool_memory import attach
 from minivllm.engine.handoff import Handoff
+from minivllm.kernels import fallbacks
 from minivllm.serving.kv_segment import handoff_fields, handoff_from_fields
 
 
@@ -86,7 +87,9 @@ def _write_pages(span: PageSpan, landing: dict, src_k, src_v, dst_k, dst_v) -> t
     if blocks <= have:
         pass
     elif ps == dst_ps and src_k.device.type == "cuda":
-        gather_layers(span.pages[have:blocks], pages[:blocks - have], (src_k, src_v), (dst_k, dst_v))
+        src_pages, dst_pages = span.pages[have:blocks], pages[:blocks - have]
+        if not _stored_by_the_gpu(src_pages, dst_pages, (src_k, src_v), (dst_k, dst_v)):
+            gather_layers(src_pages, dst_pages, (src_k, src_v), (dst_k, dst_v))
     elif ps == dst_ps:  # page to page, in runs of consecutive pages on both sides
         pairs = [(span.pages[j], pages[j - have]) for j in range(have, blocks)]
         for src, dst, n in _runs(pairs):
@@ -133,6 +136,23 @@ def gather_layers(src_pages: list[int], dst_pages: list[int], src_pools, dst_poo
             for i, layer in enumerate(range(first, last)):
                 for s, d, n in runs:
                     dst[layer, d:d + n].copy_(gathered[i, s:s + n], non_blocking=src.device.type == "cuda")
+
+
+def _stored_by_the_gpu(src_pages: list[int], dst_pages: list[int], src_pools, dst_pools) -> bool:
+    """The zero-copy export (kernels/triton/kv_export.py) where asked for and not failed here
+    before; False when the caller must take the DMA path. (Imported here: only a CUDA
+    exporter gets this far, and Triton is installed only where one can run.)"""
+    from minivllm.kernels.triton.kv_export import export_pages, zero_copy_requested
+
+    key = (str(src_pools[0].device),)
+    if not zero_copy_requested() or fallbacks.failed("kv_export", key):
+        return False
+    try:
+        export_pages(src_pages, dst_pages, src_pools, dst_pools)
+    except Exception as exc:  # noqa: BLE001 - e.g. a driver that would not map the pool: the DMA path
+        fallbacks.record("kv_export", key, src_pools[0].device, exc, "the export gathers and copies by DMA")
+        return False
+    return True
 
 
 def handoff_from_landing(meta: dict, params) -> Handoff:
