@@ -1,6 +1,7 @@
 """The read-roofline kernel of the GEMV sweep (bench/read_roofline.py): it must read every
 word once, so its per-block sums equal torch's (int64 sums wrapped to int32), with a last
-block past the end; and it compiles for a T4 and an H100 without a device."""
+block past the end; and it compiles for a T4 and an H100 without a device (for the H100 with
+programmatic dependent launch, its reads before its wait)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.bench.read_roofline import BLOCK, _read_kernel
 arch = int(sys.argv[1])
-sig = {"x_ptr": "*i32", "out_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "EVEN": "constexpr"}
+sig = {"x_ptr": "*i32", "out_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "EVEN": "constexpr", "PDL": "constexpr"}
 # x_ptr 16-byte aligned, as Triton specializes a torch allocation's pointer at launch
-src = ASTSource(_read_kernel, sig, {"BLOCK": BLOCK, "EVEN": True}, attrs={(0,): [["tt.divisibility", 16]]})
+src = ASTSource(_read_kernel, sig, {"BLOCK": BLOCK, "EVEN": True, "PDL": arch >= 90},
+                attrs={(0,): [["tt.divisibility", 16]]})
 k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
 p = k.asm["ptx"]
-print(json.dumps({"target": f".target sm_{arch}" in p, "wide": "ld.global" in p and ".v4" in p}))
+wait = p.find("griddepcontrol.wait")
+print(json.dumps({"target": f".target sm_{arch}" in p, "wide": "ld.global" in p and ".v4" in p,
+                  "reads_before_wait": wait > 0 and "ld.global" in p[:wait]}))
 """
 
 
@@ -58,4 +62,5 @@ def test_compiles_for_t4_sm75_and_sm90_with_wide_loads(arch):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"target": True, "wide": True}
+    # on the H100 compiled with PDL, as the sweep's `pdl=True` launch: the reads come before the wait
+    assert result == {"target": True, "wide": True, "reads_before_wait": arch == "90"}
