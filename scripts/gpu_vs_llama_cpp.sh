@@ -357,6 +357,13 @@ elif [ "$MODE" = early-ab ]; then
     step "decode 0.5b qkv sum folded" "$R/decode-qkv1-0.5b.log" env MINIVLLM_FOLD_QKV_SUM=1 $DEC $SYN \
       qwen2.5-0.5b-q4_k_m --prompt-tokens 512
   fi
+  # issue 43's transfer row alone: the DMA path and the zero-copy kernel against a pinned copy_,
+  # idle and with the default stream busy (scripts/export_bench.py; seconds each)
+  if [ "${EXPORT_BENCH:-1}" != 0 ]; then
+    step "export bench" "$R/export-bench.log" python3 scripts/export_bench.py "$R/export-bench.json"
+    step "export bench busy" "$R/export-bench-busy.log" python3 scripts/export_bench.py "$R/export-bench-busy.json" --busy
+    step "export bench 7b" "$R/export-bench-7b.log" python3 scripts/export_bench.py "$R/export-bench-7b.json" --shape 7B
+  fi
   # issue 43: the burst again, the export now copying on a stream of its own (kv_landing.py)
   [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
     disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \

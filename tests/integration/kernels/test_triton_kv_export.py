@@ -129,3 +129,23 @@ def test_export_kernel_compiles_for_t4_sm75_and_sm90(arch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for src, r in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert r == {"target": True, "bf16": False, "mma": False, "wide_stores": True}, src
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the smoke run is the CPU's (interpreter)")
+def test_the_export_bench_runs_both_paths_and_checks_their_pages(tmp_path):
+    """scripts/export_bench.py --smoke: both paths and the plain copy timed, every path's
+    pages equal to the source's (its exit status says so)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    out = tmp_path / "export.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "export_bench.py"), str(out), "--smoke"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    paths = json.loads(out.read_text())["paths"]
+    assert paths["dma"]["pages_equal"] and paths["zero-copy"]["pages_equal"]
+    assert all(p["median_ms"] > 0 for p in paths.values())
