@@ -34,7 +34,7 @@ _OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
 def compile_tiled(type_name: str, arch: int, block_nb: int, block_g: int, split: int, warps: int, stages: int,
-                  t_outer: bool = False):
+                  t_outer: bool = False, early: int = 0):
     """The tiled kernel compiled as a launch on a 3584-wide Q-type weight would be."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -52,13 +52,27 @@ def compile_tiled(type_name: str, arch: int, block_nb: int, block_g: int, split:
            "ONES": "i32"}
     const = {"N_GROUPS": 112, "KIND": kind, "T": 8 if type_name == "Q8_0" else 4, "RR": R, "BLOCK_NB": block_nb,
              "BLOCK_G": block_g, "IS_SPLIT": split > 1, "HAS_BIAS": False, "PAIRED": False, "ROUND": 0,
-             "PDL": arch >= 90, "EVEN_N": True, "EARLY": 0, "FIXUP": False, "SPLIT": 1, "ticket_ptr": None,
-             "final_ptr": None, "T_OUTER": t_outer}
+             "PDL": arch >= 90, "EVEN_N": True, "EARLY": early if arch >= 90 else 0, "FIXUP": False, "SPLIT": 1,
+             "ticket_ptr": None, "final_ptr": None, "T_OUTER": t_outer}
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
     return triton.compile(ASTSource(_tiled_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps, "num_stages": stages}), const
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the kernel takes (cuobjdump's resource usage): with 4 warps,
+    65,536 // (128 x this) programs fit an SM (4 up to 128 registers, 3 up to 170)."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1))
 
 
 def loop_ops(cubin: bytes) -> collections.Counter:
@@ -92,19 +106,20 @@ def main() -> int:
     ap.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0")
     ap.add_argument("--config", default="8,32,2,8,2", help="row groups, groups, split, warps, stages")
     ap.add_argument("--t-outer", action="store_true", help="the T-outer tile (GemvConfig.t_outer)")
+    ap.add_argument("--early", type=int, default=0, help="trips loaded before the PDL wait (sm_90: 0, 1, 2)")
     args = ap.parse_args()
     nb, g, split, warps, stages = (int(v) for v in args.config.split(","))
     print(f"tile: {'[T, NB, G, R] (t_outer)' if args.t_outer else '[NB, G, T, R]'}")
-    print("| type | sm | config | loop instructions | per weight | weight loads | FFMA | FADD | LOP3 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| type | sm | config | loop instructions | per weight | weight loads | FFMA | FADD | LOP3 | registers |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for t in args.types.split(","):
-        k, const = compile_tiled(t, args.arch, nb, g, split, warps, stages, args.t_outer)
+        k, const = compile_tiled(t, args.arch, nb, g, split, warps, stages, args.t_outer, args.early)
         ops = loop_ops(k.asm["cubin"])
         weights = nb * g * 32 * const["RR"]  # one trip: the tile's rows x 32 weights a group
         per_thread = weights / (warps * 32)
         wide = sum(n for op, n in ops.items() if op.startswith("LDG") and ".128" in op)
         print(f"| {t} | {args.arch} | {args.config} | {sum(ops.values())} | {sum(ops.values()) / per_thread:.2f} | "
-              f"{wide} x 16 B | {ops['FFMA']} | {ops['FADD']} | {ops['LOP3.LUT']} |")
+              f"{wide} x 16 B | {ops['FFMA']} | {ops['FADD']} | {ops['LOP3.LUT']} | {registers(k.asm['cubin'])} |")
     return 0
 
 
