@@ -52,7 +52,9 @@ TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"]
 # block_nb * block_g * 64 bytes (4-bit types), 2 - 8 KB.
 CANDIDATES = [(1, 64, 4, 2), (2, 32, 4, 2), (4, 32, 4, 2), (4, 16, 4, 3), (8, 16, 4, 2), (2, 64, 8, 2),
               (8, 32, 8, 2), (4, 64, 8, 3)]
-QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2), (8, 16, 4, 2)]
+# (4, 16, 4, 2): half the words a trip of (8, 16), so two trips held before the PDL wait
+# (MINIVLLM_GEMV_EARLY_LOAD=2) take the registers one trip of (8, 16) does (gemv_sass.py --early)
+QUICK = [(1, 64, 4, 2), (4, 32, 4, 2), (8, 32, 8, 2), (8, 16, 4, 2), (4, 16, 4, 2)]
 
 
 def _splits(n: int, k: int, block_nb: int, block_g: int, sms: int) -> list[int]:
