@@ -1,0 +1,81 @@
+# The `early-ab` mode of scripts/gpu_vs_llama_cpp.sh, sourced by it (its functions step,
+# stamp, left, synthetic, start_7b_file and its variables R, W, FIELDS are in scope): one call,
+# minivllm alone, for the latest A/Bs. Knobs: EARLY_VALUES (GEMV trips loaded before the PDL
+# wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BURST, ZERO_COPY_AB,
+# NEW_TESTS / NEW_TESTS_BUDGET, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
+# minivllm alone: the GEMV's first trip loaded before its PDL wait (the default since h100-s57)
+# against after it (MINIVLLM_GEMV_EARLY_LOAD=0), 7B at 512 and 4096 tokens, 0.5B at 512; issue
+# 43's burst (the export on a stream of its own); then, with the time left, GEMV sweeps of
+# SWEEP_SHAPES without and with the early first trip. (Until h100-s57 it also timed the
+# attention's K/V asked of L2 before its wait: level at 512, 1% slower at 4096; removed.)
+{ nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; nproc; } > "$R/device.txt" 2>&1
+stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
+synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
+start_7b_file
+while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
+S05=$(sed -n 1p "$W/synthetic.log")
+DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
+SYN="--synthetic-tokenizer $FIELDS --synthetic"
+for e in ${EARLY_VALUES:-0 1}; do  # EARLY_VALUES=1: the default alone (one call for everything)
+  for c in 512 4096; do
+    step "decode 7b $c early=$e" "$R/decode-early$e-7b-$c.log" env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN \
+      qwen2.5-7b-q4_k_m --prompt-tokens $c
+  done
+  [ "${DECODE_05:-1}" != 0 ] && step "decode 0.5b early=$e" "$R/decode-early$e-0.5b.log" \
+    env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+done
+# the merge over the whole head, one program per (row, head), as until h100-s57 (the default
+# splits a head's dims over programs of 32: paged_attention._MERGE_DIMS)
+if [ "${MERGE_AB:-1}" != 0 ]; then
+  for c in 512 4096; do
+    step "decode 7b $c whole-head merge" "$R/decode-merge0-7b-$c.log" env MINIVLLM_MERGE_DIMS=0 $DEC $SYN \
+      qwen2.5-7b-q4_k_m --prompt-tokens $c
+  done
+fi
+# the fused QKV's split sum folded into RoPE (opt-in: it lost at h100-s58)
+if [ "${QKV_AB:-0}" != 0 ]; then
+  step "decode 7b 512 qkv sum folded" "$R/decode-qkv1-7b-512.log" env MINIVLLM_FOLD_QKV_SUM=1 $DEC $SYN \
+    qwen2.5-7b-q4_k_m --prompt-tokens 512
+  step "decode 0.5b qkv sum folded" "$R/decode-qkv1-0.5b.log" env MINIVLLM_FOLD_QKV_SUM=1 $DEC $SYN \
+    qwen2.5-0.5b-q4_k_m --prompt-tokens 512
+fi
+# issue 43's transfer row alone: the DMA path and the zero-copy kernel against a pinned copy_,
+# idle and with the default stream busy (scripts/export_bench.py; seconds each)
+if [ "${EXPORT_BENCH:-1}" != 0 ]; then
+  step "export bench" "$R/export-bench.log" python3 scripts/export_bench.py "$R/export-bench.json"
+  step "export bench busy" "$R/export-bench-busy.log" python3 scripts/export_bench.py "$R/export-bench-busy.json" --busy
+  step "export bench 7b" "$R/export-bench-7b.log" python3 scripts/export_bench.py "$R/export-bench-7b.json" --shape 7B
+fi
+# issue 43: the burst again, the export now copying on a stream of its own (kv_landing.py)
+[ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
+  disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
+  --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2 $([ "${BURST:-4}" != 0 ] && echo --burst "${BURST:-4}")
+# ZERO_COPY_AB=1: the same bench with the GPU storing the pages into B's pool itself
+# (kernels/triton/kv_export.py, opt-in MINIVLLM_EXPORT_ZERO_COPY=1) against the DMA path above
+[ "${ZERO_COPY_AB:-0}" != 0 ] && step "disaggregation zero-copy" "$R/disaggregation-zero-copy.log" \
+  env MINIVLLM_EXPORT_ZERO_COPY=1 python3 -m minivllm bench disaggregation --model "$S05" --inference-device cuda:0 \
+  --inference-device cpu:8 --prompts 4096 --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2
+if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests also run in `once`; here only when NEW_TESTS_BUDGET asks
+  BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest pdl + handoff" "$R/pytest-cuda-new.log" \
+    python3 -m pytest -q -m cuda -n 2 --timeout 300 -p no:cacheprovider -rfE ${NEW_TESTS:-tests/integration/kernels/test_pdl.py \
+    tests/integration/engine/test_handoff_cuda.py}
+  stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
+fi
+# the GEMV at 7B shapes without and with its first trip loaded before the wait (the sweep's graphs
+# chain their launches with PDL, as a decode step does), half the time left each
+# BUILD_LLAMA=1: llama.cpp builds from here on (niced, after the decode rows), so a `once` call
+# on the same warm machine finds it built
+if [ "${BUILD_LLAMA:-0}" != 0 ] && [ ! -x "$LLAMA_BIN/llama-bench" ]; then
+  setsid nohup nice -n 15 bash ../peers/build_on_gpu.sh ../peers/llama.cpp.tar.xz "$W/llama" 90 \
+    > "$W/llama-build.log" 2>&1 < /dev/null &
+  stamp "llama.cpp build started (background)"
+fi
+T=${SWEEP_TYPES:-Q4_K,Q6_K}
+EV=(${EARLY_VALUES:-0 1}); n_left=${#EV[@]}
+for e in "${EV[@]}"; do  # an equal share of the time left each (0, 1 or 2 trips before the wait)
+  SB=$(( ($(left) - 10) / n_left )); n_left=$(( n_left - 1 )); [ "$SB" -gt "${SWEEP_BUDGET:-150}" ] && SB=${SWEEP_BUDGET:-150}
+  BUDGET=$(( $(date +%s) - T0 + SB )) step "sweep early=$e" "$R/sweep-early$e.log" \
+    env MINIVLLM_GEMV_EARLY_LOAD=$e python3 scripts/gemv_sweep.py "$W/sweep-early$e" --types $T --quick $T \
+    --shapes ${SWEEP_SHAPES:-3584x3584,3584x18944}
+  for f in "$W/sweep-early$e"/gemv-sweep-*; do [ -f "$f" ] && cp "$f" "$R/early$e-$(basename "$f")"; done
+done
