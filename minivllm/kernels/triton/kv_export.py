@@ -10,9 +10,11 @@ and the export took 1.8-2.3x a single pinned `copy_` of the same bytes (h100-s58
 Here every program reads one source page of one layer (f16 or f32, on the device) and
 stores it, converted to the destination's dtype, into its reserved page of the host pool.
 The pool is registered with the driver as mapped memory (cache/shared_pool_memory.py), so
-the GPU's stores cross the link as posted writes, coalesced a page at a time; Triton's
-launcher turns the pool's host address into its device alias itself
-(`cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`). Values are those of
+the GPU's stores cross the link as posted writes, coalesced a page at a time. Triton's
+launcher should turn the pool's host address into its device alias itself: its driver.c
+(Triton 3.9) asks `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)` for every
+pointer argument. Read in the source, not yet seen on a GPU; if a driver refuses, the
+fallback below applies. Values are those of
 `Tensor.to` (one rounding from the source dtype, none from f16 to f32).
 
 Opt-in (`MINIVLLM_EXPORT_ZERO_COPY=1`) until a GPU sitting times it against the DMA path.
