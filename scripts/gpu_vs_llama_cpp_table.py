@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tarfile
 import tempfile
 from pathlib import Path
@@ -59,9 +60,59 @@ def minivllm_row(path: Path, engine: str = "minivllm") -> dict:
     return next(r for r in json.loads(path.read_text())["rows"] if r["engine"] == engine)
 
 
+def llama_bench(f: Path) -> dict[tuple[int, int, int], dict]:
+    """llama-bench -o json rows by (n_prompt, n_gen, n_depth)."""
+    return {(x["n_prompt"], x["n_gen"], x["n_depth"]): x for x in json.loads(f.read_text())}
+
+
+def peer_text(x: dict) -> str:
+    return f"{x['avg_ts']:.1f} ± {x['stddev_ts']:.1f} (median {statistics.median(x['samples_ts']):.1f})"
+
+
+def once_rows(t: Table, once: dict[str, Path], alone: dict[str, Path]) -> None:
+    """Rows of a `once` run: minivllm's decode JSONs hold minivllm alone and llama-bench wrote
+    its own JSON (depths 0, 512 and 4096 for the 7B). minivllm's tg128 after a 512-token prompt
+    is set against llama-bench's tg128 at depth 512; ratios of medians. `alone` is an `early-ab`
+    run on the same warm machine (minivllm alone, nothing else running): its default rows are
+    set against the same llama.cpp figures, named so."""
+    runs = {"once": once, "early-ab": alone}
+    for s in SIZES:
+        lb = once.get(f"llama-bench-{s}.json")
+        if not lb:
+            continue
+        peer = llama_bench(lb)
+        for depth, mine in ((512, f"decode-qwen2.5-{s}-q4_k_m.json"), (4096, f"decode-{s}-4096.json"),
+                            (512, f"decode-nopdl-qwen2.5-{s}-q4_k_m.json"), (4096, f"decode-nopdl-{s}-4096.json"),
+                            (512, f"decode-noearly-qwen2.5-{s}-q4_k_m.json"),
+                            (512, f"decode-early1-{s}-512.json" if s == "7b" else f"decode-early1-{s}.json"),
+                            (4096, f"decode-early1-{s}-4096.json"),
+                            (512, f"decode-early2-{s}-512.json" if s == "7b" else f"decode-early2-{s}.json"),
+                            (4096, f"decode-early2-{s}-4096.json")):
+            p = peer.get((0, 128, depth))
+            for label, run in runs.items():
+                f = run.get(mine)
+                if not (f and p):
+                    continue
+                m = minivllm_row(f)
+                t.row(f"{s} batch-1 decode after {depth} tokens", f"{mine.split('.json')[0]} ({label} run), tok/s",
+                      f"tg128 at depth {depth}: {peer_text(p)}",
+                      f"{m['decode_tok_s']} (median {m['decode_tok_s_median']:.1f})",
+                      m["decode_tok_s_median"] / statistics.median(p["samples_ts"]), f.name,
+                      "ratio of medians" + ("" if label == "once" else "; minivllm timed alone in the call before"))
+        p, f = peer.get((512, 0, 0)), once.get(f"decode-qwen2.5-{s}-q4_k_m.json") or alone.get(
+            f"decode-early1-{s}-512.json" if s == "7b" else f"decode-early1-{s}.json")
+        if p and f:
+            m = minivllm_row(f)
+            t.row(f"pp512 {s}", "prefill of a 512-token prompt, tok/s", peer_text(p), m["prefill_tok_s"],
+                  m["prefill_tok_s_median"] / statistics.median(p["samples_ts"]), f.name,
+                  "minivllm: prompt submitted -> first token; llama.cpp: pp512")
+
+
 def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, commit: str) -> Table:
     t = Table(prefix)
     name = {s: f"qwen2.5-{s}-q4_k_m" for s in SIZES}
+    if r1.get("llama-bench-7b.json") and not r2.get("llama-bench-7b.json"):
+        once_rows(t, r1, r2)
     for s, target in (("7b", "7B Q4_K_M batch-1 decode"), ("0.5b", "0.5B Q4_K_M batch-1 decode")):
         f = r2.get(f"decode-{name[s]}.json")
         if f:
