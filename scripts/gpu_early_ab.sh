@@ -1,7 +1,7 @@
 # The `early-ab` mode of scripts/gpu_vs_llama_cpp.sh, sourced by it (its functions step,
 # stamp, left, synthetic, start_7b_file and its variables R, W, FIELDS are in scope): one call,
 # minivllm alone, for the latest A/Bs. Knobs: EARLY_VALUES (GEMV trips loaded before the PDL
-# wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BURST, ZERO_COPY_AB,
+# wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BACKLOGS, BURST, DMA_AB,
 # NEW_TESTS / NEW_TESTS_BUDGET, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
 # minivllm alone: the GEMV's first trip loaded before its PDL wait (the default since h100-s57)
 # against after it (MINIVLLM_GEMV_EARLY_LOAD=0), 7B at 512 and 4096 tokens, 0.5B at 512; issue
@@ -46,15 +46,18 @@ if [ "${EXPORT_BENCH:-1}" != 0 ]; then
   step "export bench busy" "$R/export-bench-busy.log" python3 scripts/export_bench.py "$R/export-bench-busy.json" --busy
   step "export bench 7b" "$R/export-bench-7b.log" python3 scripts/export_bench.py "$R/export-bench-7b.json" --shape 7B
 fi
-# issue 43: the burst again, the export now copying on a stream of its own (kv_landing.py)
+# issue 43: the split with A idle (the bench takes the link's rate from that row) and under a
+# backlog of 8, the GPU storing the pages into B's pool (kernels/triton/kv_export.py, the default
+# since h100-s59); BACKLOGS picks the backlogs, BURST the burst
 [ "${DISAGG:-1}" != 0 ] && step "disaggregation" "$R/disaggregation.log" python3 -m minivllm bench \
   disaggregation --model "$S05" --inference-device cuda:0 --inference-device cpu:8 --prompts 4096 \
-  --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2 $([ "${BURST:-4}" != 0 ] && echo --burst "${BURST:-4}")
-# ZERO_COPY_AB=1: the same bench with the GPU storing the pages into B's pool itself
-# (kernels/triton/kv_export.py, opt-in MINIVLLM_EXPORT_ZERO_COPY=1) against the DMA path above
-[ "${ZERO_COPY_AB:-0}" != 0 ] && step "disaggregation zero-copy" "$R/disaggregation-zero-copy.log" \
-  env MINIVLLM_EXPORT_ZERO_COPY=1 python3 -m minivllm bench disaggregation --model "$S05" --inference-device cuda:0 \
-  --inference-device cpu:8 --prompts 4096 --outputs 128 --backlogs 8 --option max_active_requests=8 --runs 2
+  --outputs 128 --backlogs "${BACKLOGS:-0,8}" --option max_active_requests=8 --runs 2 \
+  $([ "${BURST:-4}" != 0 ] && echo --burst "${BURST:-4}")
+# DMA_AB=1: the same bench by the DMA path (MINIVLLM_EXPORT_ZERO_COPY=0: gathered on the GPU, then copied)
+[ "${DMA_AB:-0}" != 0 ] && step "disaggregation dma" "$R/disaggregation-dma.log" \
+  env MINIVLLM_EXPORT_ZERO_COPY=0 python3 -m minivllm bench disaggregation --model "$S05" --inference-device cuda:0 \
+  --inference-device cpu:8 --prompts 4096 --outputs 128 --backlogs "${BACKLOGS:-0,8}" \
+  --option max_active_requests=8 --runs 2
 if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests also run in `once`; here only when NEW_TESTS_BUDGET asks
   BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest pdl + handoff" "$R/pytest-cuda-new.log" \
     python3 -m pytest -q -m cuda -n 2 --timeout 300 -p no:cacheprovider -rfE ${NEW_TESTS:-tests/integration/kernels/test_pdl.py \

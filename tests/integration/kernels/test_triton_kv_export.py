@@ -67,19 +67,25 @@ def test_mismatched_pools_are_refused_by_name():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU pools run under the interpreter")
-def test_the_landing_takes_it_only_when_asked_and_falls_back_once_it_failed(monkeypatch):
-    """kv_landing's switch: off unless MINIVLLM_EXPORT_ZERO_COPY=1; on, it stores the pages;
-    a launch that raises is recorded as a fallback and the DMA path is taken from then on."""
+def test_the_landing_takes_it_unless_told_not_to_and_falls_back_once_it_failed(monkeypatch):
+    """kv_landing's switch: on unless MINIVLLM_EXPORT_ZERO_COPY=0 (any value but 0 or 1 refused
+    by name); on, it stores the pages; a launch that raises is recorded as a fallback and the
+    DMA path is taken from then on."""
     from minivllm.serving.kv_landing import _stored_by_the_gpu
 
     src = [torch.randn(2, 6, 4, 2, 8).half() for _ in range(2)]
     dst = [torch.full((2, 6, 4, 2, 8), -7.0) for _ in range(2)]
-    monkeypatch.delenv(kv_export.ZERO_COPY_ENV, raising=False)
+    monkeypatch.setattr(fallbacks, "_failed", {})
+    monkeypatch.setenv(kv_export.ZERO_COPY_ENV, "0")
     assert not _stored_by_the_gpu([1, 2], [3, 4], src, dst)
     assert (dst[0] == -7.0).all()
-    monkeypatch.setenv(kv_export.ZERO_COPY_ENV, "1")
+    monkeypatch.setenv(kv_export.ZERO_COPY_ENV, "yes")
+    with pytest.raises(ConfigError, match="MINIVLLM_EXPORT_ZERO_COPY=.*yes.*set it to 1"):
+        _stored_by_the_gpu([1, 2], [3, 4], src, dst)
+    monkeypatch.delenv(kv_export.ZERO_COPY_ENV)
     assert _stored_by_the_gpu([1, 2], [3, 4], src, dst)
     assert torch.equal(dst[1][:, 4], src[1][:, 2].float())
+    assert (dst[0][:, 0] == -7.0).all()  # pages not asked for untouched
 
     def refuse(*args):
         raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
