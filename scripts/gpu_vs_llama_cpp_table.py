@@ -235,6 +235,13 @@ def build(prefix: str, r1: dict[str, Path], r2: dict[str, Path], device: str, co
                                for r in d.get("rows", []))
             t.row("GEMV/GEMM crossover", f.name, "—", f"GEMV/GEMM median by N: {ratios}", None, f.name,
                   f"recommended gemv_max_rows: {rec}")
+    for run in (r1, r2):  # issue 41's GEMV row (bench kernels --row): each type's lowest 7B role
+        f = run.get("gemv-row.json")
+        if f:
+            for name, by_early in json.loads(f.read_text())["provenance"]["settings"]["summary_frac_of_copy"].items():
+                t.row("GEMV GB/s ÷ copy GB/s, 7B roles", f"{name}: lowest role / median, by trips before the wait",
+                      "—", "; ".join(f"{e}: {v['min']:.0%} ({v['lowest_role']}) / {v['median']:.0%}"
+                                     for e, v in by_early.items()), None, f.name, "floor: every role >= 60%")
     tests = {}
     for run in (r1, r2):
         for short, f in run.items():
