@@ -2,7 +2,7 @@
 # stamp, left, synthetic, start_7b_file and its variables R, W, FIELDS are in scope): one call,
 # minivllm alone, for the latest A/Bs. Knobs: EARLY_VALUES (GEMV trips loaded before the PDL
 # wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BACKLOGS, BURST, DMA_AB,
-# GEMV_ROW / ROW_EARLY / ROW_TYPES, NEW_TESTS / NEW_TESTS_BUDGET, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
+# GEMV_ROW / ROW_EARLY / ROW_TYPES, INVARIANT_AB, NEW_TESTS / NEW_TESTS_BUDGET, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
 # minivllm alone: the GEMV's first trip loaded before its PDL wait (the default since h100-s57)
 # against after it (MINIVLLM_GEMV_EARLY_LOAD=0), 7B at 512 and 4096 tokens, 0.5B at 512; issue
 # 43's burst (the export on a stream of its own); then, with the time left, GEMV sweeps of
@@ -28,6 +28,14 @@ done
 # config, PDL, ROW_EARLY trips before the wait; a read-only kernel of the same bytes beside)
 [ "${GEMV_ROW:-1}" != 0 ] && step "gemv row" "$R/gemv-row.log" python3 -m minivllm bench kernels --row \
   --early "${ROW_EARLY:-1,0,2}" $([ -n "${ROW_TYPES:-}" ] && echo --types "$ROW_TYPES")
+# batch-invariant mode's cost at 8 rows (the tiled GEMV per row; since h100-s59 a tile's rows are
+# launched side by side, tiled_gemv.tile_and_row), against the default batch on the same file
+if [ "${INVARIANT_AB:-1}" != 0 ]; then
+  step "batched invariant 0.5b" "$R/batched-invariant-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
+    "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
+  step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
+    "$R/batched-default-0.5b.json" --npl 1,8
+fi
 # the merge over the whole head, one program per (row, head), as until h100-s57 (the default
 # splits a head's dims over programs of 32: paged_attention._MERGE_DIMS)
 if [ "${MERGE_AB:-1}" != 0 ]; then

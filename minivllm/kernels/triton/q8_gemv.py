@@ -34,7 +34,7 @@ from minivllm.kernels.gemv_configs import GemvConfig, default_config
 from minivllm.kernels.gpu_profile import triton_interpreting
 from minivllm.kernels.repacked_layout import PLANE_ORDER, R, RepackedWeight
 from minivllm.kernels.triton.pdl import pdl_args, wait_for_producers
-from minivllm.kernels.triton.repacked_decode import store_rows, word_tile
+from minivllm.kernels.triton.repacked_decode import store_rows, tile_and_row, word_tile
 from minivllm.kernels.triton.split_sum import SplitPartials
 
 _T = GGMLQuantizationType
@@ -151,9 +151,8 @@ def _q8_gemv_kernel(
     """Tiled like `tiled_gemv.py` (BLOCK_NB row groups x one K slice per program, float32
     partials reduced in slice order when IS_SPLIT), with integer dot products per word."""
     wait_for_producers(PDL)
-    pid_n = tl.program_id(0)
+    pid_n, pid_m = tile_and_row(M)
     pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
     nb = pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None, None, None]
     nb_ok = nb < N_RB
     offs_g = tl.arange(0, BLOCK_G)

@@ -201,3 +201,15 @@ def store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_o
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=r_ok)
     else:
         tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + pid_m.to(tl.int64) * stride_om + rows, y, mask=r_ok)
+
+
+@triton.jit
+def tile_and_row(M):
+    """(row-group tile, activation row) of this program. Axis 0 runs over tiles x rows with
+    a tile's M rows adjacent, so the programs that read one weight tile are scheduled side
+    by side and the tile comes from DRAM about once, the other rows' reads finding it in L2
+    (with the rows on an axis of their own, each row's programs swept the whole weight
+    before the next row's began: M reads of it from DRAM). At M = 1 the order is the tiles'
+    own. Which program computes a row never changes its sums."""
+    pid = tl.program_id(0)
+    return pid // M, pid % M

@@ -43,6 +43,7 @@ from minivllm.kernels.triton.repacked_decode import (
     load,
     scaled_sum,
     store_rows,
+    tile_and_row,
     trip_bits,
 )
 from minivllm.kernels.triton.split_sum import (
@@ -179,9 +180,8 @@ def _tiled_gemv_kernel(
     the slices into final_ptr [M, N] itself (`split_sum.last_slice_sums`, tickets at
     ticket_ptr).
     T_OUTER (not paired): the tile's axes ordered [T, NB, G, R] (`gemv_trip_t_outer`)."""
-    pid_n = tl.program_id(0)
+    pid_n, pid_m = tile_and_row(M)
     pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
     if PAIRED:
         tile = tl.arange(0, BLOCK_NB)[:, None, None, None]
         nb_own = pid_n * (BLOCK_NB // 2) + tile // 2  # this gate/up pair's row group of the gate half
@@ -260,7 +260,7 @@ def _tiled_gemv_kernel(
         store_rows(y, bias_ptr, out_ptr, pid_n, pid_s, pid_m, N, stride_om, stride_os, RR, BLOCK_NB, IS_SPLIT, HAS_BIAS)
         if FIXUP:
             rows = (pid_n * BLOCK_NB + tl.arange(0, BLOCK_NB)[:, None]) * RR + tl.arange(0, RR)[None, :]
-            last_slice_sums(ticket_ptr + pid_m * tl.num_programs(0) + pid_n, out_ptr,
+            last_slice_sums(ticket_ptr + pid_m * (tl.num_programs(0) // M) + pid_n, out_ptr,
                             pid_m.to(tl.int64) * stride_om + rows, rows < N, stride_os, bias_ptr, rows, final_ptr,
                             pid_m.to(tl.int64) * N + rows, SPLIT, HAS_BIAS)
 
@@ -320,7 +320,7 @@ def launch_shape(n: int, k: int, m: int, config: GemvConfig) -> tuple[tuple[int,
     split = max(1, min(config.split, n_groups))
     g_per = triton.cdiv(triton.cdiv(n_groups, split), config.block_g) * config.block_g
     split = triton.cdiv(n_groups, g_per)
-    return (triton.cdiv(triton.cdiv(n, R), config.block_nb), split, m), g_per, split
+    return (triton.cdiv(triton.cdiv(n, R), config.block_nb) * m, split, 1), g_per, split  # tile_and_row
 
 
 def sum_splits(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, *, paired: bool = False,
@@ -378,7 +378,7 @@ def tiled_gemv(x: torch.Tensor, w: RepackedWeight, config: GemvConfig, *, out_dt
     # Split and summed here: in this launch where asked (split_sum.py), else by a second one.
     fixup = {}
     if split > 1 and not defer_split_sum and fixup_requested():
-        fixup = {"FIXUP": True, "SPLIT": split, "ticket_ptr": split_tickets(x.device, grid[0] * m),
+        fixup = {"FIXUP": True, "SPLIT": split, "ticket_ptr": split_tickets(x.device, grid[0]),
                  "final_ptr": torch.empty((m, n), dtype=out_dtype, device=x.device)}
     _tiled_gemv_kernel[grid](
         x, w.qs, *_planes(w), bias if has_bias else dest, dest, m, n, x.stride(0), n, m * n, g_per,
