@@ -23,6 +23,7 @@ segment path's (`handoff_fields`), so the importer's side differs in one field:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -30,8 +31,23 @@ import torch
 from minivllm.cache.kv_transfer import LandedBlocks, PageSpan
 from minivllm.cache.shared_pool_memory import attach
 from minivllm.engine.handoff import Handoff
+from minivllm.errors import ConfigError
 from minivllm.kernels import fallbacks
 from minivllm.serving.kv_segment import handoff_fields, handoff_from_fields
+
+# Whether a GPU exporter stores a split request's pages into the decode worker's pool with one
+# kernel per pool (kernels/triton/kv_export.py, the default since h100-s59) or gathers them and
+# copies by DMA (0). Read here, without Triton, so a worker checks it at start on any device.
+ZERO_COPY_ENV = "MINIVLLM_EXPORT_ZERO_COPY"
+
+
+def zero_copy_requested() -> bool:
+    """On unless MINIVLLM_EXPORT_ZERO_COPY=0; any other value than 0 or 1 is refused by name."""
+    value = os.environ.get(ZERO_COPY_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(ZERO_COPY_ENV, value, "set it to 1 (the GPU stores a split request's pages into the "
+                          "decode worker's pool, the default) or 0 (gathered on the GPU, then copied by DMA)")
+    return value == "1"
 
 
 def handoff_to_landing(handoff: Handoff, landing: dict) -> dict:
@@ -142,7 +158,7 @@ def _stored_by_the_gpu(src_pages: list[int], dst_pages: list[int], src_pools, ds
     """The zero-copy export (kernels/triton/kv_export.py) where asked for and not failed here
     before; False when the caller must take the DMA path. (Imported here: only a CUDA
     exporter gets this far, and Triton is installed only where one can run.)"""
-    from minivllm.kernels.triton.kv_export import export_pages, zero_copy_requested
+    from minivllm.kernels.triton.kv_export import export_pages
 
     key = (str(src_pools[0].device),)
     if not zero_copy_requested() or fallbacks.failed("kv_export", key):

@@ -38,7 +38,7 @@ from minivllm.errors import ConfigError, MinivllmError
 from minivllm.obs.trace import enable_tracing, flush_trace, trace_scope
 from minivllm.serving.calibration_turns import StoppedBeforeReady, wait_for_turn
 from minivllm.serving.cpu_placement import apply_cpus
-from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing
+from minivllm.serving.kv_landing import handoff_from_landing, handoff_to_landing, zero_copy_requested
 from minivllm.serving.kv_segment import handoff_from_wire, handoff_to_wire, unlink_segment
 from minivllm.serving.matcher_builds import MatcherBuilds
 from minivllm.serving.protocol import event_to_wire, params_from_wire
@@ -106,6 +106,7 @@ class Worker:
         dtype = config.get("dtype") or "f32"
         if dtype == "auto":  # f32 where it is fast (CPU), f16 on GPUs (a T4 has no bf16)
             dtype = "f32" if device["kind"] == "cpu" else "f16"
+        zero_copy_requested()  # a misspelt MINIVLLM_EXPORT_ZERO_COPY stops the start, named, not a split later
         options = dict(config.get("engine_options", {}))
         if device["kind"] == "cpu":  # a split request's prefill worker writes into this pool directly
             options.setdefault("kv_shareable", True)

@@ -19,14 +19,14 @@ Values are those of `Tensor.to` (one rounding from the source dtype, none from f
 The default since h100-s59, where a 4,096-token 0.5B export took 1.23x a pinned `copy_` of
 the same bytes (1.29x with the default stream busy, 1.10x at the 7B's shape) against 19.6x
 for the DMA path with the destination in runs of 7 pages. `MINIVLLM_EXPORT_ZERO_COPY=0` takes
-the DMA path. A launch that fails (a driver that will not map the pool) is recorded in
-`fallbacks.py` and the DMA path runs instead.
+the DMA path (the switch is `serving/kv_landing.zero_copy_requested`). A launch that fails
+(a driver that will not map the pool) is recorded in `fallbacks.py` and the DMA path runs
+instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
@@ -34,17 +34,7 @@ import triton.language as tl
 
 from minivllm.errors import ConfigError
 
-ZERO_COPY_ENV = "MINIVLLM_EXPORT_ZERO_COPY"
 BLOCK = 1024  # elements a program stores per step: 4 KB of float32, whole 128-byte lines
-
-
-def zero_copy_requested() -> bool:
-    """On unless MINIVLLM_EXPORT_ZERO_COPY=0; any other value than 0 or 1 is refused by name."""
-    value = os.environ.get(ZERO_COPY_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ConfigError(ZERO_COPY_ENV, value, "set it to 1 (the GPU stores a split request's pages into the "
-                          "decode worker's pool, the default) or 0 (gathered on the GPU, then copied by DMA)")
-    return value == "1"
 
 
 @triton.jit

@@ -75,7 +75,7 @@ def through_landing(a: LLMEngine, b: LLMEngine, rid: str, ids: list[int]):
 
 def through_landing_dma(a: LLMEngine, b: LLMEngine, rid: str, ids: list[int]):
     """The landing's DMA path (MINIVLLM_EXPORT_ZERO_COPY=0): gathered on the GPU, then copied."""
-    from minivllm.kernels.triton.kv_export import ZERO_COPY_ENV
+    from minivllm.serving.kv_landing import ZERO_COPY_ENV
 
     os.environ[ZERO_COPY_ENV] = "0"
     try:

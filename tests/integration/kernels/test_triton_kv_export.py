@@ -15,6 +15,7 @@ from minivllm.errors import ConfigError  # noqa: E402
 from minivllm.kernels import fallbacks  # noqa: E402
 from minivllm.kernels.triton import kv_export  # noqa: E402
 from minivllm.kernels.triton.kv_export import export_pages  # noqa: E402
+from minivllm.serving import kv_landing  # noqa: E402
 
 SRC_PAGES, DST_PAGES = [9, 2, 5, 0, 7], [3, 4, 5, 8, 11]  # any order in, runs with gaps out
 
@@ -76,13 +77,13 @@ def test_the_landing_takes_it_unless_told_not_to_and_falls_back_once_it_failed(m
     src = [torch.randn(2, 6, 4, 2, 8).half() for _ in range(2)]
     dst = [torch.full((2, 6, 4, 2, 8), -7.0) for _ in range(2)]
     monkeypatch.setattr(fallbacks, "_failed", {})
-    monkeypatch.setenv(kv_export.ZERO_COPY_ENV, "0")
+    monkeypatch.setenv(kv_landing.ZERO_COPY_ENV, "0")
     assert not _stored_by_the_gpu([1, 2], [3, 4], src, dst)
     assert (dst[0] == -7.0).all()
-    monkeypatch.setenv(kv_export.ZERO_COPY_ENV, "yes")
+    monkeypatch.setenv(kv_landing.ZERO_COPY_ENV, "yes")
     with pytest.raises(ConfigError, match="MINIVLLM_EXPORT_ZERO_COPY=.*yes.*set it to 1"):
         _stored_by_the_gpu([1, 2], [3, 4], src, dst)
-    monkeypatch.delenv(kv_export.ZERO_COPY_ENV)
+    monkeypatch.delenv(kv_landing.ZERO_COPY_ENV)
     assert _stored_by_the_gpu([1, 2], [3, 4], src, dst)
     assert torch.equal(dst[1][:, 4], src[1][:, 2].float())
     assert (dst[0][:, 0] == -7.0).all()  # pages not asked for untouched

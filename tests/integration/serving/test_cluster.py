@@ -115,6 +115,11 @@ def test_invalid_options_fail_before_any_process(smollm2_path, tmp_path, monkeyp
     with pytest.raises(ModelSourceError, match="does not exist") as exc:
         Cluster(str(missing), ["cpu"])
     assert str(missing) in str(exc.value)
+    monkeypatch.setenv("MINIVLLM_EXPORT_ZERO_COPY", "yes")  # the split's export path: 0 or 1
+    with pytest.raises(ConfigError, match="set it to 1") as exc:
+        Cluster(str(smollm2_path), ["cpu", "cpu"])
+    assert exc.value.field == "MINIVLLM_EXPORT_ZERO_COPY" and exc.value.value == "yes"
+    monkeypatch.delenv("MINIVLLM_EXPORT_ZERO_COPY")
     idle = Cluster(str(smollm2_path), ["cpu"])
     with pytest.raises(ConfigError) as exc:
         idle.submit("hi")
