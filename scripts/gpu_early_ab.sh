@@ -2,7 +2,7 @@
 # stamp, left, synthetic, start_7b_file and its variables R, W, FIELDS are in scope): one call,
 # minivllm alone, for the latest A/Bs. Knobs: EARLY_VALUES (GEMV trips loaded before the PDL
 # wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BACKLOGS, BURST, DMA_AB,
-# GEMV_ROW / ROW_EARLY / ROW_TYPES, INVARIANT_AB, NEW_TESTS / NEW_TESTS_BUDGET, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
+# GEMV_ROW / ROW_EARLY / ROW_TYPES, INVARIANT_AB, NEW_TESTS / NEW_TESTS_BUDGET / NEW_TESTS_K, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
 # minivllm alone: the GEMV's first trip loaded before its PDL wait (the default since h100-s57)
 # against after it (MINIVLLM_GEMV_EARLY_LOAD=0), 7B at 512 and 4096 tokens, 0.5B at 512; issue
 # 43's burst (the export on a stream of its own); then, with the time left, GEMV sweeps of
@@ -12,6 +12,14 @@
 stamp "device: $(head -20 "$R/device.txt" | grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*')"
 synthetic qwen2.5-0.5b-q4_k_m > "$W/synthetic.log" 2>&1
 start_7b_file
+# The newest CUDA tests first (while the 7B file is written), when NEW_TESTS_BUDGET asks: the
+# pass/fail of what the timings below run matters more than any timing. NEW_TESTS_K: pytest -k.
+if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests also run in `once`
+  BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest new cuda" "$R/pytest-cuda-new.log" \
+    python3 -m pytest -q -m cuda -n 4 --timeout 300 -p no:cacheprovider -rfE --durations 8 \
+    ${NEW_TESTS_K:+-k "$NEW_TESTS_K"} ${NEW_TESTS:-tests/integration/kernels/test_pdl.py tests/integration/engine/test_handoff_cuda.py}
+  stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
+fi
 while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
 S05=$(sed -n 1p "$W/synthetic.log")
 DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
@@ -70,12 +78,6 @@ fi
   env MINIVLLM_EXPORT_ZERO_COPY=0 python3 -m minivllm bench disaggregation --model "$S05" --inference-device cuda:0 \
   --inference-device cpu:8 --prompts 4096 --outputs 128 --backlogs "${BACKLOGS:-0,8}" \
   --option max_active_requests=8 --runs 2
-if [ "${NEW_TESTS_BUDGET:-0}" -gt 0 ]; then  # the CUDA tests also run in `once`; here only when NEW_TESTS_BUDGET asks
-  BUDGET=$(( $(date +%s) - T0 + NEW_TESTS_BUDGET )) step "pytest pdl + handoff" "$R/pytest-cuda-new.log" \
-    python3 -m pytest -q -m cuda -n 2 --timeout 300 -p no:cacheprovider -rfE ${NEW_TESTS:-tests/integration/kernels/test_pdl.py \
-    tests/integration/engine/test_handoff_cuda.py}
-  stamp "pytest: $(tail -n 1 "$R/pytest-cuda-new.log")"
-fi
 # the GEMV at 7B shapes without and with its first trip loaded before the wait (the sweep's graphs
 # chain their launches with PDL, as a decode step does), half the time left each
 # BUILD_LLAMA=1: llama.cpp builds from here on (niced, after the decode rows), so a `once` call
