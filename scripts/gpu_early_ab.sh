@@ -2,7 +2,7 @@
 # stamp, left, synthetic, start_7b_file and its variables R, W, FIELDS are in scope): one call,
 # minivllm alone, for the latest A/Bs. Knobs: EARLY_VALUES (GEMV trips loaded before the PDL
 # wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BACKLOGS, BURST, DMA_AB,
-# GEMV_ROW / ROW_EARLY / ROW_TYPES, INVARIANT_AB, NEW_TESTS / NEW_TESTS_BUDGET / NEW_TESTS_K, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
+# GEMV_ROW / ROW_EARLY / ROW_TYPES, INVARIANT_AB, MULTIROW_AB, NEW_TESTS / NEW_TESTS_BUDGET / NEW_TESTS_K, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
 # minivllm alone: the GEMV's first trip loaded before its PDL wait (the default since h100-s57)
 # against after it (MINIVLLM_GEMV_EARLY_LOAD=0), 7B at 512 and 4096 tokens, 0.5B at 512; issue
 # 43's burst (the export on a stream of its own); then, with the time left, GEMV sweeps of
@@ -43,6 +43,18 @@ if [ "${INVARIANT_AB:-1}" != 0 ]; then
     "$R/batched-invariant-0.5b.json" --npl 1,8 --option batch_invariant=true
   step "batched default 0.5b (1, 8)" "$R/batched-default-0.5b.log" python3 scripts/gpu_batched_decode.py "$S05" \
     "$R/batched-default-0.5b.json" --npl 1,8
+fi
+# MULTIROW_AB=1: steps of up to 8 rows on the GEMV path (gemv_max_rows=8), which since h100-s59 takes
+# kernels/triton/multirow_gemv.py (each weight tile decoded once for the rows), against the default
+# (the dense f16 GEMM over the dequantized weights), 0.5B and 7B at 8 sequences
+if [ "${MULTIROW_AB:-1}" != 0 ]; then
+  S7=$(sed -n 2p "$W/synthetic.log")
+  for f in "$S05:0.5b" "$S7:7b"; do
+    step "batched multirow ${f##*:}" "$R/batched-multirow-${f##*:}.log" python3 scripts/gpu_batched_decode.py \
+      "${f%:*}" "$R/batched-multirow-${f##*:}.json" --npl 8 --option gemv_max_rows=8
+    step "batched gemm ${f##*:}" "$R/batched-gemm-${f##*:}.log" python3 scripts/gpu_batched_decode.py \
+      "${f%:*}" "$R/batched-gemm-${f##*:}.json" --npl 8
+  done
 fi
 # the merge over the whole head, one program per (row, head), as until h100-s57 (the default
 # splits a head's dims over programs of 32: paged_attention._MERGE_DIMS)

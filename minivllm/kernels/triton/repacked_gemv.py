@@ -224,6 +224,11 @@ def repacked_gemv(x: torch.Tensor, w: RepackedWeight, *, invariant: bool = False
         from minivllm.kernels.triton.tiled_gemv import tiled_gemv
 
         return tiled_gemv(x, w, config, out_dtype=out_dtype, bias=bias, defer_split_sum=defer_split_sum)
+    if _multirow_path(x, invariant):  # 2-8 rows: each weight tile decoded once for all of them
+        from minivllm.kernels.triton.multirow_gemv import multirow_gemv
+
+        split = lookup(profile.table_key, w.ggml_type.name, n, k, profile.sm_count).split
+        return multirow_gemv(x, w, split=split, out_dtype=out_dtype, bias=bias, defer_split_sum=defer_split_sum)
     out = torch.empty((m, n), dtype=out_dtype or torch.float32, device=x.device)
     if m == 0:
         return out
@@ -256,6 +261,16 @@ def _int8_path(x: torch.Tensor, w: RepackedWeight) -> bool:
     from minivllm.kernels.triton import q8_gemv as q8
 
     return gpu_profile(x.device).int8_gemv and x.dtype != torch.float32 and w.ggml_type in q8.Q8_TYPES
+
+
+def _multirow_path(x: torch.Tensor, invariant: bool) -> bool:
+    """`multirow_gemv` for 2 to MAX_ROWS rows outside batch-invariant mode (where each row's
+    bits must not depend on the others, so the tiled kernel runs a row at a time), unless
+    MINIVLLM_GEMV_KERNEL=legacy asks for the legacy kernels."""
+    from minivllm.kernels.triton.multirow_gemv import MAX_ROWS
+
+    return (1 < x.shape[0] <= MAX_ROWS and not invariant
+            and os.environ.get(GEMV_KERNEL_ENV, "tiled") != "legacy")
 
 
 def tiled_config(x: torch.Tensor, w: RepackedWeight, *, invariant: bool):

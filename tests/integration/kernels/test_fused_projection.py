@@ -123,7 +123,7 @@ def test_swiglu_epilogue_equals_swiglu_of_the_separate_gemvs(ggml_type, gpu_path
             with kernel_options_for_call(KernelOptions(gemv_max_rows=8, dequant_cache=False, batch_invariant=True)):
                 assert torch.equal(project_swiglu(gate, up, x[1:2], torch.float16)[0], y[1])
         assert launches.counts == ({"_tiled_gemv_kernel": 1} if epilogue
-                                   else {"_repacked_gemv_rows_kernel": 1, "_swiglu_kernel": 1}), (m, inv)
+                                   else {"_multirow_gemv_kernel": 1, "_swiglu_kernel": 1}), (m, inv)
 
 
 @cpu_only
