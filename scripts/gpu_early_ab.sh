@@ -1,7 +1,7 @@
 # The `early-ab` mode of scripts/gpu_vs_llama_cpp.sh, sourced by it (its functions step,
 # stamp, left, synthetic, start_7b_file and its variables R, W, FIELDS are in scope): one call,
 # minivllm alone, for the latest A/Bs. Knobs: EARLY_VALUES (GEMV trips loaded before the PDL
-# wait, default "0 1"), DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BACKLOGS, BURST, DMA_AB,
+# wait, default "0 1"), DECODE_ROWS, DECODE_05, MERGE_AB, QKV_AB, EXPORT_BENCH, DISAGG, BACKLOGS, BURST, DMA_AB,
 # GEMV_ROW / ROW_EARLY / ROW_TYPES, INVARIANT_AB, MULTIROW_AB, NEW_TESTS / NEW_TESTS_BUDGET / NEW_TESTS_K, BUILD_LLAMA, SWEEP_TYPES / SWEEP_SHAPES / SWEEP_BUDGET.
 # minivllm alone: the GEMV's first trip loaded before its PDL wait (the default since h100-s57)
 # against after it (MINIVLLM_GEMV_EARLY_LOAD=0), 7B at 512 and 4096 tokens, 0.5B at 512; issue
@@ -24,7 +24,8 @@ while pgrep -f ensure_synthetic_model > /dev/null; do sleep 2; done
 S05=$(sed -n 1p "$W/synthetic.log")
 DEC="python3 -m minivllm bench decode --activation-dtype f16 --inference-device cuda:0 --runs 3 --max-runs 3 --max-tokens 128 --no-eager-row"
 SYN="--synthetic-tokenizer $FIELDS --synthetic"
-for e in ${EARLY_VALUES:-0 1}; do  # EARLY_VALUES=1: the default alone (one call for everything)
+[ "${DECODE_ROWS:-1}" = 0 ] && EARLY_DECODE="" || EARLY_DECODE=${EARLY_VALUES:-0 1}
+for e in $EARLY_DECODE; do  # EARLY_VALUES=1: the default alone (one call for everything); DECODE_ROWS=0: none
   for c in 512 4096; do
     step "decode 7b $c early=$e" "$R/decode-early$e-7b-$c.log" env MINIVLLM_GEMV_EARLY_LOAD=$e $DEC $SYN \
       qwen2.5-7b-q4_k_m --prompt-tokens $c
@@ -58,7 +59,7 @@ if [ "${MULTIROW_AB:-1}" != 0 ]; then
 fi
 # the merge over the whole head, one program per (row, head), as until h100-s57 (the default
 # splits a head's dims over programs of 32: paged_attention._MERGE_DIMS)
-if [ "${MERGE_AB:-1}" != 0 ]; then
+if [ "${MERGE_AB:-0}" != 0 ]; then  # decided at h100-s58 (the split dims won); MERGE_AB=1 times it again
   for c in 512 4096; do
     step "decode 7b $c whole-head merge" "$R/decode-merge0-7b-$c.log" env MINIVLLM_MERGE_DIMS=0 $DEC $SYN \
       qwen2.5-7b-q4_k_m --prompt-tokens $c
