@@ -105,9 +105,6 @@ class Cluster:
             resolve_dtype(dtype)
         if backend not in ("local", "ray"):
             raise ConfigError("backend", backend, "one of: local, ray")
-        from minivllm.serving.kv_landing import zero_copy_requested
-
-        zero_copy_requested()  # the split's export path, read by the workers (each checks it again at start)
         self.backend = backend
         self.devices = parse_inference_devices(devices, backend=backend)
         self.devices = plan_cpus(self.devices, backend=backend) if pin_cpus else self.devices

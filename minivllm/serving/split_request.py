@@ -50,6 +50,7 @@ import time
 from minivllm.errors import ConfigError
 from minivllm.sampling.outputs import TokenEvent
 from minivllm.sampling.sampling_params import SamplingParams
+from minivllm.serving.kv_landing import zero_copy_requested
 from minivllm.serving.kv_segment import segment_name, unlink_segment
 from minivllm.serving.link_rate import LinkRate, measure_shared_memory_link
 from minivllm.serving.request_stream import RequestStream
@@ -76,7 +77,9 @@ def split_engine_options(engine_options: dict, backend: str, workers: int) -> di
     """Where split requests are possible (local workers, more than one), each worker keeps
     DEFAULT_HANDOFF_ROWS beyond its slots unless told otherwise: a worker with every slot
     taken can still run a split's prefill half, which is when a split pays (a GPU at its
-    slot cap sends new requests' decode to an idle CPU)."""
+    slot cap sends new requests' decode to an idle CPU). The export path's switch is checked
+    here too, before any worker starts (each worker checks it again at its own start)."""
+    zero_copy_requested()  # MINIVLLM_EXPORT_ZERO_COPY: 0 or 1, else a ConfigError naming it
     if backend == "local" and workers > 1:
         return {"handoff_rows": DEFAULT_HANDOFF_ROWS, **engine_options}
     return engine_options
